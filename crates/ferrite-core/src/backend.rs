@@ -1,0 +1,31 @@
+//! The small, synchronous contract every inference engine adapter fulfils.
+//!
+//! A `Backend` is a loaded model, shareable across threads; an `Instance` is the per-worker state
+//! that runs batches (one ONNX Runtime session each). Nothing here is async: instances live on the
+//! batcher's own OS threads.
+
+use crate::{config::TensorSpec, DataType, Result, Tensor, TensorData};
+
+/// One model input for one run: the concatenation along dim 0 of `parts` (one per request), with
+/// `shape` the shape of the whole. A single part is the common case and is not copied twice.
+#[derive(Debug)]
+pub struct BatchInput<'a> {
+    pub name: &'a str,
+    pub datatype: DataType,
+    pub shape: Vec<usize>,
+    pub parts: Vec<&'a TensorData>,
+}
+
+pub trait Backend: Send + Sync {
+    /// Inputs as the model file declares them (full shapes, -1 for variable dims), in model order.
+    fn inputs(&self) -> &[TensorSpec];
+    /// Outputs likewise; `Instance::run` returns them in this order.
+    fn outputs(&self) -> &[TensorSpec];
+    /// A new per-worker runner.
+    fn instance(&self) -> Result<Box<dyn Instance>>;
+}
+
+pub trait Instance: Send {
+    /// Runs one batch; `inputs` are in the order of `Backend::inputs`. Returns every output.
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>>;
+}

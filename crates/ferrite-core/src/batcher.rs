@@ -1,0 +1,235 @@
+//! The dynamic batcher: one queue per model, drained by one OS thread per model instance.
+//!
+//! A free instance takes the next batch the queue's policy allows, runs it on its own thread
+//! (never the async runtime's), and splits the outputs back to each request.
+
+use std::{
+    panic::{catch_unwind, AssertUnwindSafe},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Condvar, Mutex, MutexGuard,
+    },
+    thread::JoinHandle,
+    time::Instant,
+};
+
+use crate::{
+    backend::{BatchInput, Instance},
+    config::{BatchPolicy, ModelSpec},
+    queue::{Decision, Pending, Queue},
+    stats::ModelStats,
+    Backend, Error, Result, Tensor,
+};
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    /// Signalled when a batch finishes or the queue empties, for shutdown's wait.
+    idle: Condvar,
+    closed: std::sync::atomic::AtomicBool,
+    running: AtomicUsize,
+    policy: BatchPolicy,
+    spec: ModelSpec,
+    stats: Arc<ModelStats>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+pub struct Batcher {
+    shared: Arc<Shared>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Batcher {
+    /// Creates `spec.instance_count` instances of `backend` (failing fast) and their threads.
+    pub fn start(spec: &ModelSpec, backend: &dyn Backend, stats: Arc<ModelStats>) -> Result<Batcher> {
+        let instances = (0..spec.instance_count).map(|_| backend.instance()).collect::<Result<Vec<_>>>()?;
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::new(spec.batch.priority_levels as usize, spec.batch.max_queue_size)),
+            wake: Condvar::new(),
+            idle: Condvar::new(),
+            closed: Default::default(),
+            running: AtomicUsize::new(0),
+            policy: spec.batch.clone(),
+            spec: spec.clone(),
+            stats,
+        });
+        let workers = instances
+            .into_iter()
+            .enumerate()
+            .map(|(i, instance)| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("ferrite-{}-{i}", spec.name))
+                    .spawn(move || worker(&shared, instance))
+                    .map_err(|e| Error::internal(format!("cannot start a worker thread: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Batcher { shared, workers: Mutex::new(workers) })
+    }
+
+    /// Queues `p`; refuses it when the queue is full or the batcher is closed.
+    pub fn submit(&self, p: Pending) -> Result<()> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(Error::unavailable("model is shutting down", Some(crate::queue::RETRY_AFTER)));
+        }
+        self.shared.lock().push(p).map_err(|(_, e)| e)?;
+        self.shared.wake.notify_one();
+        Ok(())
+    }
+
+    pub fn queued(&self) -> usize {
+        self.shared.lock().len()
+    }
+
+    /// Stops taking requests; what is queued still runs. Workers exit once the queue is empty.
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.wake.notify_all();
+    }
+
+    /// Waits until nothing is queued or running, at most until `deadline`. True if drained.
+    pub fn wait_idle(&self, deadline: Instant) -> bool {
+        let mut q = self.shared.lock();
+        loop {
+            if q.is_empty() && self.shared.running.load(Ordering::Acquire) == 0 {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            q = self.shared.idle.wait_timeout(q, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Fails every queued request explicitly (after the shutdown deadline).
+    pub fn abort(&self) -> usize {
+        let drained = self.shared.lock().drain();
+        let n = drained.len();
+        for p in drained {
+            let _ = p.reply.send(Err(Error::unavailable("server shut down before the request ran", None)));
+        }
+        self.shared.idle.notify_all();
+        n
+    }
+}
+
+impl Drop for Batcher {
+    fn drop(&mut self) {
+        self.close();
+        self.abort();
+        for w in self.workers.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
+    loop {
+        let batch = {
+            let mut q = shared.lock();
+            loop {
+                let decision = q.next_batch(Instant::now(), &shared.policy);
+                let cancelled = q.cancelled;
+                shared.stats.cancelled.store(cancelled, Ordering::Relaxed);
+                match decision {
+                    Decision::Run(batch) => {
+                        shared.running.fetch_add(1, Ordering::AcqRel);
+                        if !q.is_empty() {
+                            // Another free instance may take the rest.
+                            shared.wake.notify_one();
+                        }
+                        break batch;
+                    }
+                    Decision::WaitUntil(when) => {
+                        let wait = when.saturating_duration_since(Instant::now());
+                        q = shared.wake.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                    Decision::Idle => {
+                        shared.idle.notify_all();
+                        if shared.closed.load(Ordering::Acquire) {
+                            return;
+                        }
+                        q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+            }
+        };
+        execute(shared, instance.as_mut(), batch);
+        shared.running.fetch_sub(1, Ordering::AcqRel);
+        shared.idle.notify_all();
+    }
+}
+
+/// Runs one batch and answers every request in it.
+fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
+    let start = Instant::now();
+    let spec = &shared.spec;
+    let batched = spec.batch.max_batch_size > 0;
+    let rows: usize = batch.iter().map(|p| p.rows).sum();
+    for p in &batch {
+        shared.stats.queue.add(start - p.enqueued);
+    }
+    let inputs: Vec<BatchInput<'_>> = spec
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let first = &batch[0].inputs[i];
+            let mut shape = first.shape.clone();
+            if batched {
+                shape[0] = rows;
+            }
+            BatchInput {
+                name: &s.name,
+                datatype: s.datatype,
+                shape,
+                parts: batch.iter().map(|p| &p.inputs[i].data).collect(),
+            }
+        })
+        .collect();
+    let ran = Instant::now();
+    let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs)))
+        .unwrap_or_else(|_| Err(Error::internal("the backend panicked while running a batch")));
+    drop(inputs);
+    let done = Instant::now();
+    match result.and_then(|outputs| check_outputs(outputs, batched, rows)) {
+        Ok(outputs) => {
+            let mut offset = 0;
+            for p in batch {
+                let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
+                let mine = match &p.outputs {
+                    None => outputs.iter().map(take).collect(),
+                    Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
+                };
+                offset += p.rows;
+                let _ = p.reply.send(Ok(mine));
+            }
+        }
+        Err(e) => {
+            tracing::warn!(model = %spec.name, error = %e, "batch failed");
+            for p in batch {
+                let _ = p.reply.send(Err(e.clone()));
+            }
+        }
+    }
+    shared.stats.record_batch(rows, ran - start, done - ran, done.elapsed());
+}
+
+fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec<Tensor>> {
+    if batched {
+        if let Some(o) = outputs.iter().find(|o| o.shape.first() != Some(&rows)) {
+            return Err(Error::internal(format!(
+                "output '{}' has shape {:?}, expected dim 0 = batch size {rows}",
+                o.name, o.shape
+            )));
+        }
+    }
+    Ok(outputs)
+}
+

@@ -1,0 +1,289 @@
+//! Model configuration: what `config.toml` may say, and the resolved spec a model runs with.
+
+use serde::Deserialize;
+
+use crate::{DataType, Error, Result};
+
+/// Defaults for a batching model whose config does not say otherwise. Chosen by the `bench/`
+/// measurements on a 2-core host (see README "Defaults"): merging up to 64 rows with no added
+/// delay lets batches form from whatever queued while an instance was busy.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+pub const DEFAULT_MAX_QUEUE_DELAY_US: u64 = 0;
+pub const DEFAULT_MAX_QUEUE_SIZE: usize = 1024;
+
+/// `models/<name>/config.toml`. Every field is optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Only `onnxruntime` exists today.
+    pub backend: Option<String>,
+    /// 0 disables batching; dim 0 of every input and output is then part of `dims`.
+    pub max_batch_size: Option<usize>,
+    /// Model instances (one backend session and one OS thread each).
+    pub instance_count: Option<usize>,
+    /// Intra-op threads per instance.
+    pub threads: Option<usize>,
+    pub dynamic_batching: Option<DynamicBatchingConfig>,
+    #[serde(default)]
+    pub input: Vec<TensorConfig>,
+    #[serde(default)]
+    pub output: Vec<TensorConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DynamicBatchingConfig {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub preferred_batch_size: Vec<usize>,
+    #[serde(default)]
+    pub max_queue_delay_microseconds: Option<u64>,
+    /// Requests waiting at once; 0 means the default cap (never unbounded).
+    #[serde(default)]
+    pub max_queue_size: Option<usize>,
+    /// Applied when a request gives no `timeout`; 0 means none.
+    #[serde(default)]
+    pub default_timeout_microseconds: u64,
+    /// Priority levels (1 is highest); 0 or 1 means a single level.
+    #[serde(default)]
+    pub priority_levels: u32,
+    /// The level of requests that name none; 0 means the lowest.
+    #[serde(default)]
+    pub default_priority_level: u32,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// An input or output override: `dims` exclude the batch dim when `max_batch_size > 0`; -1 is variable.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorConfig {
+    pub name: String,
+    pub datatype: Option<String>,
+    pub dims: Option<Vec<i64>>,
+}
+
+/// A tensor as a model declares it. `dims` exclude the batch dim when the model batches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: DataType,
+    pub dims: Vec<i64>,
+}
+
+/// How the batcher treats one model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchPolicy {
+    /// 0: requests run one by one, as sent.
+    pub max_batch_size: usize,
+    /// False: requests run one by one even when the model batches.
+    pub dynamic: bool,
+    pub preferred_batch_sizes: Vec<usize>,
+    pub max_queue_delay_us: u64,
+    pub max_queue_size: usize,
+    pub default_timeout_us: u64,
+    pub priority_levels: u32,
+    pub default_priority_level: u32,
+}
+
+impl Default for BatchPolicy {
+    fn default() -> Self {
+        BatchPolicy {
+            max_batch_size: 0,
+            dynamic: false,
+            preferred_batch_sizes: Vec::new(),
+            max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
+            max_queue_size: DEFAULT_MAX_QUEUE_SIZE,
+            default_timeout_us: 0,
+            priority_levels: 1,
+            default_priority_level: 1,
+        }
+    }
+}
+
+/// The resolved description a model serves with: what metadata and config endpoints report.
+#[derive(Debug, Clone)]
+pub struct ModelSpec {
+    pub name: String,
+    pub version: u64,
+    pub platform: &'static str,
+    pub backend: &'static str,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+    pub batch: BatchPolicy,
+    pub instance_count: usize,
+    pub threads: usize,
+}
+
+impl ModelSpec {
+    /// Resolves `config` against the tensors the model file declares (`io_*`: full shapes, -1 variable).
+    pub fn resolve(
+        name: &str,
+        version: u64,
+        config: &ModelConfig,
+        io_inputs: &[TensorSpec],
+        io_outputs: &[TensorSpec],
+        default_threads: usize,
+    ) -> Result<ModelSpec> {
+        match config.backend.as_deref() {
+            None | Some("onnxruntime") => {}
+            Some(other) => return Err(Error::Unsupported(format!("backend '{other}' is not available"))),
+        }
+        let all_io = || io_inputs.iter().chain(io_outputs);
+        let batchable = all_io().all(|t| t.dims.first() == Some(&-1));
+        let max_batch_size = match config.max_batch_size {
+            Some(n) if n > 0 && !batchable => {
+                return Err(Error::invalid(format!(
+                    "max_batch_size = {n}, but not every input and output of the model has a variable dim 0"
+                )))
+            }
+            Some(n) => n,
+            None if batchable => DEFAULT_MAX_BATCH_SIZE,
+            None => 0,
+        };
+        let strip = |t: &TensorSpec| TensorSpec {
+            name: t.name.clone(),
+            datatype: t.datatype,
+            dims: if max_batch_size > 0 { t.dims[1..].to_vec() } else { t.dims.clone() },
+        };
+        let inputs = apply_overrides("input", io_inputs.iter().map(strip).collect(), &config.input)?;
+        let outputs = apply_overrides("output", io_outputs.iter().map(strip).collect(), &config.output)?;
+
+        let db = config.dynamic_batching.clone();
+        let mut batch = BatchPolicy { max_batch_size, dynamic: max_batch_size > 0, ..BatchPolicy::default() };
+        if let Some(db) = db {
+            batch.dynamic = db.enabled && max_batch_size > 0;
+            batch.preferred_batch_sizes = db.preferred_batch_size.clone();
+            batch.max_queue_delay_us = db.max_queue_delay_microseconds.unwrap_or(DEFAULT_MAX_QUEUE_DELAY_US);
+            batch.max_queue_size = db.max_queue_size.filter(|&n| n > 0).unwrap_or(DEFAULT_MAX_QUEUE_SIZE);
+            batch.default_timeout_us = db.default_timeout_microseconds;
+            batch.priority_levels = db.priority_levels.max(1);
+            batch.default_priority_level = match db.default_priority_level {
+                0 => batch.priority_levels,
+                n if n <= batch.priority_levels => n,
+                n => return Err(Error::invalid(format!("default_priority_level {n} exceeds priority_levels"))),
+            };
+            if let Some(&p) = batch.preferred_batch_sizes.iter().find(|&&p| p == 0 || p > max_batch_size) {
+                return Err(Error::invalid(format!("preferred_batch_size {p} must be in 1..=max_batch_size")));
+            }
+        }
+        let instance_count = config.instance_count.unwrap_or(1);
+        if instance_count == 0 {
+            return Err(Error::invalid("instance_count must be at least 1"));
+        }
+        Ok(ModelSpec {
+            name: name.to_string(),
+            version,
+            platform: "onnxruntime_onnx",
+            backend: "onnxruntime",
+            inputs,
+            outputs,
+            batch,
+            instance_count,
+            threads: config.threads.unwrap_or(default_threads).max(1),
+        })
+    }
+}
+
+/// Config entries may narrow a variable dim or restate a tensor; they may not contradict the model.
+fn apply_overrides(kind: &str, mut specs: Vec<TensorSpec>, overrides: &[TensorConfig]) -> Result<Vec<TensorSpec>> {
+    for o in overrides {
+        let spec = specs
+            .iter_mut()
+            .find(|s| s.name == o.name)
+            .ok_or_else(|| Error::invalid(format!("config {kind} '{}' is not in the model", o.name)))?;
+        if let Some(dt) = &o.datatype {
+            let dt = DataType::parse(dt).ok_or_else(|| Error::invalid(format!("unknown datatype '{dt}'")))?;
+            if dt != spec.datatype {
+                return Err(Error::invalid(format!(
+                    "config {kind} '{}' says {dt}, the model says {}",
+                    o.name, spec.datatype
+                )));
+            }
+        }
+        if let Some(dims) = &o.dims {
+            let fits = dims.len() == spec.dims.len()
+                && dims.iter().zip(&spec.dims).all(|(&c, &m)| c >= -1 && (m == -1 || c == m));
+            if !fits {
+                return Err(Error::invalid(format!(
+                    "config {kind} '{}' dims {dims:?} do not fit the model's {:?}",
+                    o.name, spec.dims
+                )));
+            }
+            spec.dims = dims.clone();
+        }
+    }
+    Ok(specs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, dt: DataType, dims: &[i64]) -> TensorSpec {
+        TensorSpec { name: name.into(), datatype: dt, dims: dims.to_vec() }
+    }
+
+    #[test]
+    fn symbolic_dim0_means_batching_by_default() {
+        let s = ModelSpec::resolve(
+            "m",
+            1,
+            &ModelConfig::default(),
+            &[spec("x", DataType::Fp32, &[-1, 4])],
+            &[spec("y", DataType::Fp32, &[-1, 2])],
+            1,
+        )
+        .unwrap();
+        assert_eq!(s.batch.max_batch_size, DEFAULT_MAX_BATCH_SIZE);
+        assert!(s.batch.dynamic);
+        assert_eq!(s.inputs[0].dims, vec![4]);
+    }
+
+    #[test]
+    fn fixed_dim0_means_no_batching() {
+        let s = ModelSpec::resolve(
+            "m",
+            1,
+            &ModelConfig::default(),
+            &[spec("x", DataType::Fp32, &[2, 4])],
+            &[spec("y", DataType::Fp32, &[2, 2])],
+            1,
+        )
+        .unwrap();
+        assert_eq!(s.batch.max_batch_size, 0);
+        assert_eq!(s.inputs[0].dims, vec![2, 4]);
+        let cfg = ModelConfig { max_batch_size: Some(8), ..Default::default() };
+        assert!(ModelSpec::resolve("m", 1, &cfg, &[spec("x", DataType::Fp32, &[2, 4])], &[], 1).is_err());
+    }
+
+    #[test]
+    fn toml_config_and_overrides() {
+        let cfg: ModelConfig = toml::from_str(
+            r#"
+            max_batch_size = 8
+            instance_count = 2
+            [dynamic_batching]
+            preferred_batch_size = [4, 8]
+            max_queue_delay_microseconds = 100
+            [[input]]
+            name = "x"
+            dims = [4]
+            "#,
+        )
+        .unwrap();
+        let io = [spec("x", DataType::Fp32, &[-1, -1])];
+        let s = ModelSpec::resolve("m", 3, &cfg, &io, &[spec("y", DataType::Fp32, &[-1])], 1).unwrap();
+        assert_eq!(s.inputs[0].dims, vec![4]);
+        assert_eq!(s.batch.preferred_batch_sizes, vec![4, 8]);
+        assert_eq!(s.batch.max_queue_delay_us, 100);
+        assert_eq!(s.instance_count, 2);
+
+        let bad: ModelConfig = toml::from_str("[[input]]\nname = \"x\"\ndatatype = \"INT8\"").unwrap();
+        assert!(ModelSpec::resolve("m", 1, &bad, &io, &[], 1).is_err());
+        assert!(toml::from_str::<ModelConfig>("max_batch = 3").is_err());
+    }
+}

@@ -1,0 +1,119 @@
+//! Ferrite's engine: tensors, model repository, dynamic batcher and backends.
+//!
+//! Nothing here knows HTTP, gRPC or Python; the front-ends translate their wire types into
+//! [`InferRequest`] and map [`Error`] once.
+
+pub mod backend;
+pub mod batcher;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod model;
+pub mod onnx;
+pub mod queue;
+pub mod repository;
+pub mod stats;
+pub mod tensor;
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+pub use backend::Backend;
+pub use dtype::DataType;
+pub use error::{Error, Result};
+pub use model::{InferRequest, InferResponse, Limits, Model};
+pub use repository::LoadOptions;
+pub use tensor::{Tensor, TensorData};
+
+/// The engine of one process: the loaded models and whether new work is accepted. Cheap to clone.
+#[derive(Clone)]
+pub struct Core {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    models: BTreeMap<String, Arc<Model>>,
+    failed: BTreeMap<String, String>,
+    accepting: AtomicBool,
+    limits: Limits,
+}
+
+impl Core {
+    /// Loads the repository at `root`; models that fail are logged and left out.
+    pub fn load(root: &Path, options: &LoadOptions, limits: Limits) -> Result<Core> {
+        let (models, failed) = repository::load_all(root, options)?;
+        Ok(Core::from_models(models, failed, limits))
+    }
+
+    pub fn from_models(models: BTreeMap<String, Arc<Model>>, failed: BTreeMap<String, String>, limits: Limits) -> Core {
+        Core { inner: Arc::new(Inner { models, failed, accepting: AtomicBool::new(true), limits }) }
+    }
+
+    pub fn models(&self) -> impl Iterator<Item = &Arc<Model>> {
+        self.inner.models.values()
+    }
+
+    /// Models that failed to load, with the reason.
+    pub fn failed(&self) -> &BTreeMap<String, String> {
+        &self.inner.failed
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    /// The model `name` at `version` (`None` or empty: the one served).
+    pub fn model(&self, name: &str, version: Option<&str>) -> Result<&Arc<Model>> {
+        let model = self.inner.models.get(name).ok_or_else(|| match self.inner.failed.get(name) {
+            Some(why) => Error::unavailable(format!("model '{name}' failed to load: {why}"), None),
+            None => Error::NotFound(format!("unknown model '{name}'")),
+        })?;
+        match version.filter(|v| !v.is_empty()) {
+            Some(v) if v.parse::<u64>().ok() != Some(model.spec.version) => {
+                Err(Error::NotFound(format!("model '{name}' has no version '{v}'")))
+            }
+            _ => Ok(model),
+        }
+    }
+
+    /// True while new requests are accepted.
+    pub fn is_ready(&self) -> bool {
+        self.inner.accepting.load(Ordering::Acquire)
+    }
+
+    pub async fn infer(&self, req: InferRequest) -> Result<InferResponse> {
+        if !self.is_ready() {
+            return Err(Error::unavailable("server is shutting down", Some(queue::RETRY_AFTER)));
+        }
+        let model = self.model(&req.model_name, req.model_version.as_deref())?.clone();
+        model.infer(req, &self.inner.limits).await
+    }
+
+    /// Stops accepting work; queued and running requests go on.
+    pub fn begin_shutdown(&self) {
+        self.inner.accepting.store(false, Ordering::Release);
+        for m in self.models() {
+            m.batcher().close();
+        }
+    }
+
+    /// Waits for queued and running work to finish, at most `timeout`, then fails what is left.
+    /// Returns how many requests were failed.
+    pub fn drain(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut failed = 0;
+        for m in self.models() {
+            if !m.batcher().wait_idle(deadline) {
+                failed += m.batcher().abort();
+            }
+        }
+        failed
+    }
+}

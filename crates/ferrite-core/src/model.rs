@@ -1,0 +1,198 @@
+//! One served model: its resolved spec, its batcher and its statistics, and the checks every
+//! request passes before it may queue.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tokio::sync::oneshot;
+
+use crate::{
+    batcher::Batcher,
+    config::ModelSpec,
+    queue::Pending,
+    stats::ModelStats,
+    tensor::element_count,
+    Backend, Error, Result, Tensor,
+};
+
+/// Caps on what one request may make the server hold.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Elements in all the input tensors of one request together.
+    pub max_elements: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_elements: 1 << 23 }
+    }
+}
+
+/// A request as the front-ends hand it to the core.
+#[derive(Debug, Clone, Default)]
+pub struct InferRequest {
+    pub model_name: String,
+    /// `None` or empty: the version the model serves.
+    pub model_version: Option<String>,
+    pub id: Option<String>,
+    pub inputs: Vec<Tensor>,
+    /// Names of the outputs to return; `None` for all.
+    pub outputs: Option<Vec<String>>,
+    /// 1 is the highest; 0 means the model's default level.
+    pub priority: u32,
+    /// Microseconds; may only shorten the model's default timeout. 0 means none.
+    pub timeout_us: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct InferResponse {
+    pub model_name: String,
+    pub model_version: String,
+    pub id: Option<String>,
+    pub outputs: Vec<Tensor>,
+}
+
+pub struct Model {
+    pub spec: ModelSpec,
+    pub stats: Arc<ModelStats>,
+    batcher: Batcher,
+}
+
+impl Model {
+    pub fn start(spec: ModelSpec, backend: &dyn Backend) -> Result<Model> {
+        let stats = Arc::new(ModelStats::default());
+        let batcher = Batcher::start(&spec, backend, stats.clone())?;
+        Ok(Model { spec, stats, batcher })
+    }
+
+    pub fn batcher(&self) -> &Batcher {
+        &self.batcher
+    }
+
+    /// Validates, queues and awaits one request.
+    pub async fn infer(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
+        let start = Instant::now();
+        let result = self.run(req, limits).await;
+        let counter = if result.is_ok() { &self.stats.success } else { &self.stats.fail };
+        counter.add(start.elapsed());
+        result
+    }
+
+    async fn run(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
+        let (inputs, rows) = self.check_inputs(req.inputs, limits)?;
+        let outputs = self.check_outputs(req.outputs.as_deref())?;
+        let level = self.level(req.priority)?;
+        let now = Instant::now();
+        let deadline = self.timeout(req.timeout_us).map(|t| now + t);
+        let (tx, rx) = oneshot::channel();
+        self.batcher.submit(Pending { inputs, rows, outputs, level, enqueued: now, deadline, reply: tx })?;
+        let answer = match deadline {
+            None => rx.await,
+            Some(d) => match tokio::time::timeout_at(d.into(), rx).await {
+                Ok(a) => a,
+                // Dropping `rx` tells the queue to skip the request.
+                Err(_) => return Err(Error::DeadlineExceeded("request timed out before it ran".into())),
+            },
+        };
+        let outputs = answer.map_err(|_| Error::internal("the batcher dropped the request"))??;
+        Ok(InferResponse {
+            model_name: self.spec.name.clone(),
+            model_version: self.spec.version.to_string(),
+            id: req.id,
+            outputs,
+        })
+    }
+
+    /// Puts inputs in model order and checks each against the spec before anything is queued.
+    fn check_inputs(&self, given: Vec<Tensor>, limits: &Limits) -> Result<(Vec<Tensor>, usize)> {
+        let spec = &self.spec;
+        let batched = spec.batch.max_batch_size > 0;
+        let mut slots: Vec<Option<Tensor>> = vec![None; spec.inputs.len()];
+        let mut elements = 0usize;
+        for t in given {
+            let Some(i) = spec.inputs.iter().position(|s| s.name == t.name) else {
+                let names: Vec<&str> = spec.inputs.iter().map(|s| s.name.as_str()).collect();
+                return Err(Error::invalid(format!(
+                    "unexpected input '{}' for model '{}'; it takes {names:?}",
+                    t.name, spec.name
+                )));
+            };
+            let s = &spec.inputs[i];
+            if slots[i].is_some() {
+                return Err(Error::invalid(format!("input '{}' is given more than once", t.name)));
+            }
+            if t.datatype != s.datatype {
+                return Err(Error::invalid(format!(
+                    "input '{}': expected datatype {}, got {}",
+                    t.name, s.datatype, t.datatype
+                )));
+            }
+            let expected: Vec<i64> = if batched { [-1].iter().chain(&s.dims).copied().collect() } else { s.dims.clone() };
+            let fits = t.shape.len() == expected.len()
+                && t.shape.iter().zip(&expected).all(|(&d, &e)| e < 0 || d as i64 == e);
+            if !fits {
+                return Err(Error::invalid(format!(
+                    "input '{}': expected shape {expected:?}, got {:?}",
+                    t.name, t.shape
+                )));
+            }
+            if batched && !(1..=spec.batch.max_batch_size).contains(&t.shape[0]) {
+                return Err(Error::invalid(format!(
+                    "input '{}': batch size {} is outside 1..={} (max_batch_size)",
+                    t.name, t.shape[0], spec.batch.max_batch_size
+                )));
+            }
+            elements = elements
+                .checked_add(element_count(&t.shape, limits.max_elements)?)
+                .filter(|&n| n <= limits.max_elements)
+                .ok_or_else(|| Error::invalid(format!("request has more than {} elements", limits.max_elements)))?;
+            t.check_size()?;
+            slots[i] = Some(t);
+        }
+        let inputs = slots
+            .into_iter()
+            .zip(&spec.inputs)
+            .map(|(t, s)| t.ok_or_else(|| Error::invalid(format!("missing input '{}'", s.name))))
+            .collect::<Result<Vec<_>>>()?;
+        let rows = if batched { inputs.first().map_or(1, |t| t.shape[0]) } else { 1 };
+        if batched && inputs.iter().any(|t| t.shape[0] != rows) {
+            return Err(Error::invalid("inputs disagree on the batch size (dim 0)"));
+        }
+        Ok((inputs, rows))
+    }
+
+    fn check_outputs(&self, wanted: Option<&[String]>) -> Result<Option<Vec<usize>>> {
+        let Some(names) = wanted else { return Ok(None) };
+        let mut idx = Vec::with_capacity(names.len());
+        for n in names {
+            let i = self.spec.outputs.iter().position(|o| &o.name == n).ok_or_else(|| {
+                Error::invalid(format!("unknown output '{n}' requested from model '{}'", self.spec.name))
+            })?;
+            if idx.contains(&i) {
+                return Err(Error::invalid(format!("output '{n}' is requested more than once")));
+            }
+            idx.push(i);
+        }
+        Ok(Some(idx))
+    }
+
+    fn level(&self, priority: u32) -> Result<usize> {
+        let levels = self.spec.batch.priority_levels.max(1);
+        let p = if priority == 0 { self.spec.batch.default_priority_level } else { priority };
+        if p > levels {
+            return Err(Error::invalid(format!("priority {priority} is outside 1..={levels}")));
+        }
+        Ok(p.max(1) as usize - 1)
+    }
+
+    fn timeout(&self, requested_us: Option<u64>) -> Option<Duration> {
+        let model = self.spec.batch.default_timeout_us;
+        let us = match requested_us.filter(|&t| t > 0) {
+            Some(t) if model == 0 || t < model => t,
+            _ => model,
+        };
+        (us > 0).then(|| Duration::from_micros(us))
+    }
+}

@@ -1,0 +1,248 @@
+//! The ONNX Runtime adapter, through the `ort` crate with the library loaded at run time.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{Mutex, OnceLock},
+};
+
+use ort::{
+    environment::Environment,
+    memory::Allocator,
+    session::{builder::GraphOptimizationLevel, Session, SessionInputValue},
+    value::{DynTensor, DynTensorValueType, Tensor as OrtTensor, TensorElementType, ValueType},
+};
+
+use crate::{
+    backend::{Backend, BatchInput, Instance},
+    config::TensorSpec,
+    DataType, Error, Result, Tensor, TensorData,
+};
+
+/// How to install the runtime, for the one line printed when it cannot be found.
+pub const INSTALL_HINT: &str =
+    "ONNX Runtime not found: run `python3 -m pip install onnxruntime==1.31.*` or pass --onnxruntime-lib PATH (env ORT_DYLIB_PATH)";
+
+static RUNTIME: OnceLock<std::result::Result<(PathBuf, Environment), String>> = OnceLock::new();
+
+/// Finds `libonnxruntime`: `explicit`, then `ORT_DYLIB_PATH`, then the `onnxruntime` package of the
+/// `python3` on PATH (`capi/libonnxruntime.so.*`).
+pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    let out = Command::new("python3")
+        .args(["-c", "import onnxruntime, os; print(os.path.dirname(onnxruntime.__file__))"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let capi = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("capi");
+    let mut libs: Vec<PathBuf> = std::fs::read_dir(capi)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libonnxruntime.so")))
+        .collect();
+    libs.sort();
+    libs.pop()
+}
+
+/// Loads ONNX Runtime once per process and returns the library's path. Later calls return the
+/// first outcome.
+pub fn init_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
+    runtime(explicit).map(|(path, _)| path.clone())
+}
+
+/// The process's ONNX Runtime environment, loaded by the default search if `init_runtime` was not called.
+fn environment() -> Result<&'static (PathBuf, Environment)> {
+    runtime(None)
+}
+
+fn runtime(explicit: Option<&Path>) -> Result<&'static (PathBuf, Environment)> {
+    RUNTIME
+        .get_or_init(|| {
+            let path = find_library(explicit).ok_or_else(|| INSTALL_HINT.to_string())?;
+            if !path.exists() {
+                return Err(format!("ONNX Runtime library {} does not exist. {INSTALL_HINT}", path.display()));
+            }
+            let builder = ort::init_from(&path)
+                .map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", path.display()))?;
+            let env = builder.with_name("ferrite").build().map_err(|e| format!("cannot start ONNX Runtime: {e}"))?;
+            Ok((path, env))
+        })
+        .as_ref()
+        .map_err(|e| Error::Internal(e.clone()))
+}
+
+fn ort_err(e: impl std::fmt::Display) -> Error {
+    Error::Internal(format!("onnxruntime: {e}"))
+}
+
+fn to_ort(dt: DataType) -> TensorElementType {
+    match dt {
+        DataType::Bool => TensorElementType::Bool,
+        DataType::Uint8 => TensorElementType::Uint8,
+        DataType::Uint16 => TensorElementType::Uint16,
+        DataType::Uint32 => TensorElementType::Uint32,
+        DataType::Uint64 => TensorElementType::Uint64,
+        DataType::Int8 => TensorElementType::Int8,
+        DataType::Int16 => TensorElementType::Int16,
+        DataType::Int32 => TensorElementType::Int32,
+        DataType::Int64 => TensorElementType::Int64,
+        DataType::Fp16 => TensorElementType::Float16,
+        DataType::Bf16 => TensorElementType::Bfloat16,
+        DataType::Fp32 => TensorElementType::Float32,
+        DataType::Fp64 => TensorElementType::Float64,
+        DataType::Bytes => TensorElementType::String,
+    }
+}
+
+fn from_ort(t: TensorElementType) -> Option<DataType> {
+    DataType::ALL.into_iter().find(|&d| to_ort(d) == t)
+}
+
+fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec> {
+    match ty {
+        ValueType::Tensor { ty, shape, .. } => Ok(TensorSpec {
+            name: name.to_string(),
+            datatype: from_ort(*ty).ok_or_else(|| Error::Unsupported(format!("tensor '{name}' has type {ty:?}")))?,
+            dims: shape.iter().map(|&d| if d < 0 { -1 } else { d }).collect(),
+        }),
+        other => Err(Error::Unsupported(format!("'{name}' is a {other:?}; only tensors are supported"))),
+    }
+}
+
+/// Session options for one instance.
+#[derive(Debug, Clone)]
+pub struct OnnxOptions {
+    pub intra_threads: usize,
+    /// Let idle intra-op threads spin (faster hand-off, burns CPU on a shared host).
+    pub spinning: bool,
+}
+
+pub struct OnnxBackend {
+    path: PathBuf,
+    options: OnnxOptions,
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+    /// The session opened to read the model's signature, handed to the first instance.
+    first: Mutex<Option<Session>>,
+}
+
+impl OnnxBackend {
+    pub fn load(path: &Path, options: OnnxOptions) -> Result<OnnxBackend> {
+        let session = open(path, &options)?;
+        let inputs = session.inputs().iter().map(|o| spec(o.name(), o.dtype())).collect::<Result<_>>()?;
+        let outputs = session.outputs().iter().map(|o| spec(o.name(), o.dtype())).collect::<Result<_>>()?;
+        Ok(OnnxBackend { path: path.to_path_buf(), options, inputs, outputs, first: Mutex::new(Some(session)) })
+    }
+}
+
+fn open(path: &Path, options: &OnnxOptions) -> Result<Session> {
+    Session::builder(&environment()?.1)
+        .map_err(ort_err)?
+        .with_optimization_level(GraphOptimizationLevel::Level3)
+        .and_then(|b| b.with_intra_threads(options.intra_threads))
+        .and_then(|b| b.with_inter_threads(1))
+        .and_then(|b| b.with_intra_op_spinning(options.spinning))
+        .and_then(|b| b.with_inter_op_spinning(false))
+        .map_err(ort_err)?
+        .commit_from_file(path)
+        .map_err(|e| Error::invalid(format!("cannot load {}: {e}", path.display())))
+}
+
+impl Backend for OnnxBackend {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    fn instance(&self) -> Result<Box<dyn Instance>> {
+        let taken = self.first.lock().map_err(|_| Error::internal("poisoned"))?.take();
+        let session = match taken {
+            Some(s) => s,
+            None => open(&self.path, &self.options)?,
+        };
+        let output_names = self.outputs.iter().map(|o| o.name.clone()).collect();
+        Ok(Box::new(OnnxInstance { session, output_names }))
+    }
+}
+
+struct OnnxInstance {
+    session: Session,
+    output_names: Vec<String>,
+}
+
+/// Writes the parts of `input` into one ONNX Runtime tensor: the only copy on the way in.
+fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
+    if input.datatype == DataType::Bytes {
+        let mut strings = Vec::new();
+        for part in &input.parts {
+            let TensorData::Bytes(items) = part else { return Err(Error::internal("BYTES input with raw data")) };
+            for b in items {
+                let s = std::str::from_utf8(b)
+                    .map_err(|_| Error::invalid(format!("input '{}': BYTES element is not UTF-8", input.name)))?;
+                strings.push(s.to_string());
+            }
+        }
+        let t = OrtTensor::from_string_array((input.shape.clone(), strings.as_slice())).map_err(ort_err)?;
+        return Ok(t.into_dyn().into());
+    }
+    let mut t = DynTensor::new(&Allocator::default(), to_ort(input.datatype), input.shape.clone()).map_err(ort_err)?;
+    let total: usize = input.parts.iter().map(|p| if let TensorData::Raw(b) = p { b.len() } else { 0 }).sum();
+    let expected = t.size().unwrap_or(0);
+    if total != expected {
+        return Err(Error::internal(format!("input '{}': {total} bytes for a {expected}-byte tensor", input.name)));
+    }
+    let dst = t.data_ptr_mut().cast::<u8>();
+    let mut off = 0;
+    for part in &input.parts {
+        if let TensorData::Raw(b) = part {
+            // SAFETY: `dst` holds `expected` bytes (checked above) and the parts add up to it.
+            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), dst.add(off), b.len()) };
+            off += b.len();
+        }
+    }
+    Ok(t.into_dyn().into())
+}
+
+impl Instance for OnnxInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
+        let values: Vec<(String, SessionInputValue<'static>)> =
+            inputs.iter().map(|i| Ok((i.name.to_string(), input_value(i)?))).collect::<Result<_>>()?;
+        let mut outputs = self.session.run(values).map_err(ort_err)?;
+        let mut result = Vec::with_capacity(self.output_names.len());
+        for name in &self.output_names {
+            let value = outputs.remove(name.as_str()).ok_or_else(|| Error::internal(format!("no output '{name}'")))?;
+            let tensor = value.downcast::<DynTensorValueType>().map_err(ort_err)?;
+            let ValueType::Tensor { ty, shape, .. } = tensor.dtype() else {
+                return Err(Error::internal(format!("output '{name}' is not a tensor")));
+            };
+            let datatype = from_ort(*ty).ok_or_else(|| Error::Unsupported(format!("output '{name}' type {ty:?}")))?;
+            let shape: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+            let data = if datatype == DataType::Bytes {
+                let (_, strings) = tensor.try_extract_strings().map_err(ort_err)?;
+                TensorData::Bytes(strings.into_iter().map(|s| s.into_bytes().into()).collect())
+            } else {
+                let len = tensor.size().unwrap_or(0);
+                let ptr = tensor.data_ptr().cast::<u8>();
+                let bytes = if len == 0 || ptr.is_null() {
+                    Vec::new()
+                } else {
+                    // SAFETY: ONNX Runtime owns `len` readable CPU bytes at `ptr` while `tensor` lives.
+                    unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec()
+                };
+                TensorData::Raw(bytes.into())
+            };
+            result.push(Tensor { name: name.clone(), datatype, shape, data });
+        }
+        Ok(result)
+    }
+}

@@ -1,0 +1,106 @@
+//! The model repository on disk: `<root>/<name>/config.toml` and `<root>/<name>/<version>/model.onnx`.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use crate::{
+    config::{ModelConfig, ModelSpec},
+    model::Model,
+    onnx::{OnnxBackend, OnnxOptions},
+    Backend, Error, Result,
+};
+
+/// How models are loaded when their config does not say.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Intra-op threads per instance.
+    pub threads: usize,
+    pub spinning: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { threads: std::thread::available_parallelism().map_or(1, |n| n.get()), spinning: false }
+    }
+}
+
+/// A model name is an identifier: letters, digits, `_`, `-`, `.`; it starts with a letter or digit.
+pub fn is_model_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        && !name.contains("..")
+}
+
+/// Loads every model under `root`. A directory that fails is reported and skipped.
+pub fn load_all(root: &Path, options: &LoadOptions) -> Result<(BTreeMap<String, Arc<Model>>, BTreeMap<String, String>)> {
+    let entries = std::fs::read_dir(root)
+        .map_err(|e| Error::invalid(format!("cannot read model repository {}: {e}", root.display())))?;
+    let mut dirs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_dir()).collect();
+    dirs.sort();
+    let (mut models, mut failed) = (BTreeMap::new(), BTreeMap::new());
+    for dir in dirs {
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        if name.starts_with('.') {
+            continue;
+        }
+        match load_model(&dir, &name, options) {
+            Ok(model) => {
+                tracing::info!(model = %name, version = model.spec.version, "model ready");
+                models.insert(name, Arc::new(model));
+            }
+            Err(e) => {
+                tracing::error!(model = %name, error = %e, "model skipped");
+                failed.insert(name, e.to_string());
+            }
+        }
+    }
+    Ok((models, failed))
+}
+
+/// Loads the highest version of one model directory.
+pub fn load_model(dir: &Path, name: &str, options: &LoadOptions) -> Result<Model> {
+    if !is_model_name(name) {
+        return Err(Error::invalid(format!("'{name}' is not a valid model name")));
+    }
+    let config_path = dir.join("config.toml");
+    let config: ModelConfig = if config_path.exists() {
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|e| Error::invalid(format!("cannot read {}: {e}", config_path.display())))?;
+        toml::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", config_path.display())))?
+    } else {
+        ModelConfig::default()
+    };
+    let version = std::fs::read_dir(dir)
+        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", dir.display())))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok().filter(|&v| v > 0))
+        .filter(|v| dir.join(v.to_string()).join("model.onnx").is_file())
+        .max()
+        .ok_or_else(|| Error::invalid("no version directory (a positive integer) holds a model.onnx"))?;
+    let threads = config.threads.unwrap_or(options.threads).max(1);
+    let backend = OnnxBackend::load(
+        &dir.join(version.to_string()).join("model.onnx"),
+        OnnxOptions { intra_threads: threads, spinning: options.spinning },
+    )?;
+    let spec = ModelSpec::resolve(name, version, &config, backend.inputs(), backend.outputs(), threads)?;
+    Model::start(spec, &backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_names_are_identifiers() {
+        for ok in ["mlp", "resnet-50", "bert_base.v2", "7"] {
+            assert!(is_model_name(ok), "{ok}");
+        }
+        for bad in ["", "..", "a/b", "../etc", ".hidden", "a..b", "a b", "é"] {
+            assert!(!is_model_name(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Writes the ONNX models that Ferrite bundles (models/) and tests against (tests/models/).
+
+Run from the repository root: python3 scripts/make_models.py
+The outputs are committed; rerunning this script reproduces them byte for byte (fixed seed).
+"""
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPSET = 17
+# onnx 1.23 writes IR 14 by default; onnxruntime 1.31 reads up to 13.
+IR_VERSION = 9
+
+
+def save(graph, path):
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ferrite")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    onnx.save(model, path)
+    print("wrote", os.path.relpath(path, ROOT))
+
+
+def mlp():
+    """input FP32 [N,512] -> Gemm 2048 -> Relu -> Gemm 2048 -> Relu -> Gemm 10 -> output FP32 [N,10]."""
+    rng = np.random.default_rng(0)
+    sizes = [512, 2048, 2048, 10]
+    inits, nodes, prev = [], [], "input"
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
+        w = (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
+        b = (rng.standard_normal(fan_out) * 0.01).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        last = i == len(sizes) - 2
+        out = "output" if last else f"h{i}"
+        nodes.append(helper.make_node("Gemm", [prev, f"w{i}", f"b{i}"], [out if last else f"g{i}"]))
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"g{i}"], [out]))
+        prev = out
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 512])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 10])],
+        inits,
+    )
+    save(graph, os.path.join(ROOT, "models", "mlp", "1", "model.onnx"))
+
+
+def mixed():
+    """Two inputs of different dtypes, two outputs:
+    weighted FP32 [N,4] = values * float(ids); ids_sum INT64 [N,1] = sum(ids, axis 1)."""
+    nodes = [
+        helper.make_node("Cast", ["ids"], ["ids_f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["values", "ids_f"], ["weighted"]),
+        helper.make_node("ReduceSum", ["ids", "axes"], ["ids_sum"], keepdims=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mixed",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 4]),
+            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["N", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("weighted", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("ids_sum", TensorProto.INT64, ["N", 1]),
+        ],
+        [numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")],
+    )
+    save(graph, os.path.join(ROOT, "models", "mixed", "1", "model.onnx"))
+
+
+# V2 datatype -> ONNX element type, for the identity test model.
+IDENTITY_TYPES = {
+    "BOOL": TensorProto.BOOL,
+    "UINT8": TensorProto.UINT8,
+    "UINT16": TensorProto.UINT16,
+    "UINT32": TensorProto.UINT32,
+    "UINT64": TensorProto.UINT64,
+    "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16,
+    "INT32": TensorProto.INT32,
+    "INT64": TensorProto.INT64,
+    "FP16": TensorProto.FLOAT16,
+    "BF16": TensorProto.BFLOAT16,
+    "FP32": TensorProto.FLOAT,
+    "FP64": TensorProto.DOUBLE,
+    "BYTES": TensorProto.STRING,
+}
+
+
+def identity():
+    """One Identity per datatype: <dtype>_in [N,3] -> <dtype>_out [N,3] (lower-case names)."""
+    ins, outs, nodes = [], [], []
+    for name, ty in IDENTITY_TYPES.items():
+        n = name.lower()
+        ins.append(helper.make_tensor_value_info(f"{n}_in", ty, ["N", 3]))
+        outs.append(helper.make_tensor_value_info(f"{n}_out", ty, ["N", 3]))
+        nodes.append(helper.make_node("Identity", [f"{n}_in"], [f"{n}_out"]))
+    save(helper.make_graph(nodes, "identity", ins, outs), os.path.join(ROOT, "tests", "models", "identity", "1", "model.onnx"))
+
+
+def fixed():
+    """No batch dimension: x FP64 [2,3] -> y = 2x FP64 [2,3]."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        "fixed",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [2, 3])],
+    )
+    save(graph, os.path.join(ROOT, "tests", "models", "fixed", "1", "model.onnx"))
+
+
+if __name__ == "__main__":
+    mlp()
+    mixed()
+    identity()
+    fixed()
