@@ -1,1 +1,129 @@
-fn main(){}
+//! The `ferrite` binary: `ferrite serve`.
+
+mod http;
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use axum::serve::ListenerExt;
+use clap::{Parser, Subcommand};
+use ferrite_core::{Core, Limits, LoadOptions};
+
+#[derive(Parser)]
+#[command(name = "ferrite", version, about = "Real-time inference server for ONNX models (KServe V2 protocol)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve every model of a model repository over HTTP.
+    Serve(ServeArgs),
+}
+
+#[derive(Parser, Debug)]
+struct ServeArgs {
+    /// Model repository: <dir>/<model>/config.toml and <dir>/<model>/<version>/model.onnx.
+    #[arg(long, env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
+    model_repository: PathBuf,
+    /// Address to listen on.
+    #[arg(long, env = "FERRITE_HOST", default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// HTTP port (0 picks a free one and logs it).
+    #[arg(long, env = "FERRITE_HTTP_PORT", default_value_t = 8000)]
+    http_port: u16,
+    /// Path of libonnxruntime; by default ORT_DYLIB_PATH, then the onnxruntime package of `python3`.
+    #[arg(long, env = "FERRITE_ONNXRUNTIME_LIB")]
+    onnxruntime_lib: Option<PathBuf>,
+    /// Intra-op threads per model instance, where a model's config does not say.
+    #[arg(long, env = "FERRITE_THREADS")]
+    threads: Option<usize>,
+    /// Let idle ONNX Runtime threads spin (lower hand-off latency, more CPU).
+    #[arg(long, env = "FERRITE_SPIN")]
+    spin: bool,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    max_body_bytes: usize,
+    /// Most tensor elements one request may carry (all inputs together).
+    #[arg(long, env = "FERRITE_MAX_REQUEST_ELEMENTS", default_value_t = 1 << 23)]
+    max_request_elements: usize,
+    /// On SIGINT/SIGTERM, how long queued and running requests may take before they are failed.
+    #[arg(long, env = "FERRITE_EXIT_TIMEOUT_SECS", default_value_t = 30)]
+    exit_timeout_secs: u64,
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `ferrite_core=debug`.
+    #[arg(long, env = "FERRITE_LOG", default_value = "info")]
+    log: String,
+}
+
+fn main() {
+    let Command::Serve(args) = Cli::parse().command;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = ferrite_core::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
+        eprintln!("ferrite: {e}");
+        std::process::exit(2);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    if let Err(e) = runtime.block_on(serve(args)) {
+        eprintln!("ferrite: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut options = LoadOptions { spinning: args.spin, ..LoadOptions::default() };
+    if let Some(t) = args.threads {
+        options.threads = t.max(1);
+    }
+    let repo = args.model_repository.clone();
+    let limits = Limits { max_elements: args.max_request_elements };
+    let core = tokio::task::spawn_blocking(move || Core::load(&repo, &options, limits)).await??;
+    let app = http::app(core.clone(), &http::HttpLimits { max_body_bytes: args.max_body_bytes });
+
+    let addr = SocketAddr::new(args.host, args.http_port);
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    tracing::info!(address = %listener.local_addr()?, models = core.models().count(), "HTTP listening");
+    // Small responses would otherwise wait on delayed ACKs.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let shutdown_core = core.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: readiness off, draining");
+        shutdown_core.begin_shutdown();
+        let _ = stop_tx.send(true);
+    });
+    let mut wait_stop = stop_rx.clone();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let _ = wait_stop.wait_for(|&s| s).await;
+    });
+    let exit_timeout = Duration::from_secs(args.exit_timeout_secs);
+    let server = tokio::spawn(async move { server.await });
+    let mut stopped = stop_rx;
+    let _ = stopped.wait_for(|&s| s).await;
+    // Queued and running work drains until the deadline; then what is left fails explicitly.
+    let drain_core = core.clone();
+    let failed = tokio::task::spawn_blocking(move || drain_core.drain(exit_timeout)).await?;
+    if failed > 0 {
+        tracing::warn!(failed, "requests failed at shutdown");
+    }
+    // Give in-flight responses a moment to be written.
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
