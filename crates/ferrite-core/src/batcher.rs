@@ -86,6 +86,11 @@ impl Batcher {
         self.shared.lock().len()
     }
 
+    /// Batches running now.
+    pub fn running(&self) -> usize {
+        self.shared.running.load(Ordering::Acquire)
+    }
+
     /// Stops taking requests; what is queued still runs. Workers exit once the queue is empty.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
@@ -134,7 +139,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
         let batch = {
             let mut q = shared.lock();
             loop {
-                let decision = q.next_batch(Instant::now(), &shared.policy);
+                let flush = shared.closed.load(Ordering::Acquire);
+                let decision = q.next_batch(Instant::now(), &shared.policy, flush);
                 let cancelled = q.cancelled;
                 shared.stats.cancelled.store(cancelled, Ordering::Relaxed);
                 match decision {
@@ -198,27 +204,32 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
         .unwrap_or_else(|_| Err(Error::internal("the backend panicked while running a batch")));
     drop(inputs);
     let done = Instant::now();
-    match result.and_then(|outputs| check_outputs(outputs, batched, rows)) {
+    let replies: Vec<(Pending, Result<Vec<Tensor>>)> = match result.and_then(|o| check_outputs(o, batched, rows)) {
         Ok(outputs) => {
             let mut offset = 0;
-            for p in batch {
-                let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
-                let mine = match &p.outputs {
-                    None => outputs.iter().map(take).collect(),
-                    Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
-                };
-                offset += p.rows;
-                let _ = p.reply.send(Ok(mine));
-            }
+            batch
+                .into_iter()
+                .map(|p| {
+                    let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
+                    let mine = match &p.outputs {
+                        None => outputs.iter().map(take).collect(),
+                        Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
+                    };
+                    offset += p.rows;
+                    (p, Ok(mine))
+                })
+                .collect()
         }
         Err(e) => {
             tracing::warn!(model = %spec.name, error = %e, "batch failed");
-            for p in batch {
-                let _ = p.reply.send(Err(e.clone()));
-            }
+            batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
-    }
+    };
+    // Statistics first, so a client that reads them after its answer sees its own batch.
     shared.stats.record_batch(rows, ran - start, done - ran, done.elapsed());
+    for (p, r) in replies {
+        let _ = p.reply.send(r);
+    }
 }
 
 fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec<Tensor>> {

@@ -120,8 +120,9 @@ impl Queue {
         self.len = self.levels.iter().map(VecDeque::len).sum();
     }
 
-    /// Decides what a free instance should run at `now`.
-    pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy) -> Decision {
+    /// Decides what a free instance should run at `now`. `flush` sends what is pending without
+    /// waiting for the queue delay (at shutdown).
+    pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, flush: bool) -> Decision {
         self.prune(now);
         let mut order = self.levels.iter().flatten();
         let Some(first) = order.next() else { return Decision::Idle };
@@ -141,7 +142,7 @@ impl Queue {
             oldest = oldest.min(p.enqueued);
         }
         let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
-        let n = if total >= policy.max_batch_size || policy.max_queue_delay_us == 0 || now >= due {
+        let n = if flush || total >= policy.max_batch_size || policy.max_queue_delay_us == 0 || now >= due {
             sums.len()
         } else if let Some(j) = sums.iter().rposition(|s| policy.preferred_batch_sizes.contains(s)) {
             j + 1
@@ -218,8 +219,8 @@ mod tests {
         let t = Instant::now();
         let mut q = Queue::new(1, 100);
         let _r: Vec<_> = (0..3).map(|_| push(&mut q, t, 1, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![1, 1, 1]);
-        assert!(matches!(q.next_batch(t, &policy(8, 0, &[])), Decision::Idle));
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1, 1, 1]);
+        assert!(matches!(q.next_batch(t, &policy(8, 0, &[]), false), Decision::Idle));
     }
 
     #[test]
@@ -227,8 +228,8 @@ mod tests {
         let t = Instant::now();
         let mut q = Queue::new(1, 100);
         let _r: Vec<_> = [3, 3, 3].iter().map(|&n| push(&mut q, t, n, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![3, 3]);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![3]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![3, 3]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![3]);
     }
 
     #[test]
@@ -237,13 +238,21 @@ mod tests {
         let p = policy(8, 1000, &[]);
         let mut q = Queue::new(1, 100);
         let _a = push(&mut q, t, 1, 4, 0);
-        match q.next_batch(t + Duration::from_micros(10), &p) {
+        match q.next_batch(t + Duration::from_micros(10), &p, false) {
             Decision::WaitUntil(when) => assert_eq!(when, t + Duration::from_micros(1000)),
             other => panic!("{other:?}"),
         }
         let _b = push(&mut q, t + Duration::from_micros(500), 1, 4, 0);
-        assert!(matches!(q.next_batch(t + Duration::from_micros(999), &p), Decision::WaitUntil(_)));
-        assert_eq!(rows(q.next_batch(t + Duration::from_micros(1000), &p)), vec![1, 1]);
+        assert!(matches!(q.next_batch(t + Duration::from_micros(999), &p, false), Decision::WaitUntil(_)));
+        assert_eq!(rows(q.next_batch(t + Duration::from_micros(1000), &p, false)), vec![1, 1]);
+    }
+
+    #[test]
+    fn flush_sends_without_waiting() {
+        let t = Instant::now();
+        let mut q = Queue::new(1, 100);
+        let _a = push(&mut q, t, 1, 4, 0);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), true)), vec![1]);
     }
 
     #[test]
@@ -251,7 +260,7 @@ mod tests {
         let t = Instant::now();
         let mut q = Queue::new(1, 100);
         let _r: Vec<_> = (0..4).map(|_| push(&mut q, t, 2, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]))), vec![2, 2, 2, 2]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), false)), vec![2, 2, 2, 2]);
     }
 
     #[test]
@@ -260,9 +269,9 @@ mod tests {
         let p = policy(16, 1_000_000, &[2, 4]);
         let mut q = Queue::new(1, 100);
         let _r: Vec<_> = (0..5).map(|_| push(&mut q, t, 1, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &p)), vec![1, 1, 1, 1]);
+        assert_eq!(rows(q.next_batch(t, &p, false)), vec![1, 1, 1, 1]);
         // One left: no preferred size reachable, so it waits for the delay.
-        assert!(matches!(q.next_batch(t, &p), Decision::WaitUntil(_)));
+        assert!(matches!(q.next_batch(t, &p, false), Decision::WaitUntil(_)));
     }
 
     #[test]
@@ -272,9 +281,9 @@ mod tests {
         let _a = push(&mut q, t, 1, 4, 0);
         let _b = push(&mut q, t, 1, 5, 0);
         let _c = push(&mut q, t, 1, 4, 0);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![1]);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![1]);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
     }
 
     #[test]
@@ -284,8 +293,8 @@ mod tests {
         let _low = push(&mut q, t, 1, 4, 1);
         let _high1 = push(&mut q, t + Duration::from_micros(1), 2, 4, 0);
         let _high2 = push(&mut q, t + Duration::from_micros(2), 3, 4, 0);
-        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]))), vec![2, 3]);
-        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]))), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), false)), vec![2, 3]);
+        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), false)), vec![1]);
     }
 
     #[test]
@@ -322,7 +331,7 @@ mod tests {
             reply: tx,
         })
         .unwrap();
-        assert!(matches!(q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[])), Decision::Idle));
+        assert!(matches!(q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[]), false), Decision::Idle));
         assert!(matches!(rx.try_recv(), Ok(Err(Error::DeadlineExceeded(_)))));
         assert_eq!(q.expired, 1);
     }
@@ -334,7 +343,7 @@ mod tests {
         let gone = push(&mut q, t, 1, 4, 0);
         let _kept = push(&mut q, t, 1, 4, 0);
         drop(gone.rx);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]))), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
         assert_eq!(q.cancelled, 1);
     }
 
@@ -344,6 +353,6 @@ mod tests {
         let mut q = Queue::new(1, 10);
         let _r: Vec<_> = (0..2).map(|_| push(&mut q, t, 1, 4, 0)).collect();
         let p = BatchPolicy { max_batch_size: 8, dynamic: false, ..BatchPolicy::default() };
-        assert_eq!(rows(q.next_batch(t, &p)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &p, false)), vec![1]);
     }
 }

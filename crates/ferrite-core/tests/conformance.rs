@@ -1,0 +1,148 @@
+//! Backend conformance suite: every backend adapter must pass these cases through the `Backend`
+//! trait alone. The ONNX Runtime adapter runs them below; the next backend adds one line.
+
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use ferrite_core::{
+    backend::{Backend, BatchInput},
+    config::TensorSpec,
+    onnx::{OnnxBackend, OnnxOptions},
+    DataType, Error, Tensor, TensorData,
+};
+
+fn repo(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
+}
+
+type Loader = fn(&Path) -> Box<dyn Backend>;
+
+fn run(backend: &dyn Backend, inputs: &[(&str, DataType, Vec<usize>, Vec<&TensorData>)]) -> Result<Vec<Tensor>, Error> {
+    let batch: Vec<BatchInput<'_>> = inputs
+        .iter()
+        .map(|(name, datatype, shape, parts)| BatchInput {
+            name,
+            datatype: *datatype,
+            shape: shape.clone(),
+            parts: parts.clone(),
+        })
+        .collect();
+    backend.instance()?.run(&batch)
+}
+
+/// Six sample values of each datatype, as a [2, 3] tensor.
+fn sample(dt: DataType) -> TensorData {
+    let t = match dt {
+        DataType::Bool => Tensor::from_le("", dt, vec![6], &[true, false, true, true, false, false]),
+        DataType::Uint8 => Tensor::from_le("", dt, vec![6], &[0u8, 1, 2, 127, 128, 255]),
+        DataType::Uint16 => Tensor::from_le("", dt, vec![6], &[0u16, 1, 2, 3, 4, u16::MAX]),
+        DataType::Uint32 => Tensor::from_le("", dt, vec![6], &[0u32, 1, 2, 3, 4, u32::MAX]),
+        DataType::Uint64 => Tensor::from_le("", dt, vec![6], &[0u64, 1, 2, 3, 4, u64::MAX]),
+        DataType::Int8 => Tensor::from_le("", dt, vec![6], &[i8::MIN, -1, 0, 1, 2, i8::MAX]),
+        DataType::Int16 => Tensor::from_le("", dt, vec![6], &[i16::MIN, -1, 0, 1, 2, i16::MAX]),
+        DataType::Int32 => Tensor::from_le("", dt, vec![6], &[i32::MIN, -1, 0, 1, 2, i32::MAX]),
+        DataType::Int64 => Tensor::from_le("", dt, vec![6], &[i64::MIN, -1, 0, 1, 2, i64::MAX]),
+        DataType::Fp16 => Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, 2.5, 65504.0, f32::NAN].map(half::f16::from_f32)),
+        DataType::Bf16 => Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, 2.5, 1e30, f32::INFINITY].map(half::bf16::from_f32)),
+        DataType::Fp32 => Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, f32::MAX, f32::NAN, f32::NEG_INFINITY]),
+        DataType::Fp64 => Tensor::from_le("", dt, vec![6], &[-1.5f64, 0.0, 1.0, f64::MAX, 1e-300, f64::INFINITY]),
+        DataType::Bytes => {
+            let words = ["", "a", "bc", "déjà", "ferrite", "x y"];
+            return TensorData::Bytes(words.iter().map(|w| Bytes::copy_from_slice(w.as_bytes())).collect());
+        }
+    };
+    t.data
+}
+
+fn declares_its_signature(load: Loader) {
+    let b = load(&repo("models/mixed/1/model.onnx"));
+    assert_eq!(
+        b.inputs(),
+        &[
+            TensorSpec { name: "ids".into(), datatype: DataType::Int64, dims: vec![-1, 4] },
+            TensorSpec { name: "values".into(), datatype: DataType::Fp32, dims: vec![-1, 4] },
+        ]
+    );
+    assert_eq!(b.outputs().iter().map(|o| o.name.as_str()).collect::<Vec<_>>(), ["weighted", "ids_sum"]);
+}
+
+fn every_datatype_round_trips(load: Loader) {
+    let b = load(&repo("tests/models/identity/1/model.onnx"));
+    let data: Vec<TensorData> = DataType::ALL.iter().map(|&dt| sample(dt)).collect();
+    let names: Vec<String> = DataType::ALL.iter().map(|dt| format!("{}_in", dt.as_str().to_lowercase())).collect();
+    let inputs: Vec<_> =
+        DataType::ALL.iter().enumerate().map(|(i, &dt)| (names[i].as_str(), dt, vec![2, 3], vec![&data[i]])).collect();
+    let out = run(b.as_ref(), &inputs).unwrap();
+    assert_eq!(out.len(), DataType::ALL.len());
+    for (i, dt) in DataType::ALL.iter().enumerate() {
+        assert_eq!(out[i].name, format!("{}_out", dt.as_str().to_lowercase()));
+        assert_eq!(out[i].datatype, *dt);
+        assert_eq!(out[i].shape, vec![2, 3]);
+        assert_eq!(out[i].data, data[i], "{dt}");
+    }
+}
+
+fn parts_are_concatenated_along_dim0(load: Loader) {
+    let b = load(&repo("models/mixed/1/model.onnx"));
+    let ids_a = Tensor::from_le("ids", DataType::Int64, vec![1, 4], &[1i64, 2, 3, 4]).data;
+    let ids_b = Tensor::from_le("ids", DataType::Int64, vec![2, 4], &[0i64, 0, 0, 1, 5, 5, 5, 5]).data;
+    let v_a = Tensor::from_le("values", DataType::Fp32, vec![1, 4], &[1f32, 1.0, 1.0, 0.5]).data;
+    let v_b = Tensor::from_le("values", DataType::Fp32, vec![2, 4], &[9f32, 9.0, 9.0, 2.0, 0.5, 0.5, 0.5, 0.5]).data;
+    let out = run(
+        b.as_ref(),
+        &[("ids", DataType::Int64, vec![3, 4], vec![&ids_a, &ids_b]), ("values", DataType::Fp32, vec![3, 4], vec![&v_a, &v_b])],
+    )
+    .unwrap();
+    assert_eq!(
+        out[0],
+        Tensor::from_le("weighted", DataType::Fp32, vec![3, 4], &[1f32, 2.0, 3.0, 2.0, 0.0, 0.0, 0.0, 2.0, 2.5, 2.5, 2.5, 2.5])
+    );
+    assert_eq!(out[1], Tensor::from_le("ids_sum", DataType::Int64, vec![3, 1], &[10i64, 1, 20]));
+}
+
+fn instances_are_independent(load: Loader) {
+    let b = load(&repo("models/mlp/1/model.onnx"));
+    let x = Tensor::from_le("input", DataType::Fp32, vec![1, 512], &[0.25f32; 512]).data;
+    let mut first = b.instance().unwrap();
+    let mut second = b.instance().unwrap();
+    let input = || [BatchInput { name: "input", datatype: DataType::Fp32, shape: vec![1, 512], parts: vec![&x] }];
+    let a = first.run(&input()).unwrap();
+    let c = second.run(&input()).unwrap();
+    assert_eq!(a, c);
+    assert_eq!(a[0].shape, vec![1, 10]);
+}
+
+fn bad_bytes_are_refused_not_panicked(load: Loader) {
+    let b = load(&repo("tests/models/identity/1/model.onnx"));
+    let data: Vec<TensorData> = DataType::ALL.iter().map(|&dt| sample(dt)).collect();
+    let mut bad = data.clone();
+    let i = DataType::ALL.iter().position(|&d| d == DataType::Bytes).unwrap();
+    bad[i] = TensorData::Bytes(vec![Bytes::from_static(&[0xff, 0xfe]); 6]);
+    let names: Vec<String> = DataType::ALL.iter().map(|dt| format!("{}_in", dt.as_str().to_lowercase())).collect();
+    let inputs: Vec<_> =
+        DataType::ALL.iter().enumerate().map(|(i, &dt)| (names[i].as_str(), dt, vec![2, 3], vec![&bad[i]])).collect();
+    assert!(matches!(run(b.as_ref(), &inputs), Err(Error::InvalidInput(_))));
+}
+
+fn suite(load: Loader) {
+    declares_its_signature(load);
+    every_datatype_round_trips(load);
+    parts_are_concatenated_along_dim0(load);
+    instances_are_independent(load);
+    bad_bytes_are_refused_not_panicked(load);
+}
+
+#[test]
+fn onnxruntime_backend_conforms() {
+    suite(|path| Box::new(OnnxBackend::load(path, OnnxOptions { intra_threads: 1, spinning: false }).unwrap()));
+}
+
+#[test]
+fn onnxruntime_refuses_a_file_that_is_not_onnx() {
+    let dir = std::env::temp_dir().join(format!("ferrite-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.onnx");
+    std::fs::write(&path, b"not a model").unwrap();
+    let err = OnnxBackend::load(&path, OnnxOptions { intra_threads: 1, spinning: false }).err().unwrap();
+    assert!(err.to_string().contains("cannot load"), "{err}");
+}

@@ -1,0 +1,320 @@
+//! The engine end to end through `Core`: repository loading, validation, batching, timeouts,
+//! cancellation and shutdown, on the real ONNX Runtime backend and the bundled models.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{atomic::Ordering, mpsc, Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use ferrite_core::{
+    backend::{Backend, BatchInput, Instance},
+    config::{ModelConfig, ModelSpec, TensorSpec},
+    Core, DataType, Error, InferRequest, Limits, LoadOptions, Model, Tensor,
+};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A repository holding copies of the named models (from models/ or tests/models/), with configs.
+fn repo(models: &[(&str, Option<&str>)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, config) in models {
+        let src = [root().join("models").join(name), root().join("tests/models").join(name)]
+            .into_iter()
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("no model {name}"));
+        let dst = dir.path().join(name).join("1");
+        std::fs::create_dir_all(&dst).unwrap();
+        std::fs::copy(src.join("1/model.onnx"), dst.join("model.onnx")).unwrap();
+        if let Some(c) = config {
+            std::fs::write(dir.path().join(name).join("config.toml"), c).unwrap();
+        }
+    }
+    dir
+}
+
+fn load(dir: &Path) -> Core {
+    Core::load(dir, &LoadOptions { threads: 1, spinning: false }, Limits::default()).unwrap()
+}
+
+fn mlp_request(value: f32) -> InferRequest {
+    InferRequest {
+        model_name: "mlp".into(),
+        inputs: vec![Tensor::from_le("input", DataType::Fp32, vec![1, 512], &[value; 512])],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn bad_model_directories_are_skipped_with_a_reason() {
+    let dir = repo(&[("mixed", None)]);
+    let p = dir.path();
+    std::fs::create_dir_all(p.join("broken/1")).unwrap();
+    std::fs::write(p.join("broken/1/model.onnx"), b"garbage").unwrap();
+    std::fs::create_dir_all(p.join("empty")).unwrap();
+    std::fs::create_dir_all(p.join("badconfig/1")).unwrap();
+    std::fs::copy(root().join("models/mixed/1/model.onnx"), p.join("badconfig/1/model.onnx")).unwrap();
+    std::fs::write(p.join("badconfig/config.toml"), "max_batch_size = \"many\"").unwrap();
+    std::fs::create_dir_all(p.join("bad name")).unwrap();
+    let core = load(p);
+    assert_eq!(core.models().map(|m| m.spec.name.as_str()).collect::<Vec<_>>(), ["mixed"]);
+    let failed = core.failed();
+    assert!(failed["broken"].contains("cannot load"), "{failed:?}");
+    assert!(failed["empty"].contains("no version"), "{failed:?}");
+    assert!(failed["badconfig"].contains("config.toml"), "{failed:?}");
+    assert!(failed["bad name"].contains("not a valid model name"), "{failed:?}");
+}
+
+#[test]
+fn highest_version_is_served_and_others_are_not_found() {
+    let dir = repo(&[("mixed", None)]);
+    let v3 = dir.path().join("mixed/3");
+    std::fs::create_dir_all(&v3).unwrap();
+    std::fs::copy(root().join("models/mixed/1/model.onnx"), v3.join("model.onnx")).unwrap();
+    let core = load(dir.path());
+    assert_eq!(core.model("mixed", None).unwrap().spec.version, 3);
+    assert_eq!(core.model("mixed", Some("3")).unwrap().spec.version, 3);
+    assert!(matches!(core.model("mixed", Some("1")), Err(Error::NotFound(_))));
+    assert!(matches!(core.model("nope", None), Err(Error::NotFound(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_are_batched_and_split_exactly() {
+    let dir = repo(&[("mlp", Some("[dynamic_batching]\nmax_queue_delay_microseconds = 20000\n"))]);
+    let core = load(dir.path());
+    // Reference: each value alone.
+    let mut expected = Vec::new();
+    for i in 0..16 {
+        expected.push(core.infer(mlp_request(i as f32 / 16.0)).await.unwrap().outputs);
+    }
+    let before = core.model("mlp", None).unwrap().stats.execution_count.load(Ordering::Relaxed);
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let core = core.clone();
+            tokio::spawn(async move { core.infer(mlp_request((i % 16) as f32 / 16.0)).await })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let out = t.await.unwrap().unwrap().outputs;
+        assert_eq!(out, expected[i % 16], "request {i}");
+    }
+    let stats = &core.model("mlp", None).unwrap().stats;
+    let executions = stats.execution_count.load(Ordering::Relaxed) - before;
+    assert!(executions < 64, "{executions} executions for 64 requests");
+    assert_eq!(stats.inference_count.load(Ordering::Relaxed), 16 + 64);
+}
+
+#[tokio::test]
+async fn invalid_requests_are_refused_with_the_input_named() {
+    let dir = repo(&[("mixed", Some("max_batch_size = 4\n")), ("fixed", None)]);
+    let core = load(dir.path());
+    let ids = |shape: Vec<usize>| {
+        let n = shape.iter().product::<usize>();
+        Tensor::from_le("ids", DataType::Int64, shape, &vec![1i64; n])
+    };
+    let values = |shape: Vec<usize>| {
+        let n = shape.iter().product::<usize>();
+        Tensor::from_le("values", DataType::Fp32, shape, &vec![1f32; n])
+    };
+    let req = |inputs: Vec<Tensor>| InferRequest { model_name: "mixed".into(), inputs, ..Default::default() };
+    let mut wrong_size = values(vec![1, 4]);
+    wrong_size.shape = vec![1, 3];
+    let cases = vec![
+        (req(vec![ids(vec![1, 4])]), "missing input 'values'"),
+        (req(vec![ids(vec![1, 4]), values(vec![1, 4]), values(vec![1, 4])]), "'values' is given more than once"),
+        (req(vec![ids(vec![1, 4]), Tensor::from_le("values", DataType::Fp64, vec![1, 4], &[1f64; 4])]), "expected datatype FP32"),
+        (req(vec![ids(vec![1, 4]), values(vec![4])]), "'values': expected shape [-1, 4]"),
+        (req(vec![ids(vec![1, 4]), values(vec![1, 5])]), "'values': expected shape"),
+        (req(vec![ids(vec![5, 4]), values(vec![5, 4])]), "batch size 5 is outside 1..=4"),
+        (req(vec![ids(vec![1, 4]), values(vec![2, 4])]), "disagree on the batch size"),
+        (req(vec![ids(vec![1, 4]), wrong_size]), "'values': expected shape"),
+        (req(vec![ids(vec![1, 4]), values(vec![1, 4]), Tensor::from_le("extra", DataType::Fp32, vec![1], &[1f32])]), "unexpected input 'extra'"),
+        (InferRequest { outputs: Some(vec!["nope".into()]), ..req(vec![ids(vec![1, 4]), values(vec![1, 4])]) }, "unknown output 'nope'"),
+        (InferRequest { priority: 7, ..req(vec![ids(vec![1, 4]), values(vec![1, 4])]) }, "priority 7"),
+    ];
+    for (r, needle) in cases {
+        let err = core.infer(r).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{needle}: {err:?}");
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+    }
+    // Bytes that do not match the shape.
+    let mut short = values(vec![1, 4]);
+    short.data = Tensor::from_le("values", DataType::Fp32, vec![3], &[1f32; 3]).data;
+    let err = core.infer(req(vec![ids(vec![1, 4]), short])).await.unwrap_err();
+    assert!(err.to_string().contains("needs 16 bytes, got 12"), "{err}");
+    // A model without a batch dim takes its exact shape.
+    let x = Tensor::from_le("x", DataType::Fp64, vec![2, 3], &[1f64, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let out = core.infer(InferRequest { model_name: "fixed".into(), inputs: vec![x], ..Default::default() }).await.unwrap();
+    assert_eq!(out.outputs[0], Tensor::from_le("y", DataType::Fp64, vec![2, 3], &[2f64, 4.0, 6.0, 8.0, 10.0, 12.0]));
+    // Caps on elements apply before anything is queued.
+    let small = Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false }, Limits { max_elements: 6 }).unwrap();
+    let err = small.infer(req(vec![ids(vec![1, 4]), values(vec![1, 4])])).await.unwrap_err();
+    assert!(err.to_string().contains("more than 6 elements"), "{err}");
+}
+
+#[tokio::test]
+async fn requested_outputs_are_filtered_in_the_order_asked() {
+    let dir = repo(&[("mixed", None)]);
+    let core = load(dir.path());
+    let r = InferRequest {
+        model_name: "mixed".into(),
+        inputs: vec![
+            Tensor::from_le("ids", DataType::Int64, vec![1, 4], &[1i64, 2, 3, 4]),
+            Tensor::from_le("values", DataType::Fp32, vec![1, 4], &[1f32; 4]),
+        ],
+        outputs: Some(vec!["ids_sum".into()]),
+        id: Some("req-7".into()),
+        ..Default::default()
+    };
+    let out = core.infer(r).await.unwrap();
+    assert_eq!(out.id.as_deref(), Some("req-7"));
+    assert_eq!(out.outputs, vec![Tensor::from_le("ids_sum", DataType::Int64, vec![1, 1], &[10i64])]);
+}
+
+#[tokio::test]
+async fn a_request_times_out_in_the_queue_and_never_runs() {
+    let dir = repo(&[("mlp", Some("[dynamic_batching]\nmax_queue_delay_microseconds = 10000000\n"))]);
+    let core = load(dir.path());
+    let started = Instant::now();
+    let r = InferRequest { timeout_us: Some(50_000), ..mlp_request(0.5) };
+    let err = core.infer(r).await.unwrap_err();
+    assert!(matches!(err, Error::DeadlineExceeded(_)), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let stats = &core.model("mlp", None).unwrap().stats;
+    assert_eq!(stats.execution_count.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.fail.snapshot().count, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_left_is_dropped_before_it_runs() {
+    let config = "max_batch_size = 4\n[dynamic_batching]\nmax_queue_delay_microseconds = 10000000\n";
+    let dir = repo(&[("mlp", Some(config))]);
+    let core = load(dir.path());
+    let gone = {
+        let core = core.clone();
+        tokio::spawn(async move { core.infer(mlp_request(0.1)).await })
+    };
+    while core.model("mlp", None).unwrap().batcher().queued() == 0 {
+        tokio::task::yield_now().await;
+    }
+    gone.abort();
+    let _ = gone.await;
+    // Four more rows fill a batch, which runs at once; the request that left is not in it.
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let core = core.clone();
+            tokio::spawn(async move { core.infer(mlp_request(0.2)).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let stats = &core.model("mlp", None).unwrap().stats;
+    assert_eq!(stats.inference_count.load(Ordering::Relaxed), 4);
+    assert_eq!(stats.cancelled.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_refuses_with_retry_after() {
+    let config = "max_batch_size = 4\n[dynamic_batching]\nmax_queue_delay_microseconds = 10000000\nmax_queue_size = 2\n";
+    let dir = repo(&[("mlp", Some(config))]);
+    let core = load(dir.path());
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let core = core.clone();
+            tokio::spawn(async move { core.infer(mlp_request(0.3)).await })
+        })
+        .collect();
+    while core.model("mlp", None).unwrap().batcher().queued() < 2 {
+        tokio::task::yield_now().await;
+    }
+    let err = core.infer(mlp_request(0.3)).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }), "{err:?}");
+    // Shutdown flushes what waits instead of holding it for the queue delay.
+    core.begin_shutdown();
+    assert!(matches!(core.infer(mlp_request(0.3)).await, Err(Error::Unavailable { .. })));
+    assert_eq!(tokio::task::spawn_blocking(move || core.drain(Duration::from_secs(10))).await.unwrap(), 0);
+    for w in waiting {
+        w.await.unwrap().unwrap();
+    }
+}
+
+/// A backend whose runs block until the test lets them go: a fault (a stuck model) that cannot be
+/// caused on demand with a real model.
+struct Stuck {
+    release: Arc<Mutex<mpsc::Receiver<()>>>,
+    specs: Vec<TensorSpec>,
+}
+
+struct StuckInstance(Arc<Mutex<mpsc::Receiver<()>>>);
+
+impl Backend for Stuck {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok(Box::new(StuckInstance(self.release.clone())))
+    }
+}
+
+impl Instance for StuckInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        let _ = self.0.lock().unwrap().recv_timeout(Duration::from_secs(30));
+        let i = &inputs[0];
+        let data = i.parts.iter().fold(Vec::new(), |mut acc, p| {
+            if let ferrite_core::TensorData::Raw(b) = p {
+                acc.extend_from_slice(b);
+            }
+            acc
+        });
+        Ok(vec![Tensor::new("x", i.datatype, i.shape.clone(), ferrite_core::TensorData::Raw(data.into()))])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_fails_what_is_left_after_the_deadline() {
+    let (tx, rx) = mpsc::channel();
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
+    let spec = ModelSpec::resolve("stuck", 1, &ModelConfig { max_batch_size: Some(1), ..Default::default() }, &specs, &specs, 1).unwrap();
+    let model = Arc::new(Model::start(spec, &backend).unwrap());
+    let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), Limits::default());
+    let req = || InferRequest {
+        model_name: "stuck".into(),
+        inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[1f32])],
+        ..Default::default()
+    };
+    let tasks: Vec<_> = (0..3)
+        .map(|_| {
+            let core = core.clone();
+            tokio::spawn(async move { core.infer(req()).await })
+        })
+        .collect();
+    // One runs (stuck), two wait.
+    while model.batcher().queued() < 2 || model.batcher().running() < 1 {
+        tokio::task::yield_now().await;
+    }
+    core.begin_shutdown();
+    let drain_core = core.clone();
+    let failed = tokio::task::spawn_blocking(move || drain_core.drain(Duration::from_millis(100))).await.unwrap();
+    assert_eq!(failed, 2);
+    tx.send(()).unwrap();
+    let results: Vec<_> = futures_join(tasks).await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+    for r in results.iter().filter(|r| r.is_err()) {
+        assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    }
+}
+
+async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
