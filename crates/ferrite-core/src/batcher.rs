@@ -77,7 +77,7 @@ impl Batcher {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(Error::unavailable("model is shutting down", Some(crate::queue::RETRY_AFTER)));
         }
-        self.shared.lock().push(p).map_err(|(_, e)| e)?;
+        self.shared.lock().push(p)?;
         self.shared.wake.notify_one();
         Ok(())
     }
@@ -210,7 +210,13 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
             batch
                 .into_iter()
                 .map(|p| {
-                    let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
+                    let take = |o: &Tensor| {
+                        if batched {
+                            o.rows(offset, p.rows)
+                        } else {
+                            o.clone()
+                        }
+                    };
                     let mine = match &p.outputs {
                         None => outputs.iter().map(take).collect(),
                         Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
@@ -243,4 +249,3 @@ fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec
     }
     Ok(outputs)
 }
-

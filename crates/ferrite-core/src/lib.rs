@@ -48,8 +48,8 @@ struct Inner {
 impl Core {
     /// Loads the repository at `root`; models that fail are logged and left out.
     pub fn load(root: &Path, options: &LoadOptions, limits: Limits) -> Result<Core> {
-        let (models, failed) = repository::load_all(root, options)?;
-        Ok(Core::from_models(models, failed, limits))
+        let loaded = repository::load_all(root, options)?;
+        Ok(Core::from_models(loaded.models, loaded.failed, limits))
     }
 
     pub fn from_models(models: BTreeMap<String, Arc<Model>>, failed: BTreeMap<String, String>, limits: Limits) -> Core {

@@ -9,12 +9,8 @@ use std::{
 use tokio::sync::oneshot;
 
 use crate::{
-    batcher::Batcher,
-    config::ModelSpec,
-    queue::Pending,
-    stats::ModelStats,
-    tensor::element_count,
-    Backend, Error, Result, Tensor,
+    batcher::Batcher, config::ModelSpec, queue::Pending, stats::ModelStats, tensor::element_count, Backend, Error,
+    Result, Tensor,
 };
 
 /// Caps on what one request may make the server hold.
@@ -129,9 +125,10 @@ impl Model {
                     t.name, s.datatype, t.datatype
                 )));
             }
-            let expected: Vec<i64> = if batched { [-1].iter().chain(&s.dims).copied().collect() } else { s.dims.clone() };
-            let fits = t.shape.len() == expected.len()
-                && t.shape.iter().zip(&expected).all(|(&d, &e)| e < 0 || d as i64 == e);
+            let expected: Vec<i64> =
+                if batched { [-1].iter().chain(&s.dims).copied().collect() } else { s.dims.clone() };
+            let fits =
+                t.shape.len() == expected.len() && t.shape.iter().zip(&expected).all(|(&d, &e)| e < 0 || d as i64 == e);
             if !fits {
                 return Err(Error::invalid(format!(
                     "input '{}': expected shape {expected:?}, got {:?}",

@@ -69,8 +69,8 @@ fn runtime(explicit: Option<&Path>) -> Result<&'static (PathBuf, Environment)> {
             if !path.exists() {
                 return Err(format!("ONNX Runtime library {} does not exist. {INSTALL_HINT}", path.display()));
             }
-            let builder = ort::init_from(&path)
-                .map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", path.display()))?;
+            let builder =
+                ort::init_from(&path).map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", path.display()))?;
             let env = builder.with_name("ferrite").build().map_err(|e| format!("cannot start ONNX Runtime: {e}"))?;
             Ok((path, env))
         })
@@ -143,16 +143,13 @@ impl OnnxBackend {
 }
 
 fn open(path: &Path, options: &OnnxOptions) -> Result<Session> {
-    Session::builder(&environment()?.1)
-        .map_err(ort_err)?
-        .with_optimization_level(GraphOptimizationLevel::Level3)
-        .and_then(|b| b.with_intra_threads(options.intra_threads))
-        .and_then(|b| b.with_inter_threads(1))
-        .and_then(|b| b.with_intra_op_spinning(options.spinning))
-        .and_then(|b| b.with_inter_op_spinning(false))
-        .map_err(ort_err)?
-        .commit_from_file(path)
-        .map_err(|e| Error::invalid(format!("cannot load {}: {e}", path.display())))
+    let builder = Session::builder(&environment()?.1).map_err(ort_err)?;
+    let builder = builder.with_optimization_level(GraphOptimizationLevel::Level3).map_err(ort_err)?;
+    let builder = builder.with_intra_threads(options.intra_threads).map_err(ort_err)?;
+    let builder = builder.with_inter_threads(1).map_err(ort_err)?;
+    let builder = builder.with_intra_op_spinning(options.spinning).map_err(ort_err)?;
+    let mut builder = builder.with_inter_op_spinning(false).map_err(ort_err)?;
+    builder.commit_from_file(path).map_err(|e| Error::invalid(format!("cannot load {}: {e}", path.display())))
 }
 
 impl Backend for OnnxBackend {
@@ -185,7 +182,9 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
     if input.datatype == DataType::Bytes {
         let mut strings = Vec::new();
         for part in &input.parts {
-            let TensorData::Bytes(items) = part else { return Err(Error::internal("BYTES input with raw data")) };
+            let TensorData::Bytes(items) = part else {
+                return Err(Error::internal("BYTES input with raw data"));
+            };
             for b in items {
                 let s = std::str::from_utf8(b)
                     .map_err(|_| Error::invalid(format!("input '{}': BYTES element is not UTF-8", input.name)))?;

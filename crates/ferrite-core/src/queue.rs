@@ -78,13 +78,12 @@ impl Queue {
     }
 
     /// Admits `p`, or refuses it when the queue is full.
-    pub fn push(&mut self, p: Pending) -> Result<(), (Pending, Error)> {
+    pub fn push(&mut self, p: Pending) -> Result<()> {
         if self.len >= self.capacity {
-            let err = Error::unavailable(
+            return Err(Error::unavailable(
                 format!("queue full: {} requests waiting (max_queue_size)", self.len),
                 Some(RETRY_AFTER),
-            );
-            return Err((p, err));
+            ));
         }
         let level = p.level.min(self.levels.len() - 1);
         self.levels[level].push_back(p);
@@ -125,7 +124,9 @@ impl Queue {
     pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, flush: bool) -> Decision {
         self.prune(now);
         let mut order = self.levels.iter().flatten();
-        let Some(first) = order.next() else { return Decision::Idle };
+        let Some(first) = order.next() else {
+            return Decision::Idle;
+        };
         if !policy.dynamic {
             return Decision::Run(self.pop(1));
         }
@@ -194,16 +195,8 @@ mod tests {
     fn push(q: &mut Queue, at: Instant, rows: usize, width: usize, level: usize) -> Req {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
-        q.push(Pending {
-            inputs: vec![x],
-            rows,
-            outputs: None,
-            level,
-            enqueued: at,
-            deadline: None,
-            reply: tx,
-        })
-        .unwrap();
+        q.push(Pending { inputs: vec![x], rows, outputs: None, level, enqueued: at, deadline: None, reply: tx })
+            .unwrap();
         Req { rx }
     }
 
@@ -303,16 +296,9 @@ mod tests {
         let mut q = Queue::new(1, 1);
         let _a = push(&mut q, t, 1, 4, 0);
         let (tx, _rx) = oneshot::channel();
-        let extra = Pending {
-            inputs: vec![],
-            rows: 1,
-            outputs: None,
-            level: 0,
-            enqueued: t,
-            deadline: None,
-            reply: tx,
-        };
-        let (_, err) = q.push(extra).unwrap_err();
+        let extra =
+            Pending { inputs: vec![], rows: 1, outputs: None, level: 0, enqueued: t, deadline: None, reply: tx };
+        let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
     }
 

@@ -35,13 +35,20 @@ pub fn is_model_name(name: &str) -> bool {
         && !name.contains("..")
 }
 
+/// What loading a repository gave: the models that serve, and why the others do not.
+#[derive(Default)]
+pub struct Loaded {
+    pub models: BTreeMap<String, Arc<Model>>,
+    pub failed: BTreeMap<String, String>,
+}
+
 /// Loads every model under `root`. A directory that fails is reported and skipped.
-pub fn load_all(root: &Path, options: &LoadOptions) -> Result<(BTreeMap<String, Arc<Model>>, BTreeMap<String, String>)> {
+pub fn load_all(root: &Path, options: &LoadOptions) -> Result<Loaded> {
     let entries = std::fs::read_dir(root)
         .map_err(|e| Error::invalid(format!("cannot read model repository {}: {e}", root.display())))?;
     let mut dirs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_dir()).collect();
     dirs.sort();
-    let (mut models, mut failed) = (BTreeMap::new(), BTreeMap::new());
+    let mut loaded = Loaded::default();
     for dir in dirs {
         let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
         if name.starts_with('.') {
@@ -50,15 +57,15 @@ pub fn load_all(root: &Path, options: &LoadOptions) -> Result<(BTreeMap<String, 
         match load_model(&dir, &name, options) {
             Ok(model) => {
                 tracing::info!(model = %name, version = model.spec.version, "model ready");
-                models.insert(name, Arc::new(model));
+                loaded.models.insert(name, Arc::new(model));
             }
             Err(e) => {
                 tracing::error!(model = %name, error = %e, "model skipped");
-                failed.insert(name, e.to_string());
+                loaded.failed.insert(name, e.to_string());
             }
         }
     }
-    Ok((models, failed))
+    Ok(loaded)
 }
 
 /// Loads the highest version of one model directory.

@@ -42,8 +42,12 @@ fn sample(dt: DataType) -> TensorData {
         DataType::Int16 => Tensor::from_le("", dt, vec![6], &[i16::MIN, -1, 0, 1, 2, i16::MAX]),
         DataType::Int32 => Tensor::from_le("", dt, vec![6], &[i32::MIN, -1, 0, 1, 2, i32::MAX]),
         DataType::Int64 => Tensor::from_le("", dt, vec![6], &[i64::MIN, -1, 0, 1, 2, i64::MAX]),
-        DataType::Fp16 => Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, 2.5, 65504.0, f32::NAN].map(half::f16::from_f32)),
-        DataType::Bf16 => Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, 2.5, 1e30, f32::INFINITY].map(half::bf16::from_f32)),
+        DataType::Fp16 => {
+            Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, 2.5, 65504.0, f32::NAN].map(half::f16::from_f32))
+        }
+        DataType::Bf16 => {
+            Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, 2.5, 1e30, f32::INFINITY].map(half::bf16::from_f32))
+        }
         DataType::Fp32 => Tensor::from_le("", dt, vec![6], &[-1.5f32, 0.0, 1.0, f32::MAX, f32::NAN, f32::NEG_INFINITY]),
         DataType::Fp64 => Tensor::from_le("", dt, vec![6], &[-1.5f64, 0.0, 1.0, f64::MAX, 1e-300, f64::INFINITY]),
         DataType::Bytes => {
@@ -90,12 +94,20 @@ fn parts_are_concatenated_along_dim0(load: Loader) {
     let v_b = Tensor::from_le("values", DataType::Fp32, vec![2, 4], &[9f32, 9.0, 9.0, 2.0, 0.5, 0.5, 0.5, 0.5]).data;
     let out = run(
         b.as_ref(),
-        &[("ids", DataType::Int64, vec![3, 4], vec![&ids_a, &ids_b]), ("values", DataType::Fp32, vec![3, 4], vec![&v_a, &v_b])],
+        &[
+            ("ids", DataType::Int64, vec![3, 4], vec![&ids_a, &ids_b]),
+            ("values", DataType::Fp32, vec![3, 4], vec![&v_a, &v_b]),
+        ],
     )
     .unwrap();
     assert_eq!(
         out[0],
-        Tensor::from_le("weighted", DataType::Fp32, vec![3, 4], &[1f32, 2.0, 3.0, 2.0, 0.0, 0.0, 0.0, 2.0, 2.5, 2.5, 2.5, 2.5])
+        Tensor::from_le(
+            "weighted",
+            DataType::Fp32,
+            vec![3, 4],
+            &[1f32, 2.0, 3.0, 2.0, 0.0, 0.0, 0.0, 2.0, 2.5, 2.5, 2.5, 2.5]
+        )
     );
     assert_eq!(out[1], Tensor::from_le("ids_sum", DataType::Int64, vec![3, 1], &[10i64, 1, 20]));
 }

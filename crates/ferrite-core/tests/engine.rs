@@ -124,14 +124,23 @@ async fn invalid_requests_are_refused_with_the_input_named() {
     let cases = vec![
         (req(vec![ids(vec![1, 4])]), "missing input 'values'"),
         (req(vec![ids(vec![1, 4]), values(vec![1, 4]), values(vec![1, 4])]), "'values' is given more than once"),
-        (req(vec![ids(vec![1, 4]), Tensor::from_le("values", DataType::Fp64, vec![1, 4], &[1f64; 4])]), "expected datatype FP32"),
+        (
+            req(vec![ids(vec![1, 4]), Tensor::from_le("values", DataType::Fp64, vec![1, 4], &[1f64; 4])]),
+            "expected datatype FP32",
+        ),
         (req(vec![ids(vec![1, 4]), values(vec![4])]), "'values': expected shape [-1, 4]"),
         (req(vec![ids(vec![1, 4]), values(vec![1, 5])]), "'values': expected shape"),
         (req(vec![ids(vec![5, 4]), values(vec![5, 4])]), "batch size 5 is outside 1..=4"),
         (req(vec![ids(vec![1, 4]), values(vec![2, 4])]), "disagree on the batch size"),
         (req(vec![ids(vec![1, 4]), wrong_size]), "'values': expected shape"),
-        (req(vec![ids(vec![1, 4]), values(vec![1, 4]), Tensor::from_le("extra", DataType::Fp32, vec![1], &[1f32])]), "unexpected input 'extra'"),
-        (InferRequest { outputs: Some(vec!["nope".into()]), ..req(vec![ids(vec![1, 4]), values(vec![1, 4])]) }, "unknown output 'nope'"),
+        (
+            req(vec![ids(vec![1, 4]), values(vec![1, 4]), Tensor::from_le("extra", DataType::Fp32, vec![1], &[1f32])]),
+            "unexpected input 'extra'",
+        ),
+        (
+            InferRequest { outputs: Some(vec!["nope".into()]), ..req(vec![ids(vec![1, 4]), values(vec![1, 4])]) },
+            "unknown output 'nope'",
+        ),
         (InferRequest { priority: 7, ..req(vec![ids(vec![1, 4]), values(vec![1, 4])]) }, "priority 7"),
     ];
     for (r, needle) in cases {
@@ -146,10 +155,12 @@ async fn invalid_requests_are_refused_with_the_input_named() {
     assert!(err.to_string().contains("needs 16 bytes, got 12"), "{err}");
     // A model without a batch dim takes its exact shape.
     let x = Tensor::from_le("x", DataType::Fp64, vec![2, 3], &[1f64, 2.0, 3.0, 4.0, 5.0, 6.0]);
-    let out = core.infer(InferRequest { model_name: "fixed".into(), inputs: vec![x], ..Default::default() }).await.unwrap();
+    let out =
+        core.infer(InferRequest { model_name: "fixed".into(), inputs: vec![x], ..Default::default() }).await.unwrap();
     assert_eq!(out.outputs[0], Tensor::from_le("y", DataType::Fp64, vec![2, 3], &[2f64, 4.0, 6.0, 8.0, 10.0, 12.0]));
     // Caps on elements apply before anything is queued.
-    let small = Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false }, Limits { max_elements: 6 }).unwrap();
+    let small =
+        Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false }, Limits { max_elements: 6 }).unwrap();
     let err = small.infer(req(vec![ids(vec![1, 4]), values(vec![1, 4])])).await.unwrap_err();
     assert!(err.to_string().contains("more than 6 elements"), "{err}");
 }
@@ -218,7 +229,8 @@ async fn a_client_that_left_is_dropped_before_it_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_refuses_with_retry_after() {
-    let config = "max_batch_size = 4\n[dynamic_batching]\nmax_queue_delay_microseconds = 10000000\nmax_queue_size = 2\n";
+    let config =
+        "max_batch_size = 4\n[dynamic_batching]\nmax_queue_delay_microseconds = 10000000\nmax_queue_size = 2\n";
     let dir = repo(&[("mlp", Some(config))]);
     let core = load(dir.path());
     let waiting: Vec<_> = (0..2)
@@ -281,7 +293,15 @@ async fn shutdown_fails_what_is_left_after_the_deadline() {
     let (tx, rx) = mpsc::channel();
     let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
     let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
-    let spec = ModelSpec::resolve("stuck", 1, &ModelConfig { max_batch_size: Some(1), ..Default::default() }, &specs, &specs, 1).unwrap();
+    let spec = ModelSpec::resolve(
+        "stuck",
+        1,
+        &ModelConfig { max_batch_size: Some(1), ..Default::default() },
+        &specs,
+        &specs,
+        1,
+    )
+    .unwrap();
     let model = Arc::new(Model::start(spec, &backend).unwrap());
     let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), Limits::default());
     let req = || InferRequest {

@@ -1,6 +1,6 @@
 //! The `ferrite` binary: `ferrite serve`.
 
-mod http;
+use ferrite_server::http;
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 

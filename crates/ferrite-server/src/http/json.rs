@@ -52,12 +52,13 @@ fn param_u64(params: &HashMap<String, Value>, key: &str) -> Result<Option<u64>, 
 }
 
 /// Turns a parsed JSON body into the core's request.
-pub fn to_core(model: &str, version: Option<String>, req: JsonRequest<'_>, max_elements: usize) -> Result<InferRequest, Error> {
-    let inputs = req
-        .inputs
-        .into_iter()
-        .map(|i| decode_input(i, max_elements))
-        .collect::<Result<Vec<_>, _>>()?;
+pub fn to_core(
+    model: &str,
+    version: Option<String>,
+    req: JsonRequest<'_>,
+    max_elements: usize,
+) -> Result<InferRequest, Error> {
+    let inputs = req.inputs.into_iter().map(|i| decode_input(i, max_elements)).collect::<Result<Vec<_>, _>>()?;
     Ok(InferRequest {
         model_name: model.to_string(),
         model_version: version,
@@ -79,7 +80,10 @@ fn decode_input(input: JsonInput<'_>, max_elements: usize) -> Result<Tensor, Err
     let shape = input
         .shape
         .iter()
-        .map(|&d| usize::try_from(d).map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {:?}", input.shape))))
+        .map(|&d| {
+            usize::try_from(d)
+                .map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {:?}", input.shape)))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let count = element_count(&shape, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
     if input.parameters.contains_key("binary_data_size") {
@@ -139,7 +143,10 @@ impl<'n> Sink<'n> {
 
     fn push(&mut self, v: Scalar<'_>) -> Result<(), String> {
         if self.count == self.expected {
-            return Err(format!("input '{}': 'data' has more than the {} elements its shape holds", self.name, self.expected));
+            return Err(format!(
+                "input '{}': 'data' has more than the {} elements its shape holds",
+                self.name, self.expected
+            ));
         }
         self.count += 1;
         let dt = self.datatype;
@@ -305,7 +312,9 @@ fn push_data(out: &mut String, t: &Tensor) {
         }
         TensorData::Raw(b) => b,
     };
-    let Some(size) = t.datatype.size() else { return };
+    let Some(size) = t.datatype.size() else {
+        return;
+    };
     let mut ib = itoa::Buffer::new();
     for (i, c) in raw.chunks_exact(size).enumerate() {
         if i > 0 {
@@ -389,7 +398,8 @@ mod tests {
             };
             let json = format!(r#"{{"name":"t","shape":[2],"datatype":"{dt}","data":{data}}}"#);
             let t = decode(&json, 10).unwrap();
-            let resp = InferResponse { model_name: "m".into(), model_version: "1".into(), id: None, outputs: vec![t.clone()] };
+            let resp =
+                InferResponse { model_name: "m".into(), model_version: "1".into(), id: None, outputs: vec![t.clone()] };
             let body = write_response(&resp);
             let v: Value = serde_json::from_str(&body).unwrap();
             let out = &v["outputs"][0];

@@ -1,0 +1,202 @@
+"""Drives one benchmark run (see bench/run.sh): starts each service, loads it with oha, samples the
+service's CPU time from /proc, runs the in-process ceiling, and writes a Markdown table."""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "bench" / ".work"
+RESULTS = ROOT / "bench" / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url, proc, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"service exited early ({proc.returncode}); see {WORK}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    sys.exit(f"service at {url} never became ready")
+
+
+def tree(pid):
+    """pid and all its descendants."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        try:
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            children = []
+        todo += [int(c) for c in children]
+    return pids
+
+
+def cpu_seconds(pid):
+    total = 0
+    for p in tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except OSError:
+            pass
+    return total / CLK_TCK
+
+
+def oha(url, body, clients, duration):
+    out = subprocess.run(
+        ["oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
+         "-m", "POST", "-D", str(body), "-T", "application/json", url],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def measure(name, cmd, ready_url, infer_url, body, args, env=None):
+    log = open(WORK / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        wait_ready(ready_url, proc)
+        oha(infer_url, body, args.clients, 2)  # warm-up
+        cpu0, t0 = cpu_seconds(proc.pid), time.time()
+        r = oha(infer_url, body, args.clients, args.duration)
+        cpu = (cpu_seconds(proc.pid) - cpu0) / (time.time() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    ok = r["statusCodeDistribution"].get("200", 0)
+    total = sum(r["statusCodeDistribution"].values()) + sum(r.get("errorDistribution", {}).values())
+    row = {
+        "name": name,
+        "rps": ok / r["summary"]["total"],
+        "p50_ms": r["latencyPercentiles"]["p50"] * 1000,
+        "p99_ms": r["latencyPercentiles"]["p99"] * 1000,
+        "cpu_cores": cpu,
+        "errors": total - ok,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def ferrite(name, args, body, extra=()):
+    port = free_port()
+    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(WORK / "repo"),
+           "--http-port", str(port), "--log", "warn", *extra]
+    base = f"http://127.0.0.1:{port}"
+    return measure(name, cmd, f"{base}/v2/health/ready", f"{base}/v2/models/mlp/infer", body, args)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=int, default=20)
+    ap.add_argument("--clients", type=int, default=128)
+    ap.add_argument("--name", default="mlp")
+    ap.add_argument("--variants", action="store_true", help="also measure batching settings (for defaults)")
+    args = ap.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    body = WORK / "mlp_request.json"
+    body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32",
+                                            "data": [round((i % 97) / 97 - 0.5, 4) for i in range(512)]}]}))
+    repo = WORK / "repo"
+    if not (repo / "mlp").exists():
+        (repo / "mlp" / "1").mkdir(parents=True)
+        (repo / "mlp" / "1" / "model.onnx").symlink_to(ROOT / "models/mlp/1/model.onnx")
+
+    rows = [ferrite("ferrite", args, body)]
+    variants = []
+    if args.variants:
+        # The batching defaults are chosen from this grid: throughput under load vs latency alone.
+        for delay in (0, 200, 500, 1000):
+            cfg = WORK / f"repo-d{delay}"
+            (cfg / "mlp" / "1").mkdir(parents=True, exist_ok=True)
+            link = cfg / "mlp" / "1" / "model.onnx"
+            if not link.exists():
+                link.symlink_to(ROOT / "models/mlp/1/model.onnx")
+            (cfg / "mlp" / "config.toml").write_text(f"[dynamic_batching]\nmax_queue_delay_microseconds = {delay}\n")
+            for clients in (args.clients, 1):
+                port = free_port()
+                cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(cfg),
+                       "--http-port", str(port), "--log", "warn"]
+                base = f"http://127.0.0.1:{port}"
+                run_args = argparse.Namespace(clients=clients, duration=max(5, args.duration // 2))
+                r = measure(f"delay {delay} us, {clients} clients", cmd, f"{base}/v2/health/ready",
+                            f"{base}/v2/models/mlp/infer", body, run_args)
+                variants.append(r)
+        variants.append(ferrite("spinning threads, 128 clients", args, body, ["--spin"]))
+
+    port = free_port()
+    workers = str(os.cpu_count() or 1)
+    env = dict(os.environ, MODEL=str(ROOT / "models/mlp/1/model.onnx"))
+    base = f"http://127.0.0.1:{port}"
+    baseline = measure(
+        "fastapi+onnxruntime",
+        [sys.executable, "-m", "uvicorn", "bench.baseline.app:app", "--port", str(port), "--workers", workers,
+         "--log-level", "warning"],
+        f"{base}/docs", f"{base}/v2/models/mlp/infer", body, args, env=env,
+    )
+    rows.append(baseline)
+
+    out = subprocess.run([str(ROOT / "target/release/examples/ceiling"), str(ROOT / "models/mlp/1/model.onnx"), "3"],
+                         capture_output=True, text=True, check=True).stdout
+    ceiling = max((json.loads(line) for line in out.splitlines()), key=lambda r: r["rows_per_sec"])
+    print(json.dumps({"ceiling": ceiling}), flush=True)
+
+    f = rows[0]
+    lines = [
+        f"# Benchmark: `{args.name}`",
+        "",
+        f"`bench/run.sh` on {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}: "
+        f"{args.clients} concurrent clients (oha), batch-1 V2 JSON requests to the `mlp` model "
+        f"(512 -> 2048 -> 2048 -> 10) for {args.duration} s each; the load generator shares the machine.",
+        "CPU is the service's own CPU time per second of wall time (cores busy), all its processes.",
+        "",
+        "| service | req/s | p50 ms | p99 ms | CPU cores | errors |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_cores']:.2f} | {r['errors']} |")
+    lines += [
+        f"| engine alone, in-process (batch {ceiling['batch']}) | {ceiling['rows_per_sec']:.0f} rows/s | | | | |",
+        "",
+        "| ratio | value |",
+        "|---|---:|",
+        f"| Ferrite / baseline throughput | {f['rps'] / baseline['rps']:.1f}x |",
+        f"| Ferrite p99 / baseline p99 | {f['p99_ms'] / baseline['p99_ms']:.3f} |",
+        f"| Ferrite / engine ceiling throughput | {f['rps'] / ceiling['rows_per_sec']:.2f} |",
+        "",
+        f"Bar (issue 2): throughput >= 10x baseline: **{'met' if f['rps'] >= 10 * baseline['rps'] else 'NOT met'}**; "
+        f"p99 <= 1/5 of baseline: **{'met' if f['p99_ms'] <= baseline['p99_ms'] / 5 else 'NOT met'}**.",
+    ]
+    if variants:
+        lines += ["", "## Batching settings (for the defaults)", "",
+                  "| ferrite setting | req/s | p50 ms | p99 ms | CPU cores |", "|---|---:|---:|---:|---:|"]
+        for r in variants:
+            lines.append(f"| {r['name']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_cores']:.2f} |")
+    path = RESULTS / f"{args.name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

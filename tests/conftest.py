@@ -1,0 +1,92 @@
+"""Starts the real `ferrite` binary for end-to-end tests."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = os.environ.get("FERRITE_BIN", str(ROOT / "target" / "debug" / "ferrite"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):
+    """A repository with copies of bundled (models/) and test (tests/models/) models."""
+    for name in models:
+        src = ROOT / "models" / name
+        if not src.exists():
+            src = ROOT / "tests" / "models" / name
+        shutil.copytree(src, dest / name)
+    return dest
+
+
+class Server:
+    def __init__(self, repository: Path, *args, env=None):
+        self.port = free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.log_path = repository.parent / f"ferrite-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [BIN, "serve", "--model-repository", str(repository), "--http-port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ferrite exited with {self.proc.returncode}: {self.logs()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("ferrite did not become ready: " + self.logs())
+
+    def logs(self):
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    repo = make_repository(tmp_path_factory.mktemp("repo"))
+    s = Server(repo)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Starts extra servers for a test; stops them afterwards."""
+    started = []
+
+    def start(*args, models=("mlp", "mixed"), repository=None, env=None):
+        repo = repository or make_repository(tmp_path / f"repo{len(started)}", models)
+        s = Server(repo, *args, env=env)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
