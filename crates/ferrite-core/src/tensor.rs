@@ -32,6 +32,67 @@ pub fn element_count(shape: &[usize], max: usize) -> Result<usize> {
     Ok(n)
 }
 
+impl TensorData {
+    /// Decodes the raw wire form shared by Triton's binary extension and gRPC raw contents:
+    /// fixed-size elements little-endian with no padding, BYTES as a 4-byte little-endian length
+    /// then the bytes. `count` elements are expected; fixed-size data is not copied.
+    pub fn from_wire(name: &str, datatype: DataType, count: usize, raw: Bytes) -> Result<TensorData> {
+        if let Some(size) = datatype.size() {
+            if raw.len() != count * size {
+                return Err(Error::invalid(format!(
+                    "input '{name}': {count} {datatype} elements need {} bytes, got {}",
+                    count * size,
+                    raw.len()
+                )));
+            }
+            return Ok(TensorData::Raw(raw));
+        }
+        let mut items = Vec::with_capacity(count.min(raw.len() / 4));
+        let mut at = 0;
+        while at < raw.len() {
+            let len_bytes: [u8; 4] = raw
+                .get(at..at + 4)
+                .and_then(|b| b.try_into().ok())
+                .ok_or_else(|| Error::invalid(format!("input '{name}': truncated BYTES length at byte {at}")))?;
+            let len = u32::from_le_bytes(len_bytes) as usize;
+            at += 4;
+            if len > raw.len() - at {
+                return Err(Error::invalid(format!(
+                    "input '{name}': BYTES element of {len} bytes at byte {at} runs past the {} given",
+                    raw.len()
+                )));
+            }
+            if items.len() == count {
+                return Err(Error::invalid(format!("input '{name}': more than {count} BYTES elements")));
+            }
+            items.push(raw.slice(at..at + len));
+            at += len;
+        }
+        if items.len() != count {
+            return Err(Error::invalid(format!(
+                "input '{name}': {count} BYTES elements expected, got {}",
+                items.len()
+            )));
+        }
+        Ok(TensorData::Bytes(items))
+    }
+
+    /// The raw wire form (see `from_wire`); fixed-size data is shared, not copied.
+    pub fn to_wire(&self) -> Bytes {
+        match self {
+            TensorData::Raw(b) => b.clone(),
+            TensorData::Bytes(items) => {
+                let mut out = Vec::with_capacity(items.iter().map(|b| b.len() + 4).sum());
+                for b in items {
+                    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+                    out.extend_from_slice(b);
+                }
+                out.into()
+            }
+        }
+    }
+}
+
 impl Tensor {
     pub fn new(name: impl Into<String>, datatype: DataType, shape: Vec<usize>, data: TensorData) -> Self {
         Tensor { name: name.into(), datatype, shape, data }
@@ -139,6 +200,27 @@ mod tests {
             TensorData::Bytes(vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")]),
         );
         assert_eq!(s.rows(1, 1).data, TensorData::Bytes(vec![Bytes::from_static(b"b")]));
+    }
+
+    #[test]
+    fn wire_form_round_trips_and_checks_every_length() {
+        let items = vec![Bytes::from_static(b"ab"), Bytes::new(), Bytes::from_static(b"xyz")];
+        let wire = TensorData::Bytes(items.clone()).to_wire();
+        assert_eq!(&wire[..], b"\x02\0\0\0ab\0\0\0\0\x03\0\0\0xyz");
+        assert_eq!(TensorData::from_wire("s", DataType::Bytes, 3, wire.clone()).unwrap(), TensorData::Bytes(items));
+        for (count, raw, needle) in [
+            (3, wire.slice(..wire.len() - 1), "runs past"),
+            (2, wire.clone(), "more than 2"),
+            (4, wire.clone(), "4 BYTES elements expected"),
+            (1, Bytes::from_static(b"\x01\0"), "truncated"),
+            (1, Bytes::from_static(b"\xff\xff\xff\xff"), "runs past"),
+        ] {
+            let err = TensorData::from_wire("s", DataType::Bytes, count, raw).unwrap_err().to_string();
+            assert!(err.contains(needle) && err.contains("'s'"), "{err}");
+        }
+        let f = TensorData::from_wire("f", DataType::Fp32, 2, Bytes::from_static(&[0; 8])).unwrap();
+        assert_eq!(f.to_wire().len(), 8);
+        assert!(TensorData::from_wire("f", DataType::Fp32, 2, Bytes::from_static(&[0; 7])).is_err());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use axum::{
-    body::Body,
+    body::{Body, Bytes},
     http::{HeaderMap, Request, StatusCode},
     Router,
 };
@@ -219,15 +219,146 @@ async fn oversized_bodies_are_refused_before_parsing() {
     assert!(err["error"].is_string(), "{err}");
 }
 
+async fn raw_call(app: &Router, req: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let (status, headers) = (resp.status(), resp.headers().clone());
+    (status, headers, resp.into_body().collect().await.unwrap().to_bytes())
+}
+
+fn binary_request(json: &Value, blobs: &[&[u8]]) -> Request<Body> {
+    let text = json.to_string();
+    let mut body = text.clone().into_bytes();
+    for b in blobs {
+        body.extend_from_slice(b);
+    }
+    Request::post("/v2/models/mixed/infer")
+        .header("Inference-Header-Content-Length", text.len())
+        .body(Body::from(body))
+        .unwrap()
+}
+
+fn le<T: Copy, const N: usize>(values: [T; N], f: fn(T) -> [u8; 8]) -> Vec<u8> {
+    values.iter().flat_map(|&v| f(v)).collect()
+}
+
 #[tokio::test]
-async fn binary_tensors_are_refused_clearly_for_now() {
+async fn binary_tensor_extension_in_and_out() {
     let s = server(1 << 20);
-    let req = Request::post("/v2/models/mlp/infer")
-        .header("Inference-Header-Content-Length", "10")
+    let ids = le([1i64, 2, 3, 4], i64::to_le_bytes);
+    let values: Vec<u8> = [1f32, 1.0, 1.0, 0.5].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let json = json!({
+        "inputs": [
+            {"name": "ids", "shape": [1, 4], "datatype": "INT64", "parameters": {"binary_data_size": 32}},
+            {"name": "values", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}}
+        ],
+        "outputs": [{"name": "weighted", "parameters": {"binary_data": true}}, {"name": "ids_sum"}]
+    });
+    let (status, headers, body) = raw_call(&s.app, binary_request(&json, &[&ids, &values])).await;
+    assert_eq!(status, StatusCode::OK, "{body:?}");
+    assert_eq!(headers["content-type"], "application/octet-stream");
+    let len: usize = headers["inference-header-content-length"].to_str().unwrap().parse().unwrap();
+    let head: Value = serde_json::from_slice(&body[..len]).unwrap();
+    assert_eq!(head["outputs"][0]["parameters"]["binary_data_size"], 16);
+    assert!(head["outputs"][0].get("data").is_none());
+    assert_eq!(head["outputs"][1]["data"], json!([10]));
+    let weighted: Vec<f32> = body[len..].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(weighted, [1.0, 2.0, 3.0, 2.0]);
+
+    // Lies about lengths are refused, naming the input.
+    let mut short = json.clone();
+    short["inputs"][1]["parameters"]["binary_data_size"] = json!(20);
+    let (status, _, body) = raw_call(&s.app, binary_request(&short, &[&ids, &values])).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&body).contains("'values'"), "{body:?}");
+    let (status, _, _) = raw_call(&s.app, binary_request(&json, &[&ids, &values, b"x"])).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let req = Request::post("/v2/models/mixed/infer")
+        .header("Inference-Header-Content-Length", "999")
         .body(Body::from("{}"))
         .unwrap();
-    let resp = s.app.clone().oneshot(req).await.unwrap();
-    assert_eq!(resp.status(), StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(raw_call(&s.app, req).await.0, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn binary_bytes_tensors_use_length_prefixes() {
+    let s = server(1 << 20);
+    let mut words = Vec::new();
+    for w in [&b"ab"[..], b"", b"xyz"] {
+        words.extend_from_slice(&(w.len() as u32).to_le_bytes());
+        words.extend_from_slice(w);
+    }
+    let dts = [
+        "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32",
+        "FP64",
+    ];
+    let mut inputs = Vec::new();
+    let mut blobs: Vec<Vec<u8>> = Vec::new();
+    for dt in dts {
+        let size = match dt {
+            "BOOL" | "UINT8" | "INT8" => 1,
+            "UINT16" | "INT16" | "FP16" | "BF16" => 2,
+            "UINT32" | "INT32" | "FP32" => 4,
+            _ => 8,
+        };
+        inputs.push(json!({"name": format!("{}_in", dt.to_lowercase()), "shape": [1, 3], "datatype": dt, "parameters": {"binary_data_size": 3 * size}}));
+        blobs.push((0..3 * size).map(|i| if dt == "BOOL" { (i % 2) as u8 } else { i as u8 }).collect());
+    }
+    inputs.push(json!({"name": "bytes_in", "shape": [1, 3], "datatype": "BYTES", "parameters": {"binary_data_size": words.len()}}));
+    blobs.push(words.clone());
+    let json = json!({"inputs": inputs, "parameters": {"binary_data_output": true}});
+    let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
+    let mut req = binary_request(&json, &refs);
+    *req.uri_mut() = "/v2/models/identity/infer".parse().unwrap();
+    let (status, headers, body) = raw_call(&s.app, req).await;
+    assert_eq!(status, StatusCode::OK, "{body:?}");
+    let len: usize = headers["inference-header-content-length"].to_str().unwrap().parse().unwrap();
+    // Every output comes back byte for byte, in order.
+    assert_eq!(&body[len..], &refs.concat()[..]);
+}
+
+#[tokio::test]
+async fn msgpack_requests_and_responses() {
+    let s = server(1 << 20);
+    let body = rmp_serde::to_vec_named(&mixed_body()).unwrap();
+    let req = Request::post("/v2/models/mixed/infer")
+        .header("content-type", "application/msgpack")
+        .body(Body::from(body))
+        .unwrap();
+    let (status, headers, body) = raw_call(&s.app, req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-type"], "application/msgpack");
+    let v: rmpv::Value = rmp_serde::from_slice(&body).unwrap();
+    assert_eq!(v["id"].as_str(), Some("r1"));
+    let sums: Vec<i64> = v["outputs"][1]["data"]
+        .as_slice()
+        .unwrap()
+        .chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(sums, [10, 2]);
+    // A JSON request may ask for a MessagePack answer, and a MessagePack one for JSON.
+    let req = Request::post("/v2/models/mixed/infer")
+        .header("accept", "application/msgpack")
+        .body(Body::from(mixed_body().to_string()))
+        .unwrap();
+    assert_eq!(raw_call(&s.app, req).await.1["content-type"], "application/msgpack");
+    let body = rmp_serde::to_vec_named(&mixed_body()).unwrap();
+    let req = Request::post("/v2/models/mixed/infer")
+        .header("content-type", "application/msgpack")
+        .header("accept", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    let (_, headers, body) = raw_call(&s.app, req).await;
+    assert_eq!(headers["content-type"], "application/json");
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["outputs"][1]["data"], json!([10, 2]));
+    // Errors are the same JSON errors.
+    let req = Request::post("/v2/models/mixed/infer")
+        .header("content-type", "application/msgpack")
+        .body(Body::from(&b"\xc1"[..]))
+        .unwrap();
+    let (status, _, body) = raw_call(&s.app, req).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(serde_json::from_slice::<Value>(&body).unwrap()["error"].as_str().unwrap().contains("MessagePack"));
 }
 
 #[tokio::test]

@@ -1,24 +1,23 @@
-//! The V2 JSON body: decoding requests straight into typed tensor bytes, and writing responses.
+//! The V2 JSON body, with Triton's binary tensor extension: decoding requests, writing responses.
 //!
 //! Tensor `data` is kept as raw JSON until the input's datatype and shape are known, so decoding
 //! allocates exactly what the (already capped) shape calls for and stops at the first extra value.
-
-use std::{collections::HashMap, fmt};
+//! Binary inputs are slices of the request body, not copies.
 
 use bytes::Bytes;
-use ferrite_core::{tensor::element_count, DataType, Error, InferRequest, InferResponse, Tensor, TensorData};
-use serde::{
-    de::{DeserializeSeed, SeqAccess, Visitor},
-    Deserialize, Deserializer,
-};
-use serde_json::{value::RawValue, Value};
+use ferrite_core::{DataType, Error, InferRequest, InferResponse, Tensor, TensorData};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+pub use super::decode::BinaryOutputs;
+use super::decode::{input_header, param_bool, param_u64, priority_and_timeout, Params, Sink};
 
 #[derive(Deserialize)]
 pub struct JsonRequest<'a> {
     #[serde(default)]
     pub id: Option<String>,
     #[serde(default)]
-    pub parameters: HashMap<String, Value>,
+    pub parameters: Params,
     #[serde(borrow)]
     pub inputs: Vec<JsonInput<'a>>,
     #[serde(default)]
@@ -31,7 +30,7 @@ pub struct JsonInput<'a> {
     pub shape: Vec<i64>,
     pub datatype: String,
     #[serde(default)]
-    pub parameters: HashMap<String, Value>,
+    pub parameters: Params,
     #[serde(borrow, default)]
     pub data: Option<&'a RawValue>,
 }
@@ -39,216 +38,88 @@ pub struct JsonInput<'a> {
 #[derive(Deserialize)]
 pub struct JsonOutput {
     pub name: String,
+    #[serde(default)]
+    pub parameters: Params,
 }
 
-fn param_u64(params: &HashMap<String, Value>, key: &str) -> Result<Option<u64>, Error> {
-    match params.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| Error::invalid(format!("parameter '{key}' must be a non-negative integer"))),
-    }
-}
-
-/// Turns a parsed JSON body into the core's request.
-pub fn to_core(
+/// Parses a JSON request; `binary` holds the bytes after the JSON when the binary extension is used.
+pub fn parse(
     model: &str,
     version: Option<String>,
-    req: JsonRequest<'_>,
+    json: &[u8],
+    binary: Option<Bytes>,
     max_elements: usize,
-) -> Result<InferRequest, Error> {
-    let inputs = req.inputs.into_iter().map(|i| decode_input(i, max_elements)).collect::<Result<Vec<_>, _>>()?;
-    Ok(InferRequest {
+) -> Result<(InferRequest, BinaryOutputs), Error> {
+    let req: JsonRequest<'_> =
+        serde_json::from_slice(json).map_err(|e| Error::invalid(format!("invalid JSON request: {e}")))?;
+    let mut rest = binary.unwrap_or_default();
+    let inputs =
+        req.inputs.into_iter().map(|i| decode_input(i, &mut rest, max_elements)).collect::<Result<Vec<_>, _>>()?;
+    if !rest.is_empty() {
+        return Err(Error::invalid(format!("{} bytes of binary data follow the last input", rest.len())));
+    }
+    let (priority, timeout_us) = priority_and_timeout(&req.parameters)?;
+    let mut binary_outputs = BinaryOutputs {
+        default: param_bool(&req.parameters, "binary_data_output")?.unwrap_or(false),
+        ..Default::default()
+    };
+    let outputs = match req.outputs {
+        None => None,
+        Some(outs) => {
+            let mut names = Vec::with_capacity(outs.len());
+            for o in outs {
+                if let Some(b) = param_bool(&o.parameters, "binary_data")? {
+                    binary_outputs.named.insert(o.name.clone(), b);
+                }
+                names.push(o.name);
+            }
+            Some(names)
+        }
+    };
+    let req = InferRequest {
         model_name: model.to_string(),
         model_version: version,
         id: req.id,
         inputs,
-        outputs: req.outputs.map(|o| o.into_iter().map(|o| o.name).collect()),
-        priority: param_u64(&req.parameters, "priority")?
-            .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
-            .transpose()?
-            .unwrap_or(0),
-        timeout_us: param_u64(&req.parameters, "timeout")?,
-    })
+        outputs,
+        priority,
+        timeout_us,
+    };
+    Ok((req, binary_outputs))
 }
 
-fn decode_input(input: JsonInput<'_>, max_elements: usize) -> Result<Tensor, Error> {
+fn decode_input(input: JsonInput<'_>, binary: &mut Bytes, max_elements: usize) -> Result<Tensor, Error> {
     let name = input.name;
-    let datatype = DataType::parse(&input.datatype)
-        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{}'", input.datatype)))?;
-    let shape = input
-        .shape
-        .iter()
-        .map(|&d| {
-            usize::try_from(d)
-                .map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {:?}", input.shape)))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let count = element_count(&shape, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
-    if input.parameters.contains_key("binary_data_size") {
-        return Err(Error::Unsupported(format!(
-            "input '{name}': binary tensor data needs the Inference-Header-Content-Length header"
-        )));
-    }
-    let raw = input.data.ok_or_else(|| Error::invalid(format!("input '{name}' has no 'data'")))?;
-    let mut sink = Sink::new(&name, datatype, count);
-    let mut de = serde_json::Deserializer::from_str(raw.get());
-    Flatten(&mut sink)
-        .deserialize(&mut de)
-        .map_err(|e| Error::invalid(sink.error.take().unwrap_or_else(|| format!("input '{name}': {e}"))))?;
-    if sink.count != count {
-        return Err(Error::invalid(format!(
-            "input '{name}': shape {shape:?} needs {count} elements, 'data' has {}",
-            sink.count
-        )));
-    }
-    let data = sink.finish();
+    let (datatype, shape, count) = input_header(&name, &input.datatype, &input.shape, max_elements)?;
+    let data = match (param_u64(&input.parameters, "binary_data_size")?, input.data) {
+        (Some(_), Some(_)) => {
+            return Err(Error::invalid(format!("input '{name}' has both 'data' and binary_data_size")))
+        }
+        (Some(size), None) => {
+            let size = usize::try_from(size).unwrap_or(usize::MAX);
+            if size > binary.len() {
+                return Err(Error::invalid(format!(
+                    "input '{name}': binary_data_size {size} exceeds the {} bytes left in the body",
+                    binary.len()
+                )));
+            }
+            TensorData::from_wire(&name, datatype, count, binary.split_to(size))?
+        }
+        (None, Some(raw)) => {
+            let mut sink = Sink::new(&name, datatype, count);
+            sink.fill(&mut serde_json::Deserializer::from_str(raw.get()))?;
+            sink.finish()
+        }
+        (None, None) => return Err(Error::invalid(format!("input '{name}' has no 'data'"))),
+    };
     Ok(Tensor::new(name, datatype, shape, data))
 }
 
-/// Collects scalars of one datatype into little-endian bytes (or BYTES elements).
-struct Sink<'n> {
-    name: &'n str,
-    datatype: DataType,
-    expected: usize,
-    count: usize,
-    raw: Vec<u8>,
-    strings: Vec<Bytes>,
-    /// The precise reason, kept because serde wraps custom errors with positions.
-    error: Option<String>,
-}
-
-enum Scalar<'s> {
-    Bool(bool),
-    I64(i64),
-    U64(u64),
-    F64(f64),
-    Str(&'s str),
-}
-
-impl<'n> Sink<'n> {
-    fn new(name: &'n str, datatype: DataType, expected: usize) -> Self {
-        let raw = Vec::with_capacity(expected * datatype.size().unwrap_or(0));
-        let strings = if datatype == DataType::Bytes { Vec::with_capacity(expected) } else { Vec::new() };
-        Sink { name, datatype, expected, count: 0, raw, strings, error: None }
-    }
-
-    fn finish(self) -> TensorData {
-        match self.datatype {
-            DataType::Bytes => TensorData::Bytes(self.strings),
-            _ => TensorData::Raw(self.raw.into()),
-        }
-    }
-
-    fn push(&mut self, v: Scalar<'_>) -> Result<(), String> {
-        if self.count == self.expected {
-            return Err(format!(
-                "input '{}': 'data' has more than the {} elements its shape holds",
-                self.name, self.expected
-            ));
-        }
-        self.count += 1;
-        let dt = self.datatype;
-        let bad = |what: &str| format!("input '{}': {what} is not a valid {dt} value", self.name);
-        macro_rules! int {
-            ($t:ty) => {{
-                let x: $t = match v {
-                    Scalar::I64(i) => <$t>::try_from(i).map_err(|_| bad(&i.to_string()))?,
-                    Scalar::U64(u) => <$t>::try_from(u).map_err(|_| bad(&u.to_string()))?,
-                    _ => return Err(bad("a non-integer")),
-                };
-                self.raw.extend_from_slice(&x.to_le_bytes());
-            }};
-        }
-        let float = |v: Scalar<'_>| -> Result<f64, String> {
-            Ok(match v {
-                Scalar::F64(f) => f,
-                Scalar::I64(i) => i as f64,
-                Scalar::U64(u) => u as f64,
-                Scalar::Str("NaN") => f64::NAN,
-                Scalar::Str("Infinity") => f64::INFINITY,
-                Scalar::Str("-Infinity") => f64::NEG_INFINITY,
-                _ => return Err(bad("a non-number")),
-            })
-        };
-        match dt {
-            DataType::Bool => match v {
-                Scalar::Bool(b) => self.raw.push(b as u8),
-                _ => return Err(bad("a non-boolean")),
-            },
-            DataType::Uint8 => int!(u8),
-            DataType::Uint16 => int!(u16),
-            DataType::Uint32 => int!(u32),
-            DataType::Uint64 => int!(u64),
-            DataType::Int8 => int!(i8),
-            DataType::Int16 => int!(i16),
-            DataType::Int32 => int!(i32),
-            DataType::Int64 => int!(i64),
-            DataType::Fp16 => self.raw.extend_from_slice(&half::f16::from_f64(float(v)?).to_le_bytes()),
-            DataType::Bf16 => self.raw.extend_from_slice(&half::bf16::from_f64(float(v)?).to_le_bytes()),
-            DataType::Fp32 => self.raw.extend_from_slice(&(float(v)? as f32).to_le_bytes()),
-            DataType::Fp64 => self.raw.extend_from_slice(&float(v)?.to_le_bytes()),
-            DataType::Bytes => match v {
-                Scalar::Str(s) => self.strings.push(Bytes::copy_from_slice(s.as_bytes())),
-                _ => return Err(bad("a non-string")),
-            },
-        }
-        Ok(())
-    }
-}
-
-/// Visits `data`, flat or nested to any depth serde_json allows, pushing each scalar in row-major order.
-struct Flatten<'s, 'n>(&'s mut Sink<'n>);
-
-impl<'de> DeserializeSeed<'de> for Flatten<'_, '_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Flatten<'_, '_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a scalar or a (nested) array of scalars")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(Flatten(self.0))?.is_some() {}
-        Ok(())
-    }
-
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<(), E> {
-        self.put(Scalar::Bool(v))
-    }
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
-        self.put(Scalar::I64(v))
-    }
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
-        self.put(Scalar::U64(v))
-    }
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
-        self.put(Scalar::F64(v))
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
-        self.put(Scalar::Str(v))
-    }
-}
-
-impl Flatten<'_, '_> {
-    fn put<E: serde::de::Error>(self, v: Scalar<'_>) -> Result<(), E> {
-        self.0.push(v).map_err(|msg| {
-            self.0.error = Some(msg.clone());
-            E::custom(msg)
-        })
-    }
-}
-
-/// Writes a V2 JSON response. Non-finite floats are written as `NaN`, `Infinity`, `-Infinity`,
-/// which Python's `json` (and so tritonclient) reads.
-pub fn write_response(resp: &InferResponse) -> String {
+/// Writes a V2 JSON response, and the binary outputs' bytes to append after it (in order).
+/// Non-finite floats are written as `NaN`, `Infinity`, `-Infinity`, which Python's `json` (and so
+/// tritonclient) reads.
+pub fn write_response(resp: &InferResponse, binary: &BinaryOutputs) -> (String, Vec<Bytes>) {
+    let mut blobs = Vec::new();
     let mut out = String::with_capacity(64 + resp.outputs.iter().map(|o| o.element_count() * 12).sum::<usize>());
     out.push_str("{\"model_name\":");
     push_str(&mut out, &resp.model_name);
@@ -275,12 +146,20 @@ pub fn write_response(resp: &InferResponse) -> String {
             }
             out.push_str(ib.format(*d));
         }
-        out.push_str("],\"data\":[");
-        push_data(&mut out, t);
-        out.push_str("]}");
+        if binary.is_binary(&t.name) {
+            let blob = t.data.to_wire();
+            out.push_str("],\"parameters\":{\"binary_data_size\":");
+            out.push_str(ib.format(blob.len()));
+            out.push_str("}}");
+            blobs.push(blob);
+        } else {
+            out.push_str("],\"data\":[");
+            push_data(&mut out, t);
+            out.push_str("]}");
+        }
     }
     out.push_str("]}");
-    out
+    (out, blobs)
 }
 
 fn push_str(out: &mut String, s: &str) {
@@ -342,10 +221,33 @@ fn push_data(out: &mut String, t: &Tensor) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn decode(json: &str, max: usize) -> Result<Tensor, Error> {
         let input: JsonInput<'_> = serde_json::from_str(json).unwrap();
-        decode_input(input, max)
+        decode_input(input, &mut Bytes::new(), max)
+    }
+
+    fn write(resp: &InferResponse) -> String {
+        write_response(resp, &BinaryOutputs::default()).0
+    }
+
+    #[test]
+    fn binary_inputs_are_slices_of_the_body_and_lengths_are_checked() {
+        let json = br#"{"inputs":[{"name":"a","shape":[2],"datatype":"INT16","parameters":{"binary_data_size":4}},
+            {"name":"s","shape":[1],"datatype":"BYTES","parameters":{"binary_data_size":6}}],
+            "outputs":[{"name":"y","parameters":{"binary_data":true}}],"parameters":{"binary_data_output":false}}"#;
+        let body = Bytes::from_static(b"\x01\x00\x02\x00\x02\x00\x00\x00hi");
+        let (req, bin) = parse("m", None, json, Some(body.clone()), 100).unwrap();
+        assert_eq!(req.inputs[0], Tensor::from_le("a", DataType::Int16, vec![2], &[1i16, 2]));
+        assert_eq!(req.inputs[1].data, TensorData::Bytes(vec![Bytes::from_static(b"hi")]));
+        assert!(bin.is_binary("y") && !bin.is_binary("z"));
+        let err = parse("m", None, json, Some(body.slice(..9)), 100).unwrap_err().to_string();
+        assert!(err.contains("'s'") && err.contains("exceeds"), "{err}");
+        let mut long = body.to_vec();
+        long.push(0);
+        let err = parse("m", None, json, Some(long.into()), 100).unwrap_err().to_string();
+        assert!(err.contains("1 bytes of binary data follow"), "{err}");
     }
 
     #[test]
@@ -359,7 +261,7 @@ mod tests {
     #[test]
     fn wrong_counts_and_values_name_the_input() {
         for (json, needle) in [
-            (r#"{"name":"x","shape":[3],"datatype":"FP32","data":[1,2]}"#, "needs 3 elements"),
+            (r#"{"name":"x","shape":[3],"datatype":"FP32","data":[1,2]}"#, "holds 3 elements"),
             (r#"{"name":"x","shape":[1],"datatype":"FP32","data":[1,2]}"#, "more than the 1"),
             (r#"{"name":"x","shape":[1],"datatype":"UINT8","data":[300]}"#, "300 is not a valid UINT8"),
             (r#"{"name":"x","shape":[1],"datatype":"INT8","data":[1.5]}"#, "non-integer"),
@@ -378,7 +280,7 @@ mod tests {
     fn non_finite_floats_are_written_as_tokens() {
         let t = Tensor::from_le("y", DataType::Fp32, vec![3], &[f32::NAN, f32::INFINITY, -1.5f32]);
         let resp = InferResponse { model_name: "m".into(), model_version: "1".into(), id: None, outputs: vec![t] };
-        let body = write_response(&resp);
+        let body = write(&resp);
         assert!(body.contains("\"data\":[NaN,Infinity,-1.5]"), "{body}");
     }
 
@@ -400,7 +302,7 @@ mod tests {
             let t = decode(&json, 10).unwrap();
             let resp =
                 InferResponse { model_name: "m".into(), model_version: "1".into(), id: None, outputs: vec![t.clone()] };
-            let body = write_response(&resp);
+            let body = write(&resp);
             let v: Value = serde_json::from_str(&body).unwrap();
             let out = &v["outputs"][0];
             let again = decode(&out.to_string(), 10).unwrap();

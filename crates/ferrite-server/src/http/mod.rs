@@ -1,12 +1,14 @@
 //! KServe V2 / Open Inference Protocol over HTTP/REST.
 
+mod decode;
 mod error;
 mod json;
+mod msgpack;
 
 use axum::{
     body::Bytes,
     extract::{rejection::BytesRejection, DefaultBodyLimit, Path, State},
-    http::{header, StatusCode},
+    http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
     Json, Router,
@@ -65,7 +67,7 @@ async fn server_metadata() -> Json<Value> {
     Json(json!({
         "name": "ferrite",
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": ["model_configuration", "statistics"],
+        "extensions": ["model_configuration", "statistics", "binary_tensor_data"],
     }))
 }
 
@@ -153,21 +155,54 @@ async fn all_stats(State(s): State<AppState>) -> Json<Value> {
     Json(json!({ "model_stats": stats }))
 }
 
+/// The header of Triton's binary tensor extension: how many body bytes are JSON.
+const HEADER_LENGTH: &str = "inference-header-content-length";
+
+fn is_msgpack(value: Option<&HeaderValue>) -> bool {
+    value.and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains("msgpack"))
+}
+
 async fn infer(
     State(s): State<AppState>,
     Path(p): Path<ModelPath>,
-    headers: axum::http::HeaderMap,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-    if headers.contains_key("inference-header-content-length") {
-        return Err(ApiError::from(ferrite_core::Error::Unsupported(
-            "the binary tensor data extension is not supported yet; send JSON tensors".into(),
-        )));
-    }
-    let parsed: json::JsonRequest<'_> =
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid JSON request: {e}")))?;
-    let req = json::to_core(&p.model, p.version, parsed, s.core.limits().max_elements)?;
+    let mut body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let max = s.core.limits().max_elements;
+    let msgpack_in = is_msgpack(headers.get(header::CONTENT_TYPE));
+    let (req, binary) = if msgpack_in {
+        (msgpack::parse(&p.model, p.version, &body, max)?, json::BinaryOutputs::default())
+    } else if let Some(len) = headers.get(HEADER_LENGTH) {
+        let len: usize =
+            len.to_str().ok().and_then(|v| v.trim().parse().ok()).filter(|&n| n <= body.len()).ok_or_else(|| {
+                ApiError::bad_request(format!("{HEADER_LENGTH} must be a byte count within the body"))
+            })?;
+        let json_part = body.split_to(len);
+        json::parse(&p.model, p.version, &json_part, Some(body), max)?
+    } else {
+        json::parse(&p.model, p.version, &body, None, max)?
+    };
     let resp = s.core.infer(req).await?;
-    Ok(([(header::CONTENT_TYPE, "application/json")], json::write_response(&resp)).into_response())
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if accept.contains("msgpack") || (msgpack_in && !accept.contains("json")) {
+        return Ok(([(header::CONTENT_TYPE, msgpack::CONTENT_TYPE)], msgpack::write_response(&resp)).into_response());
+    }
+    let (text, blobs) = json::write_response(&resp, &binary);
+    if blobs.is_empty() {
+        return Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response());
+    }
+    let mut out = Vec::with_capacity(text.len() + blobs.iter().map(Bytes::len).sum::<usize>());
+    out.extend_from_slice(text.as_bytes());
+    for b in &blobs {
+        out.extend_from_slice(b);
+    }
+    Ok((
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
+            (HeaderName::from_static(HEADER_LENGTH), HeaderValue::from(text.len())),
+        ],
+        out,
+    )
+        .into_response())
 }

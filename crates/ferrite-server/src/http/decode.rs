@@ -1,0 +1,276 @@
+//! What the JSON and MessagePack bodies share: request parameters, and decoding a tensor's `data`
+//! straight into typed little-endian bytes once its datatype and shape are known.
+
+use std::{collections::HashMap, fmt};
+
+use bytes::Bytes;
+use ferrite_core::{tensor::element_count, DataType, Error, TensorData};
+use serde::{
+    de::{DeserializeSeed, SeqAccess, Visitor},
+    Deserialize, Deserializer,
+};
+
+/// A request, input or output parameter value.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Param {
+    Bool(bool),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+    Str(String),
+}
+
+pub type Params = HashMap<String, Param>;
+
+pub fn param_u64(params: &Params, key: &str) -> Result<Option<u64>, Error> {
+    match params.get(key) {
+        None => Ok(None),
+        Some(Param::U64(v)) => Ok(Some(*v)),
+        Some(_) => Err(Error::invalid(format!("parameter '{key}' must be a non-negative integer"))),
+    }
+}
+
+pub fn param_bool(params: &Params, key: &str) -> Result<Option<bool>, Error> {
+    match params.get(key) {
+        None => Ok(None),
+        Some(Param::Bool(v)) => Ok(Some(*v)),
+        Some(_) => Err(Error::invalid(format!("parameter '{key}' must be a boolean"))),
+    }
+}
+
+/// `priority` and `timeout`, as the core takes them.
+pub fn priority_and_timeout(params: &Params) -> Result<(u32, Option<u64>), Error> {
+    let priority = param_u64(params, "priority")?
+        .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
+        .transpose()?
+        .unwrap_or(0);
+    Ok((priority, param_u64(params, "timeout")?))
+}
+
+/// The datatype, shape and element count of an input, checked against the element cap before
+/// anything is allocated for it.
+pub fn input_header(
+    name: &str,
+    datatype: &str,
+    shape: &[i64],
+    max_elements: usize,
+) -> Result<(DataType, Vec<usize>, usize), Error> {
+    let dt = DataType::parse(datatype)
+        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{datatype}'")))?;
+    let dims = shape
+        .iter()
+        .map(|&d| {
+            usize::try_from(d).map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {shape:?}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let count = element_count(&dims, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
+    Ok((dt, dims, count))
+}
+
+/// Collects the scalars (or raw bytes) of one input into its datatype's little-endian layout.
+pub struct Sink {
+    name: String,
+    datatype: DataType,
+    expected: usize,
+    count: usize,
+    raw: Vec<u8>,
+    strings: Vec<Bytes>,
+    /// The precise reason, kept because serde wraps custom errors with positions.
+    error: Option<String>,
+}
+
+enum Scalar<'s> {
+    Bool(bool),
+    I64(i64),
+    U64(u64),
+    F64(f64),
+    Str(&'s str),
+}
+
+impl Sink {
+    pub fn new(name: &str, datatype: DataType, expected: usize) -> Self {
+        let raw = Vec::with_capacity(expected * datatype.size().unwrap_or(0));
+        let strings = if datatype == DataType::Bytes { Vec::with_capacity(expected) } else { Vec::new() };
+        Sink { name: name.to_string(), datatype, expected, count: 0, raw, strings, error: None }
+    }
+
+    /// Decodes `data` (a scalar, a nested array, or MessagePack `bin`) with `de`.
+    pub fn fill<'de, D: Deserializer<'de>>(&mut self, de: D) -> Result<(), Error> {
+        let result = Flatten(self).deserialize(de);
+        if let Err(e) = result {
+            return Err(Error::invalid(self.error.take().unwrap_or_else(|| format!("input '{}': {e}", self.name))));
+        }
+        if self.count != self.expected {
+            return Err(Error::invalid(format!(
+                "input '{}': its shape holds {} elements, 'data' has {}",
+                self.name, self.expected, self.count
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn finish(self) -> TensorData {
+        match self.datatype {
+            DataType::Bytes => TensorData::Bytes(self.strings),
+            _ => TensorData::Raw(self.raw.into()),
+        }
+    }
+
+    fn room(&self, n: usize) -> Result<(), String> {
+        if self.count + n > self.expected {
+            return Err(format!(
+                "input '{}': 'data' has more than the {} elements its shape holds",
+                self.name, self.expected
+            ));
+        }
+        Ok(())
+    }
+
+    /// MessagePack `bin`: one BYTES element, or little-endian elements of a fixed-size type.
+    fn push_bin(&mut self, b: &[u8]) -> Result<(), String> {
+        let Some(size) = self.datatype.size() else {
+            self.room(1)?;
+            self.count += 1;
+            self.strings.push(Bytes::copy_from_slice(b));
+            return Ok(());
+        };
+        if !b.len().is_multiple_of(size) {
+            return Err(format!(
+                "input '{}': {} raw bytes are not whole {} elements",
+                self.name,
+                b.len(),
+                self.datatype
+            ));
+        }
+        self.room(b.len() / size)?;
+        self.count += b.len() / size;
+        self.raw.extend_from_slice(b);
+        Ok(())
+    }
+
+    fn push(&mut self, v: Scalar<'_>) -> Result<(), String> {
+        self.room(1)?;
+        self.count += 1;
+        let dt = self.datatype;
+        let bad = |what: &str| format!("input '{}': {what} is not a valid {dt} value", self.name);
+        macro_rules! int {
+            ($t:ty) => {{
+                let x: $t = match v {
+                    Scalar::I64(i) => <$t>::try_from(i).map_err(|_| bad(&i.to_string()))?,
+                    Scalar::U64(u) => <$t>::try_from(u).map_err(|_| bad(&u.to_string()))?,
+                    _ => return Err(bad("a non-integer")),
+                };
+                self.raw.extend_from_slice(&x.to_le_bytes());
+            }};
+        }
+        let float = |v: Scalar<'_>| -> Result<f64, String> {
+            Ok(match v {
+                Scalar::F64(f) => f,
+                Scalar::I64(i) => i as f64,
+                Scalar::U64(u) => u as f64,
+                Scalar::Str("NaN") => f64::NAN,
+                Scalar::Str("Infinity") => f64::INFINITY,
+                Scalar::Str("-Infinity") => f64::NEG_INFINITY,
+                _ => return Err(bad("a non-number")),
+            })
+        };
+        match dt {
+            DataType::Bool => match v {
+                Scalar::Bool(b) => self.raw.push(b as u8),
+                _ => return Err(bad("a non-boolean")),
+            },
+            DataType::Uint8 => int!(u8),
+            DataType::Uint16 => int!(u16),
+            DataType::Uint32 => int!(u32),
+            DataType::Uint64 => int!(u64),
+            DataType::Int8 => int!(i8),
+            DataType::Int16 => int!(i16),
+            DataType::Int32 => int!(i32),
+            DataType::Int64 => int!(i64),
+            DataType::Fp16 => self.raw.extend_from_slice(&half::f16::from_f64(float(v)?).to_le_bytes()),
+            DataType::Bf16 => self.raw.extend_from_slice(&half::bf16::from_f64(float(v)?).to_le_bytes()),
+            DataType::Fp32 => self.raw.extend_from_slice(&(float(v)? as f32).to_le_bytes()),
+            DataType::Fp64 => self.raw.extend_from_slice(&float(v)?.to_le_bytes()),
+            DataType::Bytes => match v {
+                Scalar::Str(s) => self.strings.push(Bytes::copy_from_slice(s.as_bytes())),
+                _ => return Err(bad("a non-string")),
+            },
+        }
+        Ok(())
+    }
+}
+
+/// Visits `data`, flat or nested to any depth the parser allows, in row-major order.
+struct Flatten<'s>(&'s mut Sink);
+
+impl<'de> DeserializeSeed<'de> for Flatten<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl Flatten<'_> {
+    fn put<E: serde::de::Error>(self, r: Result<(), String>) -> Result<(), E> {
+        r.map_err(|msg| {
+            self.0.error = Some(msg.clone());
+            E::custom(msg)
+        })
+    }
+}
+
+impl<'de> Visitor<'de> for Flatten<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a scalar or a (nested) array of scalars")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Flatten(self.0))?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<(), E> {
+        let r = self.0.push(Scalar::Bool(v));
+        self.put(r)
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
+        let r = self.0.push(Scalar::I64(v));
+        self.put(r)
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
+        let r = self.0.push(Scalar::U64(v));
+        self.put(r)
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
+        let r = self.0.push(Scalar::F64(v));
+        self.put(r)
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        let r = self.0.push(Scalar::Str(v));
+        self.put(r)
+    }
+    fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<(), E> {
+        let r = self.0.push_bin(v);
+        self.put(r)
+    }
+}
+
+/// Which outputs go back as binary: per output `binary_data`, else request `binary_data_output`.
+#[derive(Debug, Default)]
+pub struct BinaryOutputs {
+    pub default: bool,
+    pub named: HashMap<String, bool>,
+}
+
+impl BinaryOutputs {
+    pub fn is_binary(&self, name: &str) -> bool {
+        self.named.get(name).copied().unwrap_or(self.default)
+    }
+}

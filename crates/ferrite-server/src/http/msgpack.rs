@@ -1,0 +1,293 @@
+//! MessagePack bodies (`application/msgpack`): the same request and response objects as JSON.
+//! Tensor `data` is an array (flat or nested) or `bin` holding raw little-endian elements; a BYTES
+//! tensor's elements are `str` or `bin`. Responses carry fixed-size data as one `bin` and BYTES as
+//! an array of `bin`.
+//!
+//! Decoding takes two passes over the body: the first reads every input's name, datatype and
+//! shape (skipping `data`), the second decodes each `data` into a buffer of exactly the size that
+//! the checked shape calls for. So key order does not matter and no generic value tree is built.
+
+use std::fmt;
+
+use ferrite_core::{Error, InferRequest, InferResponse, TensorData};
+use serde::{
+    de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor},
+    Deserialize, Deserializer, Serialize,
+};
+
+use super::decode::{input_header, priority_and_timeout, Params, Sink};
+
+pub const CONTENT_TYPE: &str = "application/msgpack";
+
+#[derive(Deserialize)]
+struct Header {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    parameters: Params,
+    inputs: Vec<InputHeader>,
+    #[serde(default)]
+    outputs: Option<Vec<OutputHeader>>,
+}
+
+#[derive(Deserialize)]
+struct InputHeader {
+    name: String,
+    shape: Vec<i64>,
+    datatype: String,
+}
+
+#[derive(Deserialize)]
+struct OutputHeader {
+    name: String,
+}
+
+fn bad(e: impl fmt::Display) -> Error {
+    Error::invalid(format!("invalid MessagePack request: {e}"))
+}
+
+pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: usize) -> Result<InferRequest, Error> {
+    let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
+    let mut sinks = Vec::with_capacity(header.inputs.len());
+    let mut shapes = Vec::with_capacity(header.inputs.len());
+    for i in &header.inputs {
+        let (dt, shape, count) = input_header(&i.name, &i.datatype, &i.shape, max_elements)?;
+        sinks.push((Sink::new(&i.name, dt, count), None));
+        shapes.push((dt, shape));
+    }
+    let mut de = rmp_serde::Deserializer::from_read_ref(body);
+    let pass = DataPass { sinks: &mut sinks };
+    if let Err(e) = pass.deserialize(&mut de) {
+        // A data error recorded by a sink is the precise reason.
+        return Err(sinks.iter_mut().find_map(|(_, err)| err.take()).unwrap_or_else(|| bad(e)));
+    }
+    let mut inputs = Vec::with_capacity(sinks.len());
+    for ((sink, _), (i, (dt, shape))) in sinks.into_iter().zip(header.inputs.into_iter().zip(shapes)) {
+        inputs.push(ferrite_core::Tensor::new(i.name, dt, shape, sink.finish()));
+    }
+    let (priority, timeout_us) = priority_and_timeout(&header.parameters)?;
+    Ok(InferRequest {
+        model_name: model.to_string(),
+        model_version: version,
+        id: header.id,
+        inputs,
+        outputs: header.outputs.map(|o| o.into_iter().map(|o| o.name).collect()),
+        priority,
+        timeout_us,
+    })
+}
+
+type Slot = (Sink, Option<Error>);
+
+/// Second pass: the request map, of which only `inputs` is read.
+struct DataPass<'s> {
+    sinks: &'s mut [Slot],
+}
+
+impl<'de> DeserializeSeed<'de> for DataPass<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for DataPass<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a request map")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "inputs" {
+                map.next_value_seed(Inputs { sinks: &mut *self.sinks })?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Inputs<'s> {
+    sinks: &'s mut [Slot],
+}
+
+impl<'de> DeserializeSeed<'de> for Inputs<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Inputs<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of inputs")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        for slot in self.sinks.iter_mut() {
+            if seq.next_element_seed(Input { slot })?.is_none() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Input<'s> {
+    slot: &'s mut Slot,
+}
+
+impl<'de> DeserializeSeed<'de> for Input<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Input<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an input map")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = false;
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "data" {
+                seen = true;
+                map.next_value_seed(Data { slot: &mut *self.slot })?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        if !seen {
+            let err = Error::invalid(format!("input '{}' has no 'data'", self.slot.0.name()));
+            self.slot.1 = Some(err.clone());
+            return Err(serde::de::Error::custom(err));
+        }
+        Ok(())
+    }
+}
+
+struct Data<'s> {
+    slot: &'s mut Slot,
+}
+
+impl<'de> DeserializeSeed<'de> for Data<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        self.slot.0.fill(d).map_err(|e| {
+            self.slot.1 = Some(e.clone());
+            serde::de::Error::custom(e)
+        })
+    }
+}
+
+#[derive(Serialize)]
+struct Response<'a> {
+    model_name: &'a str,
+    model_version: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    outputs: Vec<Output<'a>>,
+}
+
+#[derive(Serialize)]
+struct Output<'a> {
+    name: &'a str,
+    datatype: &'static str,
+    shape: &'a [usize],
+    data: OutputData<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum OutputData<'a> {
+    Raw(&'a serde_bytes::Bytes),
+    Items(Vec<&'a serde_bytes::Bytes>),
+}
+
+pub fn write_response(resp: &InferResponse) -> Vec<u8> {
+    let outputs = resp
+        .outputs
+        .iter()
+        .map(|t| Output {
+            name: &t.name,
+            datatype: t.datatype.as_str(),
+            shape: &t.shape,
+            data: match &t.data {
+                TensorData::Raw(b) => OutputData::Raw(serde_bytes::Bytes::new(b)),
+                TensorData::Bytes(items) => {
+                    OutputData::Items(items.iter().map(|b| serde_bytes::Bytes::new(b)).collect())
+                }
+            },
+        })
+        .collect();
+    let r =
+        Response { model_name: &resp.model_name, model_version: &resp.model_version, id: resp.id.as_deref(), outputs };
+    // Serializing plain structs of strings, numbers and bytes into a Vec cannot fail.
+    rmp_serde::to_vec_named(&r).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrite_core::{DataType, Tensor};
+    use serde_json::json;
+
+    fn pack(v: &serde_json::Value) -> Vec<u8> {
+        rmp_serde::to_vec(v).unwrap()
+    }
+
+    #[test]
+    fn arrays_and_bin_decode_alike_in_any_key_order() {
+        let floats: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
+        // `data` before `datatype`: a bin built by hand, since json! cannot hold one.
+        let mut body = Vec::new();
+        rmp::encode::write_map_len(&mut body, 1).unwrap();
+        rmp::encode::write_str(&mut body, "inputs").unwrap();
+        rmp::encode::write_array_len(&mut body, 2).unwrap();
+        rmp::encode::write_map_len(&mut body, 4).unwrap();
+        rmp::encode::write_str(&mut body, "data").unwrap();
+        rmp::encode::write_bin(&mut body, &floats).unwrap();
+        for (k, v) in [("name", "x"), ("datatype", "FP32")] {
+            rmp::encode::write_str(&mut body, k).unwrap();
+            rmp::encode::write_str(&mut body, v).unwrap();
+        }
+        rmp::encode::write_str(&mut body, "shape").unwrap();
+        rmp::encode::write_array_len(&mut body, 1).unwrap();
+        rmp::encode::write_uint(&mut body, 2).unwrap();
+        body.extend(pack(&json!({"name": "y", "shape": [1, 2], "datatype": "FP32", "data": [[1.5, -2]]})));
+        let req = parse("m", None, &body, 100).unwrap();
+        assert_eq!(req.inputs[0], Tensor::from_le("x", DataType::Fp32, vec![2], &[1.5f32, -2.0]));
+        assert_eq!(req.inputs[1].data, req.inputs[0].data);
+    }
+
+    #[test]
+    fn bad_data_names_the_input() {
+        for (v, needle) in [
+            (json!({"inputs": [{"name": "x", "shape": [3], "datatype": "INT32", "data": [1, 2]}]}), "holds 3 elements"),
+            (json!({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [999]}]}), "999"),
+            (json!({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8"}]}), "no 'data'"),
+            (json!({"inputs": [{"name": "x", "shape": [-1], "datatype": "INT8", "data": []}]}), "negative"),
+        ] {
+            let err = parse("m", None, &pack(&v), 100).unwrap_err().to_string();
+            assert!(err.contains(needle) && err.contains('x'), "{v}: {err}");
+        }
+        assert!(parse("m", None, b"\xc1", 100).is_err());
+    }
+
+    #[test]
+    fn responses_carry_bin_data() {
+        let resp = InferResponse {
+            model_name: "m".into(),
+            model_version: "1".into(),
+            id: None,
+            outputs: vec![Tensor::from_le("y", DataType::Int32, vec![2], &[7i32, 8])],
+        };
+        let v: rmpv::Value = rmp_serde::from_slice(&write_response(&resp)).unwrap();
+        let out = &v["outputs"][0];
+        assert_eq!(out["data"].as_slice().unwrap(), &[7, 0, 0, 0, 8, 0, 0, 0]);
+        assert_eq!(out["datatype"].as_str(), Some("INT32"));
+    }
+}
