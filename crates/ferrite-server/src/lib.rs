@@ -1,4 +1,5 @@
 //! Ferrite's network front-ends. Each translates its wire types to and from the core's, and maps
 //! the core's errors once; nothing else lives here.
 
+pub mod grpc;
 pub mod http;

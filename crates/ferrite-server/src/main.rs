@@ -1,6 +1,6 @@
 //! The `ferrite` binary: `ferrite serve`.
 
-use ferrite_server::http;
+use ferrite_server::{grpc, http};
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
@@ -18,7 +18,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve every model of a model repository over HTTP.
+    /// Serve every model of a model repository over HTTP and gRPC.
     Serve(ServeArgs),
 }
 
@@ -33,6 +33,18 @@ struct ServeArgs {
     /// HTTP port (0 picks a free one and logs it).
     #[arg(long, env = "FERRITE_HTTP_PORT", default_value_t = 8000)]
     http_port: u16,
+    /// gRPC port (0 picks a free one and logs it).
+    #[arg(long, env = "FERRITE_GRPC_PORT", default_value_t = 8001)]
+    grpc_port: u16,
+    /// Largest gRPC message accepted, in bytes.
+    #[arg(long, env = "FERRITE_GRPC_MAX_DECODING_MESSAGE_SIZE", default_value_t = 64 << 20)]
+    grpc_max_decoding_message_size: usize,
+    /// Largest gRPC message sent, in bytes.
+    #[arg(long, env = "FERRITE_GRPC_MAX_ENCODING_MESSAGE_SIZE", default_value_t = 64 << 20)]
+    grpc_max_encoding_message_size: usize,
+    /// Concurrent HTTP/2 streams per gRPC connection.
+    #[arg(long, env = "FERRITE_GRPC_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
+    grpc_max_concurrent_streams: u32,
     /// Path of libonnxruntime; by default ORT_DYLIB_PATH, then the onnxruntime package of `python3`.
     #[arg(long, env = "FERRITE_ONNXRUNTIME_LIB")]
     onnxruntime_lib: Option<PathBuf>,
@@ -91,14 +103,44 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let _ = tcp.set_nodelay(true);
     });
 
+    let grpc_addr = SocketAddr::new(args.host, args.grpc_port);
+    let grpc_listener =
+        tokio::net::TcpListener::bind(grpc_addr).await.with_context(|| format!("cannot listen on {grpc_addr}"))?;
+    tracing::info!(address = %grpc_listener.local_addr()?, "gRPC listening");
+
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>>().await;
     let shutdown_core = core.clone();
+    let shutdown_health = health.clone();
     tokio::spawn(async move {
         shutdown_signal().await;
         tracing::info!("shutting down: readiness off, draining");
         shutdown_core.begin_shutdown();
+        shutdown_health
+            .set_not_serving::<grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>>()
+            .await;
+        shutdown_health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         let _ = stop_tx.send(true);
     });
+    let grpc_limits = grpc::GrpcLimits {
+        max_decoding_message_size: args.grpc_max_decoding_message_size,
+        max_encoding_message_size: args.grpc_max_encoding_message_size,
+    };
+    let mut grpc_stop = stop_rx.clone();
+    let grpc_server = tonic::transport::Server::builder()
+        .max_concurrent_streams(args.grpc_max_concurrent_streams)
+        .http2_keepalive_interval(Some(grpc::KEEPALIVE))
+        .add_service(health_service)
+        .add_service(grpc::service(core.clone(), &grpc_limits))
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            async move {
+                let _ = grpc_stop.wait_for(|&s| s).await;
+            },
+        );
+    let grpc_server = tokio::spawn(grpc_server);
+
     let mut wait_stop = stop_rx.clone();
     let server = axum::serve(listener, app).with_graceful_shutdown(async move {
         let _ = wait_stop.wait_for(|&s| s).await;
@@ -114,7 +156,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!(failed, "requests failed at shutdown");
     }
     // Give in-flight responses a moment to be written.
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async { tokio::join!(server, grpc_server) }).await;
     tracing::info!("stopped");
     Ok(())
 }

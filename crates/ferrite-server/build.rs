@@ -1,0 +1,12 @@
+//! Generates the KServe V2 gRPC types from `proto/` with a vendored `protoc`, so the build needs
+//! nothing beyond crates.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY: build scripts are single-threaded; this only tells prost-build where protoc is.
+    unsafe { std::env::set_var("PROTOC", protoc) };
+    let proto = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    tonic_prost_build::configure().bytes(".").compile_protos(&[proto.join("grpc_service.proto")], std::slice::from_ref(&proto))?;
+    println!("cargo:rerun-if-changed={}", proto.display());
+    Ok(())
+}

@@ -1,0 +1,414 @@
+//! Protobuf messages to core types and back.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use ferrite_core::{
+    config::TensorSpec, stats::StatsSnapshot, tensor::element_count, DataType, Error, InferRequest, InferResponse,
+    Model, Tensor, TensorData,
+};
+
+use super::pb::{
+    self, infer_parameter::ParameterChoice, model_infer_request::InferInputTensor, InferParameter, InferTensorContents,
+};
+
+fn param_u64(params: &HashMap<String, InferParameter>, key: &str) -> Result<Option<u64>, Error> {
+    match params.get(key).and_then(|p| p.parameter_choice.as_ref()) {
+        None => Ok(None),
+        Some(ParameterChoice::Uint64Param(v)) => Ok(Some(*v)),
+        Some(ParameterChoice::Int64Param(v)) if *v >= 0 => Ok(Some(*v as u64)),
+        Some(_) => Err(Error::invalid(format!("parameter '{key}' must be a non-negative integer"))),
+    }
+}
+
+/// Whether the client asked for Triton's final-response flag (perf_analyzer does on streams).
+pub fn wants_final_response(req: &pb::ModelInferRequest) -> bool {
+    matches!(
+        req.parameters.get("triton_enable_empty_final_response").and_then(|p| p.parameter_choice.as_ref()),
+        Some(ParameterChoice::BoolParam(true))
+    )
+}
+
+pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferRequest, Error> {
+    let raw = req.raw_input_contents;
+    if !raw.is_empty() {
+        if raw.len() != req.inputs.len() {
+            return Err(Error::invalid(format!(
+                "{} raw_input_contents for {} inputs; there must be one per input",
+                raw.len(),
+                req.inputs.len()
+            )));
+        }
+        if let Some(i) = req.inputs.iter().find(|i| i.contents.is_some()) {
+            return Err(Error::invalid(format!(
+                "input '{}' has typed contents while raw_input_contents is used",
+                i.name
+            )));
+        }
+    }
+    let mut raw = raw.into_iter();
+    let inputs = req
+        .inputs
+        .into_iter()
+        .map(|i| {
+            let r = raw.next();
+            input(i, r, max_elements)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let priority = param_u64(&req.parameters, "priority")?
+        .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
+        .transpose()?
+        .unwrap_or(0);
+    Ok(InferRequest {
+        model_name: req.model_name,
+        model_version: Some(req.model_version).filter(|v| !v.is_empty()),
+        id: Some(req.id).filter(|v| !v.is_empty()),
+        inputs,
+        outputs: if req.outputs.is_empty() { None } else { Some(req.outputs.into_iter().map(|o| o.name).collect()) },
+        priority,
+        timeout_us: param_u64(&req.parameters, "timeout")?,
+    })
+}
+
+fn input(i: InferInputTensor, raw: Option<Bytes>, max_elements: usize) -> Result<Tensor, Error> {
+    let name = i.name;
+    let datatype = DataType::parse(&i.datatype)
+        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{}'", i.datatype)))?;
+    let shape = i
+        .shape
+        .iter()
+        .map(|&d| {
+            usize::try_from(d)
+                .map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {:?}", i.shape)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let count = element_count(&shape, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
+    let data = match (raw, i.contents) {
+        (Some(raw), _) => TensorData::from_wire(&name, datatype, count, raw)?,
+        (None, Some(c)) => typed(&name, datatype, count, c)?,
+        (None, None) => return Err(Error::invalid(format!("input '{name}' has no contents"))),
+    };
+    Ok(Tensor::new(name, datatype, shape, data))
+}
+
+/// Typed contents: the repeated field that matches the datatype, range-checked, to little-endian.
+fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Result<TensorData, Error> {
+    fn pack<T: Copy, U: TryFrom<T>, const N: usize>(
+        name: &str,
+        dt: DataType,
+        values: &[T],
+        to: fn(U) -> [u8; N],
+    ) -> Result<TensorData, Error> {
+        let mut out = Vec::with_capacity(values.len() * N);
+        for &v in values {
+            let v = U::try_from(v)
+                .map_err(|_| Error::invalid(format!("input '{name}': a value is out of range for {dt}")))?;
+            out.extend_from_slice(&to(v));
+        }
+        Ok(TensorData::Raw(out.into()))
+    }
+    let (given, data) = match dt {
+        DataType::Bool => (
+            c.bool_contents.len(),
+            TensorData::Raw(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<_>>().into()),
+        ),
+        DataType::Int8 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i8::to_le_bytes)?),
+        DataType::Int16 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i16::to_le_bytes)?),
+        DataType::Int32 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i32::to_le_bytes)?),
+        DataType::Int64 => (c.int64_contents.len(), pack(name, dt, &c.int64_contents, i64::to_le_bytes)?),
+        DataType::Uint8 => (c.uint_contents.len(), pack(name, dt, &c.uint_contents, u8::to_le_bytes)?),
+        DataType::Uint16 => (c.uint_contents.len(), pack(name, dt, &c.uint_contents, u16::to_le_bytes)?),
+        DataType::Uint32 => (c.uint_contents.len(), pack(name, dt, &c.uint_contents, u32::to_le_bytes)?),
+        DataType::Uint64 => (c.uint64_contents.len(), pack(name, dt, &c.uint64_contents, u64::to_le_bytes)?),
+        DataType::Fp32 => (c.fp32_contents.len(), pack(name, dt, &c.fp32_contents, f32::to_le_bytes)?),
+        DataType::Fp64 => (c.fp64_contents.len(), pack(name, dt, &c.fp64_contents, f64::to_le_bytes)?),
+        DataType::Bytes => (c.bytes_contents.len(), TensorData::Bytes(c.bytes_contents)),
+        DataType::Fp16 | DataType::Bf16 => {
+            return Err(Error::invalid(format!("input '{name}': {dt} has no typed contents; send raw_input_contents")))
+        }
+    };
+    if given != count {
+        return Err(Error::invalid(format!("input '{name}': its shape holds {count} elements, contents have {given}")));
+    }
+    Ok(data)
+}
+
+pub fn from_core(resp: InferResponse, final_flag: bool) -> pb::ModelInferResponse {
+    let mut parameters = HashMap::new();
+    if final_flag {
+        parameters.insert(
+            "triton_final_response".to_string(),
+            InferParameter { parameter_choice: Some(ParameterChoice::BoolParam(true)) },
+        );
+    }
+    let raw_output_contents = resp.outputs.iter().map(|t| t.data.to_wire()).collect();
+    let outputs = resp
+        .outputs
+        .into_iter()
+        .map(|t| pb::model_infer_response::InferOutputTensor {
+            name: t.name,
+            datatype: t.datatype.as_str().to_string(),
+            shape: t.shape.iter().map(|&d| d as i64).collect(),
+            ..Default::default()
+        })
+        .collect();
+    pb::ModelInferResponse {
+        model_name: resp.model_name,
+        model_version: resp.model_version,
+        id: resp.id.unwrap_or_default(),
+        parameters,
+        outputs,
+        raw_output_contents,
+    }
+}
+
+fn batch_dim(m: &Model) -> Option<i64> {
+    (m.spec.batch.max_batch_size > 0).then_some(-1)
+}
+
+pub fn metadata(m: &Model) -> pb::ModelMetadataResponse {
+    let tensors = |specs: &[TensorSpec]| {
+        specs
+            .iter()
+            .map(|t| pb::model_metadata_response::TensorMetadata {
+                name: t.name.clone(),
+                datatype: t.datatype.as_str().to_string(),
+                shape: batch_dim(m).into_iter().chain(t.dims.iter().copied()).collect(),
+            })
+            .collect()
+    };
+    pb::ModelMetadataResponse {
+        name: m.spec.name.clone(),
+        versions: vec![m.spec.version.to_string()],
+        platform: m.spec.platform.to_string(),
+        inputs: tensors(&m.spec.inputs),
+        outputs: tensors(&m.spec.outputs),
+    }
+}
+
+fn config_type(dt: DataType) -> pb::DataType {
+    match dt {
+        DataType::Bool => pb::DataType::TypeBool,
+        DataType::Uint8 => pb::DataType::TypeUint8,
+        DataType::Uint16 => pb::DataType::TypeUint16,
+        DataType::Uint32 => pb::DataType::TypeUint32,
+        DataType::Uint64 => pb::DataType::TypeUint64,
+        DataType::Int8 => pb::DataType::TypeInt8,
+        DataType::Int16 => pb::DataType::TypeInt16,
+        DataType::Int32 => pb::DataType::TypeInt32,
+        DataType::Int64 => pb::DataType::TypeInt64,
+        DataType::Fp16 => pb::DataType::TypeFp16,
+        DataType::Bf16 => pb::DataType::TypeBf16,
+        DataType::Fp32 => pb::DataType::TypeFp32,
+        DataType::Fp64 => pb::DataType::TypeFp64,
+        DataType::Bytes => pb::DataType::TypeString,
+    }
+}
+
+pub fn config(m: &Model) -> pb::ModelConfig {
+    let spec = &m.spec;
+    let b = &spec.batch;
+    pb::ModelConfig {
+        name: spec.name.clone(),
+        platform: spec.platform.to_string(),
+        backend: spec.backend.to_string(),
+        version_policy: Some(pb::ModelVersionPolicy {
+            policy_choice: Some(pb::model_version_policy::PolicyChoice::Latest(pb::model_version_policy::Latest {
+                num_versions: 1,
+            })),
+        }),
+        max_batch_size: i32::try_from(b.max_batch_size).unwrap_or(i32::MAX),
+        input: spec
+            .inputs
+            .iter()
+            .map(|t| pb::ModelInput {
+                name: t.name.clone(),
+                data_type: config_type(t.datatype) as i32,
+                dims: t.dims.clone(),
+            })
+            .collect(),
+        output: spec
+            .outputs
+            .iter()
+            .map(|t| pb::ModelOutput {
+                name: t.name.clone(),
+                data_type: config_type(t.datatype) as i32,
+                dims: t.dims.clone(),
+            })
+            .collect(),
+        instance_group: vec![pb::ModelInstanceGroup {
+            name: spec.name.clone(),
+            count: i32::try_from(spec.instance_count).unwrap_or(i32::MAX),
+            kind: pb::model_instance_group::Kind::Cpu as i32,
+        }],
+        scheduling_choice: b.dynamic.then(|| {
+            pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {
+                preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| p as i32).collect(),
+                max_queue_delay_microseconds: b.max_queue_delay_us,
+                preserve_ordering: false,
+                priority_levels: b.priority_levels as u64,
+                default_priority_level: b.default_priority_level as u64,
+                default_queue_policy: Some(pb::ModelQueuePolicy {
+                    timeout_action: pb::model_queue_policy::TimeoutAction::Reject as i32,
+                    default_timeout_microseconds: b.default_timeout_us,
+                    allow_timeout_override: true,
+                    max_queue_size: u32::try_from(b.max_queue_size).unwrap_or(u32::MAX),
+                }),
+            })
+        }),
+        parameters: [("threads".to_string(), pb::ModelParameter { string_value: spec.threads.to_string() })].into(),
+    }
+}
+
+fn duration(d: ferrite_core::stats::Duration2) -> Option<pb::StatisticDuration> {
+    Some(pb::StatisticDuration { count: d.count, ns: d.ns })
+}
+
+pub fn statistics(s: &StatsSnapshot) -> pb::ModelStatistics {
+    let i = &s.inference_stats;
+    pb::ModelStatistics {
+        name: s.name.clone(),
+        version: s.version.clone(),
+        last_inference: s.last_inference,
+        inference_count: s.inference_count,
+        execution_count: s.execution_count,
+        inference_stats: Some(pb::InferStatistics {
+            success: duration(i.success),
+            fail: duration(i.fail),
+            queue: duration(i.queue),
+            compute_input: duration(i.compute_input),
+            compute_infer: duration(i.compute_infer),
+            compute_output: duration(i.compute_output),
+        }),
+        batch_stats: s
+            .batch_stats
+            .iter()
+            .map(|b| pb::InferBatchStatistics {
+                batch_size: b.batch_size as u64,
+                compute_input: duration(b.compute_input),
+                compute_infer: duration(b.compute_infer),
+                compute_output: duration(b.compute_output),
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::ModelInferRequest;
+
+    fn tensor(name: &str, datatype: &str, shape: &[i64], contents: Option<InferTensorContents>) -> InferInputTensor {
+        InferInputTensor {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape: shape.to_vec(),
+            contents,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn typed_and_raw_contents_give_the_same_tensor() {
+        let typed = ModelInferRequest {
+            inputs: vec![tensor(
+                "x",
+                "INT16",
+                &[1, 2],
+                Some(InferTensorContents { int_contents: vec![-3, 4], ..Default::default() }),
+            )],
+            ..Default::default()
+        };
+        let raw = ModelInferRequest {
+            inputs: vec![tensor("x", "INT16", &[1, 2], None)],
+            raw_input_contents: vec![Bytes::from_static(&[0xfd, 0xff, 4, 0])],
+            ..Default::default()
+        };
+        assert_eq!(to_core(typed, 100).unwrap().inputs, to_core(raw, 100).unwrap().inputs);
+    }
+
+    #[test]
+    fn bad_contents_are_invalid_and_name_the_input() {
+        let int8 = |v: Vec<i32>| Some(InferTensorContents { int_contents: v, ..Default::default() });
+        let cases = [
+            (
+                ModelInferRequest { inputs: vec![tensor("x", "INT8", &[1], int8(vec![300]))], ..Default::default() },
+                "out of range",
+            ),
+            (
+                ModelInferRequest { inputs: vec![tensor("x", "INT8", &[2], int8(vec![1]))], ..Default::default() },
+                "holds 2",
+            ),
+            (
+                ModelInferRequest { inputs: vec![tensor("x", "FP16", &[1], int8(vec![1]))], ..Default::default() },
+                "raw_input_contents",
+            ),
+            (ModelInferRequest { inputs: vec![tensor("x", "INT8", &[1], None)], ..Default::default() }, "no contents"),
+            (
+                ModelInferRequest { inputs: vec![tensor("x", "INT8", &[-1], int8(vec![]))], ..Default::default() },
+                "negative",
+            ),
+            (
+                ModelInferRequest {
+                    inputs: vec![tensor("x", "INT8", &[1], int8(vec![1]))],
+                    raw_input_contents: vec![Bytes::from_static(&[1])],
+                    ..Default::default()
+                },
+                "typed contents while raw",
+            ),
+            (
+                ModelInferRequest {
+                    inputs: vec![tensor("x", "INT8", &[1], None), tensor("y", "INT8", &[1], None)],
+                    raw_input_contents: vec![Bytes::from_static(&[1])],
+                    ..Default::default()
+                },
+                "one per input",
+            ),
+            (
+                ModelInferRequest {
+                    inputs: vec![tensor("x", "INT32", &[1], None)],
+                    raw_input_contents: vec![Bytes::from_static(&[1, 2])],
+                    ..Default::default()
+                },
+                "'x'",
+            ),
+        ];
+        for (req, needle) in cases {
+            let err = to_core(req, 100).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
+            assert!(err.to_string().contains(needle), "{needle}: {err}");
+        }
+    }
+
+    #[test]
+    fn grpc_timeouts_become_microseconds() {
+        let mut md = tonic::metadata::MetadataMap::new();
+        for (v, us) in [
+            ("5S", Some(5_000_000)),
+            ("20m", Some(20_000)),
+            ("7u", Some(7)),
+            ("1500n", Some(2)),
+            ("1H", Some(3_600_000_000)),
+            ("x", None),
+            ("5Q", None),
+        ] {
+            md.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(super::super::grpc_timeout_us(&md), us, "{v}");
+        }
+    }
+
+    #[test]
+    fn every_core_error_maps_to_its_code() {
+        use tonic::Code;
+        for (e, code) in [
+            (Error::invalid("x"), Code::InvalidArgument),
+            (Error::NotFound("x".into()), Code::NotFound),
+            (Error::unavailable("x", None), Code::Unavailable),
+            (Error::DeadlineExceeded("x".into()), Code::DeadlineExceeded),
+            (Error::Unsupported("x".into()), Code::Unimplemented),
+            (Error::internal("x"), Code::Internal),
+        ] {
+            assert_eq!(super::super::status(e).code(), code);
+        }
+    }
+}
