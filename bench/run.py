@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / ".work"
 RESULTS = ROOT / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Unpacked by bench/run.sh from the tritonclient 2.51.0 and nvidia-cuda-runtime-cu12 wheels.
+PERF_ANALYZER = WORK / "pa" / "tritonclient-2.51.0.data" / "data" / "bin" / "perf_analyzer"
+PA_LIBS = WORK / "pa" / "nvidia" / "cuda_runtime" / "lib"
 
 
 def free_port():
@@ -62,47 +66,70 @@ def cpu_seconds(pid):
     return total / CLK_TCK
 
 
-def oha(url, body, clients, duration):
-    out = subprocess.run(
-        ["oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
-         "-m", "POST", "-D", str(body), "-T", "application/json", url],
-        capture_output=True, text=True, check=True,
-    )
-    return json.loads(out.stdout)
+def oha_load(url, body, clients, headers=()):
+    """A load function: oha with `clients` connections; returns (req/s, p50 ms, p99 ms, errors)."""
+
+    def run(duration):
+        cmd_headers = [x for h in headers for x in ("-H", h)]
+        out = subprocess.run(
+            ["oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
+             "-m", "POST", "-D", str(body), *cmd_headers, url],
+            capture_output=True, text=True, check=True,
+        )
+        r = json.loads(out.stdout)
+        ok = r["statusCodeDistribution"].get("200", 0)
+        total = sum(r["statusCodeDistribution"].values()) + sum(r.get("errorDistribution", {}).values())
+        return ok / r["summary"]["total"], r["latencyPercentiles"]["p50"] * 1000, r["latencyPercentiles"]["p99"] * 1000, total - ok
+
+    return run
 
 
-def measure(name, cmd, ready_url, infer_url, body, args, env=None):
+def perf_analyzer_load(protocol, url, clients):
+    """A load function: Triton's perf_analyzer at fixed concurrency (binary tensors on HTTP)."""
+
+    def run(duration):
+        csv = WORK / "perf_analyzer.csv"
+        out = subprocess.run(
+            [str(PERF_ANALYZER), "-m", "mlp", "-i", protocol, "-u", url, "--concurrency-range", str(clients),
+             # Three windows that agree within 50% make a result; they add up to `duration`.
+             "--measurement-mode", "time_windows", "--measurement-interval", str(max(duration * 1000 // 3, 500)),
+             "--stability-percentage", "50", "--max-trials", "10", "-f", str(csv)],
+            capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=str(PA_LIBS)),
+        )
+        if not csv.exists():
+            sys.exit(f"perf_analyzer failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+        header, row = csv.read_text().splitlines()[:2]
+        r = dict(zip(header.split(","), row.split(",")))
+        csv.unlink()
+        return float(r["Inferences/Second"]), float(r["p50 latency"]) / 1000, float(r["p99 latency"]) / 1000, 0
+
+    return run
+
+
+def measure(name, cmd, ready_url, load, args, env=None):
     log = open(WORK / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         wait_ready(ready_url, proc)
-        oha(infer_url, body, args.clients, 2)  # warm-up
+        load(2)  # warm-up
         cpu0, t0 = cpu_seconds(proc.pid), time.time()
-        r = oha(infer_url, body, args.clients, args.duration)
+        rps, p50, p99, errors = load(args.duration)
         cpu = (cpu_seconds(proc.pid) - cpu0) / (time.time() - t0)
     finally:
         proc.terminate()
         proc.wait(30)
-    ok = r["statusCodeDistribution"].get("200", 0)
-    total = sum(r["statusCodeDistribution"].values()) + sum(r.get("errorDistribution", {}).values())
-    row = {
-        "name": name,
-        "rps": ok / r["summary"]["total"],
-        "p50_ms": r["latencyPercentiles"]["p50"] * 1000,
-        "p99_ms": r["latencyPercentiles"]["p99"] * 1000,
-        "cpu_cores": cpu,
-        "errors": total - ok,
-    }
+    row = {"name": name, "rps": rps, "p50_ms": p50, "p99_ms": p99, "cpu_cores": cpu, "errors": errors}
     print(json.dumps(row), flush=True)
     return row
 
 
-def ferrite(name, args, body, extra=()):
-    port = free_port()
-    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(WORK / "repo"),
-           "--http-port", str(port), "--log", "warn", *extra]
+def ferrite(name, args, load_for, extra=(), repo=None):
+    """Starts Ferrite and measures it; `load_for(http_base, grpc_address)` picks the load."""
+    port, grpc_port = free_port(), free_port()
+    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo or WORK / "repo"),
+           "--http-port", str(port), "--grpc-port", str(grpc_port), "--log", "warn", *extra]
     base = f"http://127.0.0.1:{port}"
-    return measure(name, cmd, f"{base}/v2/health/ready", f"{base}/v2/models/mlp/infer", body, args)
+    return measure(name, cmd, f"{base}/v2/health/ready", load_for(base, f"127.0.0.1:{grpc_port}"), args)
 
 
 def main():
@@ -123,7 +150,24 @@ def main():
         (repo / "mlp" / "1").mkdir(parents=True)
         (repo / "mlp" / "1" / "model.onnx").symlink_to(ROOT / "models/mlp/1/model.onnx")
 
-    rows = [ferrite("ferrite", args, body)]
+    infer = "/v2/models/mlp/infer"
+    json_load = lambda base, _: oha_load(base + infer, body, args.clients, ["Content-Type: application/json"])
+    # The same tensor as the JSON body, with Triton's binary extension: a JSON header, then raw bytes.
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 2048}}],
+                         "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+    values = [round((i % 97) / 97 - 0.5, 4) for i in range(512)]
+    binary_body = WORK / "mlp_request.bin"
+    binary_body.write_bytes(header + struct.pack("<512f", *values))
+    binary_load = lambda base, _: oha_load(base + infer, binary_body, args.clients,
+                                           [f"Inference-Header-Content-Length: {len(header)}"])
+
+    rows = [ferrite("ferrite REST-JSON (oha)", args, json_load)]
+    rows.append(ferrite("ferrite REST-binary (oha)", args, binary_load))
+    rows.append(ferrite("ferrite REST-binary (perf_analyzer)", args,
+                        lambda base, _: perf_analyzer_load("http", base.removeprefix("http://"), args.clients)))
+    rows.append(ferrite("ferrite gRPC (perf_analyzer)", args,
+                        lambda _, grpc_addr: perf_analyzer_load("grpc", grpc_addr, args.clients)))
     variants = []
     if args.variants:
         # The batching defaults are chosen from this grid: throughput under load vs latency alone.
@@ -135,25 +179,19 @@ def main():
                 link.symlink_to(ROOT / "models/mlp/1/model.onnx")
             (cfg / "mlp" / "config.toml").write_text(f"[dynamic_batching]\nmax_queue_delay_microseconds = {delay}\n")
             for clients in (args.clients, 1):
-                port = free_port()
-                cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(cfg),
-                       "--http-port", str(port), "--log", "warn"]
-                base = f"http://127.0.0.1:{port}"
-                run_args = argparse.Namespace(clients=clients, duration=max(5, args.duration // 2))
-                r = measure(f"delay {delay} us, {clients} clients", cmd, f"{base}/v2/health/ready",
-                            f"{base}/v2/models/mlp/infer", body, run_args)
-                variants.append(r)
-        variants.append(ferrite("spinning threads, 128 clients", args, body, ["--spin"]))
+                load = lambda base, _, c=clients: oha_load(base + infer, body, c, ["Content-Type: application/json"])
+                variants.append(ferrite(f"delay {delay} us, {clients} clients", args, load, repo=cfg))
+        variants.append(ferrite("spinning threads, 128 clients", args, json_load, ["--spin"]))
 
     port = free_port()
     workers = str(os.cpu_count() or 1)
     env = dict(os.environ, MODEL=str(ROOT / "models/mlp/1/model.onnx"))
     base = f"http://127.0.0.1:{port}"
     baseline = measure(
-        "fastapi+onnxruntime",
+        "fastapi+onnxruntime (oha)",
         [sys.executable, "-m", "uvicorn", "bench.baseline.app:app", "--port", str(port), "--workers", workers,
          "--log-level", "warning"],
-        f"{base}/docs", f"{base}/v2/models/mlp/infer", body, args, env=env,
+        f"{base}/docs", oha_load(base + infer, body, args.clients, ["Content-Type: application/json"]), args, env=env,
     )
     rows.append(baseline)
 
@@ -169,6 +207,8 @@ def main():
         f"`bench/run.sh` on {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}: "
         f"{args.clients} concurrent clients (oha), batch-1 V2 JSON requests to the `mlp` model "
         f"(512 -> 2048 -> 2048 -> 10) for {args.duration} s each; the load generator shares the machine.",
+        "REST-JSON rows send V2 JSON; REST-binary rows send the same tensor with Triton's binary extension;",
+        "perf_analyzer (tritonclient 2.51.0) drives gRPC and REST-binary at the same concurrency.",
         "CPU is the service's own CPU time per second of wall time (cores busy), all its processes.",
         "",
         "| service | req/s | p50 ms | p99 ms | CPU cores | errors |",
@@ -184,6 +224,9 @@ def main():
         f"| Ferrite / baseline throughput | {f['rps'] / baseline['rps']:.1f}x |",
         f"| Ferrite p99 / baseline p99 | {f['p99_ms'] / baseline['p99_ms']:.3f} |",
         f"| Ferrite / engine ceiling throughput | {f['rps'] / ceiling['rows_per_sec']:.2f} |",
+        "",
+        f"| Ferrite gRPC / REST-JSON throughput | {rows[3]['rps'] / f['rps']:.2f} |",
+        f"| Ferrite REST-binary / REST-JSON throughput (oha) | {rows[1]['rps'] / f['rps']:.2f} |",
         "",
         f"Bar (issue 2): throughput >= 10x baseline: **{'met' if f['rps'] >= 10 * baseline['rps'] else 'NOT met'}**; "
         f"p99 <= 1/5 of baseline: **{'met' if f['p99_ms'] <= baseline['p99_ms'] / 5 else 'NOT met'}**.",

@@ -14,5 +14,23 @@ fi
 if ! python3 -c "import fastapi, uvicorn, onnxruntime, numpy" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 fi
+# Triton's perf_analyzer, the reference gRPC load generator: tritonclient 2.51.0 ships it (newer
+# wheels need a newer glibc); it wants libb64 and a libcudart (from the CUDA runtime wheel).
+PA=bench/.work/pa
+if [ ! -x "$PA/tritonclient-2.51.0.data/data/bin/perf_analyzer" ]; then
+    mkdir -p "$PA"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d "$PA" \
+        tritonclient==2.51.0 nvidia-cuda-runtime-cu12==12.9.79
+    python3 - "$PA" <<'PY'
+import glob, sys, zipfile
+pa = sys.argv[1]
+zipfile.ZipFile(glob.glob(f"{pa}/tritonclient-2.51.0-*.whl")[0]).extract("tritonclient-2.51.0.data/data/bin/perf_analyzer", pa)
+zipfile.ZipFile(glob.glob(f"{pa}/nvidia_cuda_runtime_cu12-*.whl")[0]).extract("nvidia/cuda_runtime/lib/libcudart.so.12", pa)
+PY
+    chmod +x "$PA/tritonclient-2.51.0.data/data/bin/perf_analyzer"
+fi
+if ! ldconfig -p | grep -q libb64.so.0d; then
+    apt-get update -qq && apt-get install -y -qq libb64-0d
+fi
 cargo build --release --locked --bin ferrite --example ceiling
 exec python3 bench/run.py "$@"
