@@ -6,7 +6,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; this only tells prost-build where protoc is.
     unsafe { std::env::set_var("PROTOC", protoc) };
     let proto = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    tonic_prost_build::configure().bytes(".").compile_protos(&[proto.join("grpc_service.proto")], std::slice::from_ref(&proto))?;
+    tonic_prost_build::configure()
+        .bytes(".")
+        .compile_protos(&[proto.join("grpc_service.proto")], std::slice::from_ref(&proto))?;
     println!("cargo:rerun-if-changed={}", proto.display());
     Ok(())
 }

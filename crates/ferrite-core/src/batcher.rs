@@ -178,6 +178,7 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let spec = &shared.spec;
     let batched = spec.batch.max_batch_size > 0;
     let rows: usize = batch.iter().map(|p| p.rows).sum();
+    let requests = batch.len();
     for p in &batch {
         shared.stats.queue.add(start - p.enqueued);
     }
@@ -232,7 +233,7 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
         }
     };
     // Statistics first, so a client that reads them after its answer sees its own batch.
-    shared.stats.record_batch(rows, ran - start, done - ran, done.elapsed());
+    shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
     for (p, r) in replies {
         let _ = p.reply.send(r);
     }

@@ -57,6 +57,20 @@ fn yes() -> bool {
     true
 }
 
+impl Default for DynamicBatchingConfig {
+    fn default() -> Self {
+        DynamicBatchingConfig {
+            enabled: true,
+            preferred_batch_size: Vec::new(),
+            max_queue_delay_microseconds: None,
+            max_queue_size: None,
+            default_timeout_microseconds: 0,
+            priority_levels: 0,
+            default_priority_level: 0,
+        }
+    }
+}
+
 /// An input or output override: `dims` exclude the batch dim when `max_batch_size > 0`; -1 is variable.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

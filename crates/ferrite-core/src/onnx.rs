@@ -232,13 +232,14 @@ impl Instance for OnnxInstance {
             } else {
                 let len = tensor.size().unwrap_or(0);
                 let ptr = tensor.data_ptr().cast::<u8>();
-                let bytes = if len == 0 || ptr.is_null() {
-                    Vec::new()
+                let src: &[u8] = if len == 0 || ptr.is_null() {
+                    &[]
                 } else {
                     // SAFETY: ONNX Runtime owns `len` readable CPU bytes at `ptr` while `tensor` lives.
-                    unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec()
+                    unsafe { std::slice::from_raw_parts(ptr, len) }
                 };
-                TensorData::Raw(bytes.into())
+                // The one copy on the way out, into memory that typed views can read in place.
+                TensorData::Raw(crate::tensor::aligned_bytes(src))
             };
             result.push(Tensor { name: name.clone(), datatype, shape, data });
         }

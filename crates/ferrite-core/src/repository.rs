@@ -73,14 +73,51 @@ pub fn load_model(dir: &Path, name: &str, options: &LoadOptions) -> Result<Model
     if !is_model_name(name) {
         return Err(Error::invalid(format!("'{name}' is not a valid model name")));
     }
-    let config_path = dir.join("config.toml");
-    let config: ModelConfig = if config_path.exists() {
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|e| Error::invalid(format!("cannot read {}: {e}", config_path.display())))?;
-        toml::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", config_path.display())))?
+    let config = read_config(dir)?;
+    let (version, onnx) = latest_version(dir)?;
+    load_version(&onnx, name, version, &config, options)
+}
+
+/// Loads a model directory (as `load_model`) or a single `.onnx` file (as version 1), with the
+/// `Some` fields of `overrides` and `max_queue_delay_us` replacing what its config says.
+pub fn load_with(
+    path: &Path,
+    name: &str,
+    options: &LoadOptions,
+    overrides: &ModelConfig,
+    max_queue_delay_us: Option<u64>,
+) -> Result<Model> {
+    if !is_model_name(name) {
+        return Err(Error::invalid(format!("'{name}' is not a valid model name")));
+    }
+    let (mut config, version, onnx) = if path.is_dir() {
+        let (version, onnx) = latest_version(path)?;
+        (read_config(path)?, version, onnx)
     } else {
-        ModelConfig::default()
+        (ModelConfig::default(), 1, path.to_path_buf())
     };
+    config.max_batch_size = overrides.max_batch_size.or(config.max_batch_size);
+    config.instance_count = overrides.instance_count.or(config.instance_count);
+    config.threads = overrides.threads.or(config.threads);
+    if let Some(delay) = max_queue_delay_us {
+        let db = config.dynamic_batching.get_or_insert_with(Default::default);
+        db.max_queue_delay_microseconds = Some(delay);
+    }
+    load_version(&onnx, name, version, &config, options)
+}
+
+fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let config_path = dir.join("config.toml");
+    if !config_path.exists() {
+        return Ok(ModelConfig::default());
+    }
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", config_path.display())))?;
+    toml::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", config_path.display())))
+}
+
+/// The highest positive-integer version directory holding a `model.onnx`.
+fn latest_version(dir: &Path) -> Result<(u64, PathBuf)> {
     let version = std::fs::read_dir(dir)
         .map_err(|e| Error::invalid(format!("cannot read {}: {e}", dir.display())))?
         .filter_map(|e| e.ok())
@@ -88,12 +125,13 @@ pub fn load_model(dir: &Path, name: &str, options: &LoadOptions) -> Result<Model
         .filter(|v| dir.join(v.to_string()).join("model.onnx").is_file())
         .max()
         .ok_or_else(|| Error::invalid("no version directory (a positive integer) holds a model.onnx"))?;
+    Ok((version, dir.join(version.to_string()).join("model.onnx")))
+}
+
+fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, options: &LoadOptions) -> Result<Model> {
     let threads = config.threads.unwrap_or(options.threads).max(1);
-    let backend = OnnxBackend::load(
-        &dir.join(version.to_string()).join("model.onnx"),
-        OnnxOptions { intra_threads: threads, spinning: options.spinning },
-    )?;
-    let spec = ModelSpec::resolve(name, version, &config, backend.inputs(), backend.outputs(), threads)?;
+    let backend = OnnxBackend::load(onnx, OnnxOptions { intra_threads: threads, spinning: options.spinning })?;
+    let spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
     Model::start(spec, &backend)
 }
 

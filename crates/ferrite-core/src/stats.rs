@@ -87,13 +87,15 @@ pub struct StatsSnapshot {
 }
 
 impl ModelStats {
-    /// Records one executed batch of `rows` rows.
-    pub fn record_batch(&self, rows: usize, input: Duration, infer: Duration, output: Duration) {
+    /// Records one executed batch of `rows` rows from `requests` requests. As in Triton, each
+    /// request is charged the whole batch's compute time; batch statistics count executions.
+    pub fn record_batch(&self, rows: usize, requests: usize, input: Duration, infer: Duration, output: Duration) {
         self.inference_count.fetch_add(rows as u64, Relaxed);
         self.execution_count.fetch_add(1, Relaxed);
-        self.compute_input.add_n(rows as u64, input);
-        self.compute_infer.add_n(rows as u64, infer);
-        self.compute_output.add_n(rows as u64, output);
+        let n = requests as u32;
+        self.compute_input.add_n(requests as u64, input * n);
+        self.compute_infer.add_n(requests as u64, infer * n);
+        self.compute_output.add_n(requests as u64, output * n);
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
         self.last_inference_ms.store(now, Relaxed);
         let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());

@@ -20,6 +20,25 @@ pub struct Tensor {
     pub data: TensorData,
 }
 
+/// A copy of `src` in a 16-byte-aligned buffer, so typed views (NumPy arrays, SIMD loads) can
+/// read any fixed-size element type in place.
+pub fn aligned_bytes(src: &[u8]) -> Bytes {
+    struct Aligned {
+        buf: Vec<u128>,
+        len: usize,
+    }
+    impl AsRef<[u8]> for Aligned {
+        fn as_ref(&self) -> &[u8] {
+            // SAFETY: `buf` holds at least `len` initialised bytes (see below).
+            unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>(), self.len) }
+        }
+    }
+    let mut buf = vec![0u128; src.len().div_ceil(16)];
+    // SAFETY: `buf` has room for `src.len()` bytes; the regions do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.as_mut_ptr().cast::<u8>(), src.len()) };
+    Bytes::from_owner(Aligned { buf, len: src.len() })
+}
+
 /// The number of elements of `shape`, overflow-checked and capped at `max` (inclusive).
 pub fn element_count(shape: &[usize], max: usize) -> Result<usize> {
     let mut n: usize = 1;
@@ -180,6 +199,14 @@ impl LeBytes for bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn aligned_bytes_are_aligned_copies() {
+        let src: Vec<u8> = (0..37).collect();
+        let b = aligned_bytes(&src[1..]);
+        assert_eq!(&b[..], &src[1..]);
+        assert_eq!(b.as_ptr() as usize % 16, 0);
+    }
 
     #[test]
     fn element_count_is_checked() {

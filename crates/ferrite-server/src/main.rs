@@ -1,11 +1,12 @@
 //! The `ferrite` binary: `ferrite serve`.
 
-use ferrite_server::{grpc, http};
+use ferrite_server::{
+    grpc, http,
+    serve::{self, ServeConfig},
+};
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
-use anyhow::Context;
-use axum::serve::ListenerExt;
 use clap::{Parser, Subcommand};
 use ferrite_core::{Core, Limits, LoadOptions};
 
@@ -93,71 +94,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let repo = args.model_repository.clone();
     let limits = Limits { max_elements: args.max_request_elements };
     let core = tokio::task::spawn_blocking(move || Core::load(&repo, &options, limits)).await??;
-    let app = http::app(core.clone(), &http::HttpLimits { max_body_bytes: args.max_body_bytes });
-
-    let addr = SocketAddr::new(args.host, args.http_port);
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-    tracing::info!(address = %listener.local_addr()?, models = core.models().count(), "HTTP listening");
-    // Small responses would otherwise wait on delayed ACKs.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-
-    let grpc_addr = SocketAddr::new(args.host, args.grpc_port);
-    let grpc_listener =
-        tokio::net::TcpListener::bind(grpc_addr).await.with_context(|| format!("cannot listen on {grpc_addr}"))?;
-    tracing::info!(address = %grpc_listener.local_addr()?, "gRPC listening");
-
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>>().await;
-    let shutdown_core = core.clone();
-    let shutdown_health = health.clone();
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        tracing::info!("shutting down: readiness off, draining");
-        shutdown_core.begin_shutdown();
-        shutdown_health
-            .set_not_serving::<grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>>()
-            .await;
-        shutdown_health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        let _ = stop_tx.send(true);
-    });
-    let grpc_limits = grpc::GrpcLimits {
-        max_decoding_message_size: args.grpc_max_decoding_message_size,
-        max_encoding_message_size: args.grpc_max_encoding_message_size,
+    let cfg = ServeConfig {
+        host: args.host,
+        http_port: args.http_port,
+        grpc_port: args.grpc_port,
+        http: http::HttpLimits { max_body_bytes: args.max_body_bytes },
+        grpc: grpc::GrpcLimits {
+            max_decoding_message_size: args.grpc_max_decoding_message_size,
+            max_encoding_message_size: args.grpc_max_encoding_message_size,
+        },
+        grpc_max_concurrent_streams: args.grpc_max_concurrent_streams,
+        exit_timeout: Duration::from_secs(args.exit_timeout_secs),
     };
-    let mut grpc_stop = stop_rx.clone();
-    let grpc_server = tonic::transport::Server::builder()
-        .max_concurrent_streams(args.grpc_max_concurrent_streams)
-        .http2_keepalive_interval(Some(grpc::KEEPALIVE))
-        .add_service(health_service)
-        .add_service(grpc::service(core.clone(), &grpc_limits))
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-            async move {
-                let _ = grpc_stop.wait_for(|&s| s).await;
-            },
-        );
-    let grpc_server = tokio::spawn(grpc_server);
-
-    let mut wait_stop = stop_rx.clone();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        let _ = wait_stop.wait_for(|&s| s).await;
-    });
-    let exit_timeout = Duration::from_secs(args.exit_timeout_secs);
-    let server = tokio::spawn(async move { server.await });
-    let mut stopped = stop_rx;
-    let _ = stopped.wait_for(|&s| s).await;
-    // Queued and running work drains until the deadline; then what is left fails explicitly.
-    let drain_core = core.clone();
-    let failed = tokio::task::spawn_blocking(move || drain_core.drain(exit_timeout)).await?;
-    if failed > 0 {
-        tracing::warn!(failed, "requests failed at shutdown");
-    }
-    // Give in-flight responses a moment to be written.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async { tokio::join!(server, grpc_server) }).await;
-    tracing::info!("stopped");
+    let bound = serve::bind(&cfg).await?;
+    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, models = core.models().count(), "listening");
+    serve::run(core, bound, &cfg, shutdown_signal()).await;
     Ok(())
 }
 

@@ -1,0 +1,282 @@
+"""The `ferrite` Python package (the wheel built by scripts/test): same answers as the server and
+onnxruntime, zero-copy in and out, the GIL released, asyncio without stalls, errors by class."""
+
+import asyncio
+import gc
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ferrite
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "models" / "mlp"
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return ferrite.Model.load(MLP)
+
+
+def reference(x):
+    sess = ort.InferenceSession(str(MLP / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"input": x})[0]
+
+
+def test_metadata_is_frozen_dataclasses(mlp):
+    meta = mlp.metadata
+    assert meta == ferrite.ModelMetadata(
+        name="mlp",
+        version="1",
+        platform="onnxruntime_onnx",
+        max_batch_size=64,
+        inputs=(ferrite.TensorSpec("input", "FP32", (-1, 512)),),
+        outputs=(ferrite.TensorSpec("output", "FP32", (-1, 10)),),
+    )
+    with pytest.raises(AttributeError):
+        meta.name = "x"
+
+
+def test_outputs_match_onnxruntime_and_the_server(mlp, start_server):
+    x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    got = mlp.infer({"input": x})["output"]
+    np.testing.assert_allclose(got, reference(x), rtol=1e-5, atol=1e-6)
+    import tritonclient.http as httpclient
+
+    s = start_server(models=("mlp",))
+    i = httpclient.InferInput("input", [4, 512], "FP32")
+    i.set_data_from_numpy(x)
+    served = httpclient.InferenceServerClient(s.url).infer("mlp", [i]).as_numpy("output")
+    np.testing.assert_array_equal(got, served)
+
+
+def test_engine_loads_a_repository_and_serves_it():
+    engine = ferrite.Engine(ROOT / "models")
+    assert set(engine.models) == {"mlp", "mixed"}
+    mixed = engine.model("mixed")
+    out = mixed.infer({"ids": np.array([[1, 2, 3, 4]], np.int64), "values": np.ones((1, 4), np.float32)}, outputs=["ids_sum"])
+    assert list(out) == ["ids_sum"] and out["ids_sum"].tolist() == [[10]]
+    with pytest.raises(ferrite.ModelNotFound):
+        engine.model("nope")
+    import tritonclient.http as httpclient
+
+    with ferrite.serve(engine, http_port=0, grpc_port=0) as server:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        assert c.is_model_ready("mixed")
+        i = httpclient.InferInput("ids", [1, 4], "INT64")
+        i.set_data_from_numpy(np.array([[1, 2, 3, 4]], np.int64))
+        v = httpclient.InferInput("values", [1, 4], "FP32")
+        v.set_data_from_numpy(np.ones((1, 4), np.float32))
+        assert c.infer("mixed", [i, v]).as_numpy("ids_sum").tolist() == [[10]]
+        # The server and in-process calls share the model's statistics (one batcher).
+        assert c.get_inference_statistics("mixed")["model_stats"][0]["inference_count"] == 2
+
+
+def test_inputs_are_read_in_place(mlp):
+    x = np.ones((2, 512), np.float32)
+    (name, ptr), = mlp._native._input_pointers({"input": x})
+    assert name == "input" and ptr == x.ctypes.data
+    # A non-contiguous or wrong-dtype array is refused unless the caller allows a copy.
+    with pytest.raises(ValueError, match="C-contiguous"):
+        mlp.infer({"input": np.ones((512, 2), np.float32).T})
+    with pytest.raises(TypeError, match="FP32"):
+        mlp.infer({"input": np.ones((2, 512), np.float64)})
+    with pytest.raises(TypeError, match="copy=True"):
+        mlp.infer({"input": [[0.0] * 512]})
+    (_, copied), = mlp._native._input_pointers({"input": np.ones((2, 512), np.float64)}, copy=True)
+    assert copied != 0
+    a = mlp.infer({"input": np.ones((512, 2), np.float64).T}, copy=True)["output"]
+    b = mlp.infer({"input": np.ones((2, 512), np.float32)})["output"]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_outputs_are_views_of_the_rust_buffer(mlp):
+    out = mlp.infer({"input": np.ones((3, 512), np.float32)})["output"]
+    assert not out.flags.owndata
+    assert type(out.base).__name__ == "OutputBuffer"
+    assert not out.flags.writeable
+    # The array keeps the buffer alive after everything else is gone.
+    del mlp
+    gc.collect()
+    assert out.shape == (3, 10) and np.isfinite(out).all()
+
+
+def test_dlpack_inputs_are_not_copied(mlp):
+    class Producer:
+        """A DLPack producer that is not a NumPy array."""
+
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    x = np.full((1, 512), 0.5, np.float32)
+    (_, ptr), = mlp._native._input_pointers({"input": Producer(x)})
+    assert ptr == x.ctypes.data
+    np.testing.assert_array_equal(mlp.infer({"input": Producer(x)})["output"], mlp.infer({"input": x})["output"])
+
+
+def test_gil_is_released_during_a_call():
+    slow = ferrite.Model.load(MLP, max_queue_delay_us=300_000, name="slow")
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    start = time.perf_counter()
+    slow.infer({"input": np.ones((1, 512), np.float32)})
+    elapsed = time.perf_counter() - start
+    stop.set()
+    t.join()
+    assert elapsed >= 0.25
+    during = [x for x in ticks if start < x < start + elapsed]
+    assert len(during) >= 10, f"the other thread ran {len(during)} times in {elapsed:.3f}s"
+
+
+def test_threads_share_the_batcher():
+    m = ferrite.Model.load(MLP, max_queue_delay_us=20_000, name="threads")
+    x = np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32)
+    results = [None] * 16
+    barrier = threading.Barrier(16)
+
+    def call(i):
+        barrier.wait()
+        results[i] = m.infer({"input": x[i : i + 1]})["output"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_allclose(np.concatenate(results), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_thousand_awaits_finish_fast_without_stalling_the_loop(mlp):
+    x = np.ones((1, 512), np.float32)
+    start = time.perf_counter()
+    for _ in range(20):
+        mlp.infer({"input": x})
+    serial_per_call = (time.perf_counter() - start) / 20
+
+    async def main():
+        lags = []
+
+        async def watch():
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - t - 0.001)
+
+        watcher = asyncio.create_task(watch())
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(mlp.infer_async({"input": x}) for _ in range(1000)))
+        elapsed = time.perf_counter() - t0
+        watcher.cancel()
+        return outs, elapsed, lags
+
+    outs, elapsed, lags = asyncio.run(main())
+    assert len(outs) == 1000 and all(o["output"].shape == (1, 10) for o in outs)
+    assert elapsed < 1000 * serial_per_call / 3, f"{elapsed:.3f}s vs {serial_per_call * 1000:.3f}s serial"
+    lags.sort()
+    assert lags[len(lags) // 2] < 0.005, f"median loop lag {lags[len(lags) // 2] * 1000:.1f} ms"
+
+
+def test_cancelled_awaits_drop_their_request():
+    m = ferrite.Model.load(MLP, max_queue_delay_us=2_000_000, max_batch_size=8, name="cancel")
+
+    async def main():
+        task = asyncio.create_task(m.infer_async({"input": np.ones((1, 512), np.float32)}))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Fill a batch: it runs now, without the cancelled request.
+        return await asyncio.gather(*(m.infer_async({"input": np.ones((2, 512), np.float32)}) for _ in range(4)))
+
+    outs = asyncio.run(main())
+    assert all(o["output"].shape == (2, 10) for o in outs)
+
+
+def test_errors_map_to_classes(mlp):
+    assert issubclass(ferrite.InvalidInput, ferrite.FerriteError)
+    with pytest.raises(ferrite.InvalidInput, match="'input'"):
+        mlp.infer({"input": np.ones((1, 511), np.float32)})
+    with pytest.raises(ferrite.InvalidInput, match="missing input"):
+        mlp.infer({})
+    with pytest.raises(ferrite.InvalidInput, match="unknown output"):
+        mlp.infer({"input": np.ones((1, 512), np.float32)}, outputs=["nope"])
+    with pytest.raises(ferrite.DeadlineExceeded):
+        ferrite.Model.load(MLP, max_queue_delay_us=1_000_000, name="late").infer(
+            {"input": np.ones((1, 512), np.float32)}, timeout_us=20_000
+        )
+    with pytest.raises(ferrite.FerriteError):
+        ferrite.Model.load(ROOT / "tests" / "python" / "does-not-exist.onnx")
+
+    async def bad():
+        await mlp.infer_async({"input": np.ones((1, 3), np.float32)})
+
+    with pytest.raises(ferrite.InvalidInput):
+        asyncio.run(bad())
+
+
+def test_bytes_and_all_types_round_trip():
+    m = ferrite.Model.load(ROOT / "tests" / "models" / "identity")
+    feeds = {}
+    for spec in m.metadata.inputs:
+        dt = spec.datatype
+        if dt == "BYTES":
+            feeds[spec.name] = np.array([[b"a", "b\u00e9", b""]], dtype=object)
+        elif dt == "BF16":
+            feeds[spec.name] = np.array([[1.5, -2.0, 0.25]], np.float32)
+        elif dt == "BOOL":
+            feeds[spec.name] = np.array([[True, False, True]])
+        else:
+            np_dt = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}.get(dt) or np.dtype(dt.lower().replace("uint", "uint").replace("int", "int"))
+            feeds[spec.name] = np.array([[1, 2, 3]], dtype=np_dt)
+    out = m.infer(feeds, copy=True)
+    assert out["bytes_out"].tolist() == [[b"a", "b\u00e9".encode(), b""]]
+    assert out["bf16_out"].tolist() == [[1.5, -2.0, 0.25]]
+    for name, a in feeds.items():
+        if a.dtype != object and name != "bf16_in":
+            np.testing.assert_array_equal(out[name.replace("_in", "_out")], a)
+
+
+def test_fastapi_example_through_testclient(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("FERRITE_MODEL", str(MLP))
+    sys.path.insert(0, str(ROOT))
+    from examples import fastapi_app
+
+    client = TestClient(fastapi_app.app)
+    x = np.random.default_rng(2).standard_normal((2, 512)).astype(np.float32)
+    r = client.post("/predict", json={"rows": x.tolist()})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()["scores"], np.float32), reference(x), rtol=1e-5, atol=1e-5)
+    assert client.post("/predict", json={"rows": [[1.0, 2.0]]}).status_code == 422
+    assert client.post("/predict", json={"rows": []}).status_code == 422
+
+
+def test_stubs_match_the_module():
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "ferrite._native", "--ignore-missing-stub"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
