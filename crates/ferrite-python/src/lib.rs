@@ -235,9 +235,7 @@ impl Model {
         priority: u32,
     ) -> PyResult<Bound<'py, PyDict>> {
         let req = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
-        let core = self.core.clone();
-        let handle = runtime().spawn(async move { core.infer(req).await });
-        let result = wait(py, handle)?;
+        let result = block_on(py, self.core.infer(req))?;
         convert::outputs(py, result.map_err(py_err)?.outputs)
     }
 
@@ -281,21 +279,55 @@ impl Model {
     }
 }
 
-/// Waits for `handle` with the GIL released, waking every 50 ms to let Ctrl-C through.
-fn wait<T: Send + 'static>(py: Python<'_>, mut handle: tokio::task::JoinHandle<T>) -> PyResult<T> {
+/// Wakes the calling thread when the future it polls can make progress.
+struct ThreadWaker(std::thread::Thread);
+
+impl std::task::Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Polls `fut` on the calling thread with the GIL released: the batcher's reply wakes this thread
+/// directly, with no executor hop. Every 50 ms it takes the GIL to let Ctrl-C through; on an
+/// interrupt the future is dropped, which frees the request's queue slot.
+fn block_on<F: std::future::Future + Send>(py: Python<'_>, fut: F) -> PyResult<F::Output>
+where
+    F::Output: Send,
+{
+    const SIGNAL_CHECK: Duration = Duration::from_millis(50);
+    // A reply that comes within this window is taken without the cost of a park and unpark.
+    const SPIN: Duration = Duration::from_micros(30);
+    // Request timeouts register their timers with the runtime's driver.
+    let _context = runtime().enter();
+    let mut fut = std::pin::pin!(fut);
     loop {
-        let step = py.detach(|| {
-            runtime().block_on(async { tokio::time::timeout(Duration::from_millis(50), &mut handle).await })
-        });
-        match step {
-            Ok(joined) => return joined.map_err(|e| PyRuntimeError::new_err(e.to_string())),
-            Err(_) => {
-                if let Err(e) = py.check_signals() {
-                    // Interrupted: dropping the request frees its queue slot.
-                    handle.abort();
-                    return Err(e);
+        let polled = py.detach(|| {
+            let waker = std::task::Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+            let mut cx = std::task::Context::from_waker(&waker);
+            let start = std::time::Instant::now();
+            let until = start + SIGNAL_CHECK;
+            loop {
+                if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+                    return Some(v);
+                }
+                let now = std::time::Instant::now();
+                if now >= until {
+                    return None;
+                }
+                if now - start < SPIN {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::park_timeout(until - now);
                 }
             }
+        });
+        match polled {
+            Some(v) => return Ok(v),
+            None => py.check_signals()?,
         }
     }
 }
