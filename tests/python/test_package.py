@@ -280,3 +280,27 @@ def test_stubs_match_the_module():
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ctrl_c_interrupts_a_blocking_call(tmp_path):
+    import signal
+    import subprocess
+
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time, numpy as np, ferrite\n"
+        f"m = ferrite.Model.load({str(MLP)!r}, max_queue_delay_us=30_000_000, name='slow')\n"
+        "print('ready', flush=True)\n"
+        "t = time.time()\n"
+        "try:\n"
+        "    m.infer({'input': np.ones((1, 512), np.float32)})\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', round(time.time() - t, 2), flush=True)\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=20)
+    assert out.startswith("interrupted"), out
+    assert float(out.split()[1]) < 5

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use ferrite_core::{
-    config::TensorSpec, stats::StatsSnapshot, tensor::element_count, DataType, Error, InferRequest, InferResponse,
+    config::TensorSpec, stats::StatsSnapshot, tensor::parse_header, DataType, Error, InferRequest, InferResponse,
     Model, Tensor, TensorData,
 };
 
@@ -72,17 +72,7 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
 
 fn input(i: InferInputTensor, raw: Option<Bytes>, max_elements: usize) -> Result<Tensor, Error> {
     let name = i.name;
-    let datatype = DataType::parse(&i.datatype)
-        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{}'", i.datatype)))?;
-    let shape = i
-        .shape
-        .iter()
-        .map(|&d| {
-            usize::try_from(d)
-                .map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {:?}", i.shape)))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let count = element_count(&shape, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
+    let (datatype, shape, count) = parse_header(&name, &i.datatype, &i.shape, max_elements)?;
     let data = match (raw, i.contents) {
         (Some(raw), _) => TensorData::from_wire(&name, datatype, count, raw)?,
         (None, Some(c)) => typed(&name, datatype, count, c)?,

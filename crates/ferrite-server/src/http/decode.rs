@@ -4,7 +4,7 @@
 use std::{collections::HashMap, fmt};
 
 use bytes::Bytes;
-use ferrite_core::{tensor::element_count, DataType, Error, TensorData};
+use ferrite_core::{DataType, Error, TensorData};
 use serde::{
     de::{DeserializeSeed, SeqAccess, Visitor},
     Deserialize, Deserializer,
@@ -46,26 +46,6 @@ pub fn priority_and_timeout(params: &Params) -> Result<(u32, Option<u64>), Error
         .transpose()?
         .unwrap_or(0);
     Ok((priority, param_u64(params, "timeout")?))
-}
-
-/// The datatype, shape and element count of an input, checked against the element cap before
-/// anything is allocated for it.
-pub fn input_header(
-    name: &str,
-    datatype: &str,
-    shape: &[i64],
-    max_elements: usize,
-) -> Result<(DataType, Vec<usize>, usize), Error> {
-    let dt = DataType::parse(datatype)
-        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{datatype}'")))?;
-    let dims = shape
-        .iter()
-        .map(|&d| {
-            usize::try_from(d).map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {shape:?}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let count = element_count(&dims, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
-    Ok((dt, dims, count))
 }
 
 /// Collects the scalars (or raw bytes) of one input into its datatype's little-endian layout.

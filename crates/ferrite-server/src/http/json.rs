@@ -10,7 +10,8 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
-use super::decode::{input_header, param_bool, param_u64, priority_and_timeout, Params, Sink};
+use super::decode::{param_bool, param_u64, priority_and_timeout, Params, Sink};
+use ferrite_core::tensor::parse_header;
 
 #[derive(Deserialize)]
 pub struct JsonRequest<'a> {
@@ -90,7 +91,7 @@ pub fn parse(
 
 fn decode_input(input: JsonInput<'_>, binary: &mut Bytes, max_elements: usize) -> Result<Tensor, Error> {
     let name = input.name;
-    let (datatype, shape, count) = input_header(&name, &input.datatype, &input.shape, max_elements)?;
+    let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
     let data = match (param_u64(&input.parameters, "binary_data_size")?, input.data) {
         (Some(_), Some(_)) => {
             return Err(Error::invalid(format!("input '{name}' has both 'data' and binary_data_size")))

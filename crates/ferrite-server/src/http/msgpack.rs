@@ -15,7 +15,8 @@ use serde::{
     Deserialize, Deserializer, Serialize,
 };
 
-use super::decode::{input_header, priority_and_timeout, Params, Sink};
+use super::decode::{priority_and_timeout, Params, Sink};
+use ferrite_core::tensor::parse_header;
 
 pub const CONTENT_TYPE: &str = "application/msgpack";
 
@@ -51,7 +52,7 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
     let mut sinks = Vec::with_capacity(header.inputs.len());
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {
-        let (dt, shape, count) = input_header(&i.name, &i.datatype, &i.shape, max_elements)?;
+        let (dt, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
         sinks.push((Sink::new(&i.name, dt, count), None));
         shapes.push((dt, shape));
     }
