@@ -87,7 +87,8 @@ def test_deadline_ends_a_queued_request_without_running_it(start_server, tmp_pat
     started = time.time()
     with pytest.raises(InferenceServerException) as e:
         c.infer("mlp", [mlp_input(np.ones((1, 512), np.float32))], client_timeout=0.2)
-    assert e.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    # The client's own deadline, ours (DEADLINE_EXCEEDED) or tonic's (CANCELLED): whichever fires first.
+    assert e.value.status() in ("StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED")
     assert time.time() - started < 2
     time.sleep(3.5)  # past the queue delay: had the request stayed queued, it would have run by now
     stats = c.get_inference_statistics("mlp", as_json=True)["model_stats"][0]

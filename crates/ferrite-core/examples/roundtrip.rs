@@ -15,7 +15,7 @@ use ferrite_core::{
 fn main() {
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: roundtrip MODEL_DIR"));
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
-    let options = LoadOptions { threads: 1, spinning: false };
+    let options = LoadOptions { threads: 1, spinning: false, cache: None };
     let model = load_model(&dir, &name, &options).unwrap();
     let spec = model.spec.clone();
     let core =

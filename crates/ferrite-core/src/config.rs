@@ -24,6 +24,8 @@ pub struct ModelConfig {
     /// Intra-op threads per instance.
     pub threads: Option<usize>,
     pub dynamic_batching: Option<DynamicBatchingConfig>,
+    /// `[cache] enabled = true` puts the response cache in front of this model.
+    pub cache: Option<CacheConfig>,
     #[serde(default)]
     pub input: Vec<TensorConfig>,
     #[serde(default)]
@@ -69,6 +71,13 @@ impl Default for DynamicBatchingConfig {
             default_priority_level: 0,
         }
     }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheConfig {
+    #[serde(default)]
+    pub enabled: bool,
 }
 
 /// An input or output override: `dims` exclude the batch dim when `max_batch_size > 0`; -1 is variable.
@@ -130,6 +139,8 @@ pub struct ModelSpec {
     pub batch: BatchPolicy,
     pub instance_count: usize,
     pub threads: usize,
+    /// Responses are cached (when the process has a cache).
+    pub cache: bool,
 }
 
 impl ModelSpec {
@@ -198,6 +209,7 @@ impl ModelSpec {
             batch,
             instance_count,
             threads: config.threads.unwrap_or(default_threads).max(1),
+            cache: config.cache.as_ref().is_some_and(|c| c.enabled),
         })
     }
 }

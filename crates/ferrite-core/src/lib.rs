@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod batcher;
+pub mod cache;
 pub mod config;
 pub mod dtype;
 pub mod error;
@@ -39,6 +40,7 @@ pub struct Core {
 }
 
 struct Inner {
+    cache: Option<Arc<cache::ResponseCache>>,
     models: BTreeMap<String, Arc<Model>>,
     failed: BTreeMap<String, String>,
     accepting: AtomicBool,
@@ -49,11 +51,20 @@ impl Core {
     /// Loads the repository at `root`; models that fail are logged and left out.
     pub fn load(root: &Path, options: &LoadOptions, limits: Limits) -> Result<Core> {
         let loaded = repository::load_all(root, options)?;
-        Ok(Core::from_models(loaded.models, loaded.failed, limits))
+        let mut core = Core::from_models(loaded.models, loaded.failed, limits);
+        if let Some(inner) = Arc::get_mut(&mut core.inner) {
+            inner.cache = options.cache.clone();
+        }
+        Ok(core)
     }
 
     pub fn from_models(models: BTreeMap<String, Arc<Model>>, failed: BTreeMap<String, String>, limits: Limits) -> Core {
-        Core { inner: Arc::new(Inner { models, failed, accepting: AtomicBool::new(true), limits }) }
+        Core { inner: Arc::new(Inner { cache: None, models, failed, accepting: AtomicBool::new(true), limits }) }
+    }
+
+    /// The process's response cache, if it has one.
+    pub fn cache(&self) -> Option<&Arc<cache::ResponseCache>> {
+        self.inner.cache.as_ref()
     }
 
     pub fn models(&self) -> impl Iterator<Item = &Arc<Model>> {

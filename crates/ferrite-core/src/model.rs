@@ -9,8 +9,13 @@ use std::{
 use tokio::sync::oneshot;
 
 use crate::{
-    batcher::Batcher, config::ModelSpec, queue::Pending, stats::ModelStats, tensor::element_count, Backend, Error,
-    Result, Tensor,
+    batcher::Batcher,
+    cache::{self, ResponseCache},
+    config::ModelSpec,
+    queue::Pending,
+    stats::ModelStats,
+    tensor::element_count,
+    Backend, Error, Result, Tensor,
 };
 
 /// Caps on what one request may make the server hold.
@@ -40,6 +45,8 @@ pub struct InferRequest {
     pub priority: u32,
     /// Microseconds; may only shorten the model's default timeout. 0 means none.
     pub timeout_us: Option<u64>,
+    /// Bypass the response cache for this request (request parameter `cache: false`).
+    pub skip_cache: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -54,13 +61,15 @@ pub struct Model {
     pub spec: ModelSpec,
     pub stats: Arc<ModelStats>,
     batcher: Batcher,
+    /// Set when the model enables caching and the process has a cache.
+    pub(crate) cache: Option<Arc<ResponseCache>>,
 }
 
 impl Model {
     pub fn start(spec: ModelSpec, backend: &dyn Backend) -> Result<Model> {
         let stats = Arc::new(ModelStats::default());
         let batcher = Batcher::start(&spec, backend, stats.clone())?;
-        Ok(Model { spec, stats, batcher })
+        Ok(Model { spec, stats, batcher, cache: None })
     }
 
     pub fn batcher(&self) -> &Batcher {
@@ -80,6 +89,17 @@ impl Model {
         let (inputs, rows) = self.check_inputs(req.inputs, limits)?;
         let outputs = self.check_outputs(req.outputs.as_deref())?;
         let level = self.level(req.priority)?;
+        let cache = self.cache.as_ref().filter(|_| !req.skip_cache);
+        let key = cache.map(|_| cache::key(&self.spec.name, self.spec.version, &inputs, outputs.as_deref()));
+        if let (Some(c), Some(k)) = (cache, key) {
+            let t = Instant::now();
+            if let Some(hit) = c.get(k).await {
+                // A hit never enters the queue.
+                self.stats.cache_hit.add(t.elapsed());
+                return Ok(self.response(req.id, hit.as_ref().clone()));
+            }
+            self.stats.cache_miss.add(t.elapsed());
+        }
         let now = Instant::now();
         let deadline = self.timeout(req.timeout_us).map(|t| now + t);
         let (tx, rx) = oneshot::channel();
@@ -93,12 +113,14 @@ impl Model {
             },
         };
         let outputs = answer.map_err(|_| Error::internal("the batcher dropped the request"))??;
-        Ok(InferResponse {
-            model_name: self.spec.name.clone(),
-            model_version: self.spec.version.to_string(),
-            id: req.id,
-            outputs,
-        })
+        if let (Some(c), Some(k)) = (cache, key) {
+            c.put(k, &outputs);
+        }
+        Ok(self.response(req.id, outputs))
+    }
+
+    fn response(&self, id: Option<String>, outputs: Vec<Tensor>) -> InferResponse {
+        InferResponse { model_name: self.spec.name.clone(), model_version: self.spec.version.to_string(), id, outputs }
     }
 
     /// Puts inputs in model order and checks each against the spec before anything is queued.

@@ -7,6 +7,7 @@ use std::{
 };
 
 use crate::{
+    cache::ResponseCache,
     config::{ModelConfig, ModelSpec},
     model::Model,
     onnx::{OnnxBackend, OnnxOptions},
@@ -19,11 +20,17 @@ pub struct LoadOptions {
     /// Intra-op threads per instance.
     pub threads: usize,
     pub spinning: bool,
+    /// The process's response cache, used by models whose config enables it.
+    pub cache: Option<Arc<ResponseCache>>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { threads: std::thread::available_parallelism().map_or(1, |n| n.get()), spinning: false }
+        LoadOptions {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            spinning: false,
+            cache: None,
+        }
     }
 }
 
@@ -132,7 +139,10 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let threads = config.threads.unwrap_or(options.threads).max(1);
     let backend = OnnxBackend::load(onnx, OnnxOptions { intra_threads: threads, spinning: options.spinning })?;
     let spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
-    Model::start(spec, &backend)
+    let cache = options.cache.clone().filter(|_| spec.cache);
+    let mut model = Model::start(spec, &backend)?;
+    model.cache = cache;
+    Ok(model)
 }
 
 #[cfg(test)]

@@ -47,6 +47,9 @@ pub struct ModelStats {
     pub compute_input: Counter,
     pub compute_infer: Counter,
     pub compute_output: Counter,
+    /// Lookups that found a response, and those that did not (with the time they took).
+    pub cache_hit: Counter,
+    pub cache_miss: Counter,
     /// Rows inferred (a batch of 8 counts 8).
     pub inference_count: AtomicU64,
     /// Batches run.
@@ -65,6 +68,8 @@ pub struct InferenceStats {
     pub compute_input: Duration2,
     pub compute_infer: Duration2,
     pub compute_output: Duration2,
+    pub cache_hit: Duration2,
+    pub cache_miss: Duration2,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -121,6 +126,8 @@ impl ModelStats {
                 compute_input: self.compute_input.snapshot(),
                 compute_infer: self.compute_infer.snapshot(),
                 compute_output: self.compute_output.snapshot(),
+                cache_hit: self.cache_hit.snapshot(),
+                cache_miss: self.cache_miss.snapshot(),
             },
             batch_stats: batches
                 .iter()

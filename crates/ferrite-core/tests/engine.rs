@@ -36,7 +36,7 @@ fn repo(models: &[(&str, Option<&str>)]) -> tempfile::TempDir {
 }
 
 fn load(dir: &Path) -> Core {
-    Core::load(dir, &LoadOptions { threads: 1, spinning: false }, Limits::default()).unwrap()
+    Core::load(dir, &LoadOptions { threads: 1, spinning: false, cache: None }, Limits::default()).unwrap()
 }
 
 fn mlp_request(value: f32) -> InferRequest {
@@ -160,7 +160,8 @@ async fn invalid_requests_are_refused_with_the_input_named() {
     assert_eq!(out.outputs[0], Tensor::from_le("y", DataType::Fp64, vec![2, 3], &[2f64, 4.0, 6.0, 8.0, 10.0, 12.0]));
     // Caps on elements apply before anything is queued.
     let small =
-        Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false }, Limits { max_elements: 6 }).unwrap();
+        Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false, cache: None }, Limits { max_elements: 6 })
+            .unwrap();
     let err = small.infer(req(vec![ids(vec![1, 4]), values(vec![1, 4])])).await.unwrap_err();
     assert!(err.to_string().contains("more than 6 elements"), "{err}");
 }

@@ -5,10 +5,13 @@ use ferrite_server::{
     serve::{self, ServeConfig},
 };
 
-use std::{path::PathBuf, time::Duration};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{Parser, Subcommand};
-use ferrite_core::{Core, Limits, LoadOptions};
+use ferrite_core::{
+    cache::{CacheOptions, ResponseCache},
+    Core, Limits, LoadOptions,
+};
 
 #[derive(Parser)]
 #[command(name = "ferrite", version, about = "Real-time inference server for ONNX models (KServe V2 protocol)")]
@@ -64,6 +67,21 @@ struct ServeArgs {
     /// On SIGINT/SIGTERM, how long queued and running requests may take before they are failed.
     #[arg(long, env = "FERRITE_EXIT_TIMEOUT_SECS", default_value_t = 30)]
     exit_timeout_secs: u64,
+    /// Response cache: bytes of tensor data the in-process tier may hold.
+    #[arg(long, env = "FERRITE_CACHE_LOCAL_BYTES", default_value_t = 256 << 20)]
+    cache_local_bytes: u64,
+    /// Response cache: seconds an entry lives (in both tiers).
+    #[arg(long, env = "FERRITE_CACHE_TTL", default_value_t = 300)]
+    cache_ttl: u64,
+    /// Response cache: a Redis URL (redis://host:port/db) for a second tier shared by processes.
+    #[arg(long, env = "FERRITE_CACHE_REDIS_URL")]
+    cache_redis_url: Option<String>,
+    /// Response cache: milliseconds a request may wait on Redis before it counts as a miss.
+    #[arg(long, env = "FERRITE_CACHE_REDIS_TIMEOUT_MS", default_value_t = 5)]
+    cache_redis_timeout_ms: u64,
+    /// Response cache: responses larger than this many bytes are not cached.
+    #[arg(long, env = "FERRITE_CACHE_MAX_VALUE_BYTES", default_value_t = 1 << 20)]
+    cache_max_value_bytes: usize,
     /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `ferrite_core=debug`.
     #[arg(long, env = "FERRITE_LOG", default_value = "info")]
     log: String,
@@ -87,7 +105,14 @@ fn main() {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut options = LoadOptions { spinning: args.spin, ..LoadOptions::default() };
+    let cache = ResponseCache::new(&CacheOptions {
+        local_bytes: args.cache_local_bytes,
+        ttl: Duration::from_secs(args.cache_ttl.max(1)),
+        redis_url: args.cache_redis_url.clone(),
+        redis_timeout: Duration::from_millis(args.cache_redis_timeout_ms.max(1)),
+        max_value_bytes: args.cache_max_value_bytes,
+    })?;
+    let mut options = LoadOptions { spinning: args.spin, cache: Some(Arc::new(cache)), ..LoadOptions::default() };
     if let Some(t) = args.threads {
         options.threads = t.max(1);
     }

@@ -67,6 +67,10 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
         outputs: if req.outputs.is_empty() { None } else { Some(req.outputs.into_iter().map(|o| o.name).collect()) },
         priority,
         timeout_us: param_u64(&req.parameters, "timeout")?,
+        skip_cache: matches!(
+            req.parameters.get("cache").and_then(|p| p.parameter_choice.as_ref()),
+            Some(ParameterChoice::BoolParam(false))
+        ),
     })
 }
 
@@ -269,6 +273,8 @@ pub fn statistics(s: &StatsSnapshot) -> pb::ModelStatistics {
             compute_input: duration(i.compute_input),
             compute_infer: duration(i.compute_infer),
             compute_output: duration(i.compute_output),
+            cache_hit: duration(i.cache_hit),
+            cache_miss: duration(i.cache_miss),
         }),
         batch_stats: s
             .batch_stats
@@ -374,11 +380,11 @@ mod tests {
     fn grpc_timeouts_become_microseconds() {
         let mut md = tonic::metadata::MetadataMap::new();
         for (v, us) in [
-            ("5S", Some(5_000_000)),
-            ("20m", Some(20_000)),
-            ("7u", Some(7)),
-            ("1500n", Some(2)),
-            ("1H", Some(3_600_000_000)),
+            ("5S", Some(4_998_000)),
+            ("20m", Some(18_000)),
+            ("7u", Some(1)),
+            ("1500n", Some(1)),
+            ("1H", Some(3_599_998_000)),
             ("x", None),
             ("5Q", None),
         ] {

@@ -39,13 +39,24 @@ pub fn param_bool(params: &Params, key: &str) -> Result<Option<bool>, Error> {
     }
 }
 
-/// `priority` and `timeout`, as the core takes them.
-pub fn priority_and_timeout(params: &Params) -> Result<(u32, Option<u64>), Error> {
+/// The request parameters the core honours: `priority`, `timeout` (µs) and `cache` (false skips
+/// the response cache).
+pub struct RequestParams {
+    pub priority: u32,
+    pub timeout_us: Option<u64>,
+    pub skip_cache: bool,
+}
+
+pub fn request_params(params: &Params) -> Result<RequestParams, Error> {
     let priority = param_u64(params, "priority")?
         .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
         .transpose()?
         .unwrap_or(0);
-    Ok((priority, param_u64(params, "timeout")?))
+    Ok(RequestParams {
+        priority,
+        timeout_us: param_u64(params, "timeout")?,
+        skip_cache: param_bool(params, "cache")? == Some(false),
+    })
 }
 
 /// Collects the scalars (or raw bytes) of one input into its datatype's little-endian layout.

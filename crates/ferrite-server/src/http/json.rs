@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
-use super::decode::{param_bool, param_u64, priority_and_timeout, Params, Sink};
+use super::decode::{param_bool, param_u64, request_params, Params, Sink};
 use ferrite_core::tensor::parse_header;
 
 #[derive(Deserialize)]
@@ -59,7 +59,7 @@ pub fn parse(
     if !rest.is_empty() {
         return Err(Error::invalid(format!("{} bytes of binary data follow the last input", rest.len())));
     }
-    let (priority, timeout_us) = priority_and_timeout(&req.parameters)?;
+    let params = request_params(&req.parameters)?;
     let mut binary_outputs = BinaryOutputs {
         default: param_bool(&req.parameters, "binary_data_output")?.unwrap_or(false),
         ..Default::default()
@@ -83,8 +83,9 @@ pub fn parse(
         id: req.id,
         inputs,
         outputs,
-        priority,
-        timeout_us,
+        priority: params.priority,
+        timeout_us: params.timeout_us,
+        skip_cache: params.skip_cache,
     };
     Ok((req, binary_outputs))
 }

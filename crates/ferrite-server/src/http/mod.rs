@@ -147,12 +147,21 @@ async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Re
 
 async fn model_stats(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
     let m = s.model(&p)?;
-    Ok(Json(json!({"model_stats": [m.stats.snapshot(&m.spec.name, m.spec.version)]})))
+    Ok(Json(stats_body(&s.core, vec![m.stats.snapshot(&m.spec.name, m.spec.version)])))
 }
 
 async fn all_stats(State(s): State<AppState>) -> Json<Value> {
     let stats: Vec<_> = s.core.models().map(|m| m.stats.snapshot(&m.spec.name, m.spec.version)).collect();
-    Json(json!({ "model_stats": stats }))
+    Json(stats_body(&s.core, stats))
+}
+
+/// Triton's statistics object, plus the response cache's state under `cache` when there is one.
+fn stats_body(core: &Core, model_stats: Vec<ferrite_core::stats::StatsSnapshot>) -> Value {
+    let mut body = json!({ "model_stats": model_stats });
+    if let Some(c) = core.cache() {
+        body["cache"] = json!(c.snapshot());
+    }
+    body
 }
 
 /// The header of Triton's binary tensor extension: how many body bytes are JSON.

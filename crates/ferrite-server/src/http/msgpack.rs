@@ -15,7 +15,7 @@ use serde::{
     Deserialize, Deserializer, Serialize,
 };
 
-use super::decode::{priority_and_timeout, Params, Sink};
+use super::decode::{request_params, Params, Sink};
 use ferrite_core::tensor::parse_header;
 
 pub const CONTENT_TYPE: &str = "application/msgpack";
@@ -66,15 +66,16 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
     for ((sink, _), (i, (dt, shape))) in sinks.into_iter().zip(header.inputs.into_iter().zip(shapes)) {
         inputs.push(ferrite_core::Tensor::new(i.name, dt, shape, sink.finish()));
     }
-    let (priority, timeout_us) = priority_and_timeout(&header.parameters)?;
+    let params = request_params(&header.parameters)?;
     Ok(InferRequest {
         model_name: model.to_string(),
         model_version: version,
         id: header.id,
         inputs,
         outputs: header.outputs.map(|o| o.into_iter().map(|o| o.name).collect()),
-        priority,
-        timeout_us,
+        priority: params.priority,
+        timeout_us: params.timeout_us,
+        skip_cache: params.skip_cache,
     })
 }
 

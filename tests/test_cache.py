@@ -1,0 +1,225 @@
+"""The response cache end to end: the real binary, tritonclient, and a real redis-server (started
+here on a free port, stopped, paused and restarted to cause the faults for real)."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import free_port, make_repository
+
+CACHED = "[cache]\nenabled = true\n"
+
+
+class Redis:
+    def __init__(self, tmp_path, port=None):
+        self.port = port or free_port()
+        self.dir = tmp_path
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                if self.command("PING") == b"+PONG":
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def command(self, *args, timeout=1):
+        """One RESP command; returns the first line of the reply."""
+        payload = f"*{len(args)}\r\n" + "".join(f"${len(str(a))}\r\n{a}\r\n" for a in args)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            s.sendall(payload.encode())
+            return s.recv(65536).split(b"\r\n")[0]
+
+    def keys(self):
+        return int(self.command("DBSIZE")[1:])
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/"
+
+
+@pytest.fixture
+def redis(tmp_path):
+    r = Redis(tmp_path)
+    yield r
+    r.stop()
+
+
+def cached_repo(tmp_path, name="repo"):
+    repo = make_repository(tmp_path / name, ("mlp", "mixed"))
+    for m in ("mlp", "mixed"):
+        (repo / m / "config.toml").write_text(CACHED)
+    return repo
+
+
+def mlp_infer(server, x, **kw):
+    c = httpclient.InferenceServerClient(server.url)
+    i = httpclient.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return c.infer("mlp", [i], **kw)
+
+
+def stats(server, model="mlp"):
+    body = httpclient.InferenceServerClient(server.url).get_inference_statistics(model)
+    return body["model_stats"][0], body.get("cache")
+
+
+def wait_for(predicate, timeout=10, what=""):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_hits_are_byte_identical_and_never_queue(start_server, tmp_path):
+    s = start_server(repository=cached_repo(tmp_path))
+    x = np.random.default_rng(0).standard_normal((1, 512)).astype(np.float32)
+    first = mlp_infer(s, x).as_numpy("output")
+    second = mlp_infer(s, x).as_numpy("output")
+    assert first.tobytes() == second.tobytes()
+    m, cache = stats(s)
+    assert m["inference_stats"]["cache_miss"]["count"] == 1
+    assert m["inference_stats"]["cache_hit"]["count"] == 1
+    assert m["execution_count"] == 1
+    assert cache["redis"] == "off" and cache["local_entries"] == 1
+
+
+def test_different_outputs_or_parameters_miss(start_server, tmp_path):
+    s = start_server(repository=cached_repo(tmp_path))
+    c = httpclient.InferenceServerClient(s.url)
+
+    def call(outputs=None, **kw):
+        ids = httpclient.InferInput("ids", [1, 4], "INT64")
+        ids.set_data_from_numpy(np.array([[1, 2, 3, 4]], np.int64))
+        values = httpclient.InferInput("values", [1, 4], "FP32")
+        values.set_data_from_numpy(np.ones((1, 4), np.float32))
+        outs = [httpclient.InferRequestedOutput(o) for o in outputs] if outputs else None
+        return c.infer("mixed", [ids, values], outputs=outs, **kw)
+
+    call(["ids_sum"])
+    call(["weighted"])
+    call()
+    m, _ = stats(s, "mixed")
+    assert m["inference_stats"]["cache_miss"]["count"] == 3 and m["inference_stats"]["cache_hit"]["count"] == 0
+    call(["weighted"])
+    # cache=false skips the cache altogether: no lookup, and the request runs.
+    call(["weighted"], parameters={"cache": False})
+    m, _ = stats(s, "mixed")
+    assert m["inference_stats"]["cache_hit"]["count"] == 1
+    assert m["inference_stats"]["cache_miss"]["count"] == 3
+    assert m["execution_count"] == 4
+
+
+def test_entries_expire(start_server, tmp_path):
+    s = start_server("--cache-ttl", "1", repository=cached_repo(tmp_path))
+    x = np.ones((1, 512), np.float32)
+    mlp_infer(s, x)
+    mlp_infer(s, x)
+    time.sleep(1.5)
+    mlp_infer(s, x)
+    m, _ = stats(s)
+    assert m["inference_stats"]["cache_hit"]["count"] == 1
+    assert m["inference_stats"]["cache_miss"]["count"] == 2
+
+
+def test_local_tier_stays_within_its_byte_budget(start_server, tmp_path):
+    s = start_server("--cache-local-bytes", "20000", repository=cached_repo(tmp_path))
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        mlp_infer(s, rng.standard_normal((1, 512)).astype(np.float32))
+    _, cache = stats(s)
+    assert 0 < cache["local_bytes"] <= 20000, cache
+    assert cache["local_entries"] < 300
+
+
+def test_two_processes_share_redis(start_server, tmp_path, redis):
+    a = start_server("--cache-redis-url", redis.url, repository=cached_repo(tmp_path, "a"))
+    b = start_server("--cache-redis-url", redis.url, repository=cached_repo(tmp_path, "b"))
+    wait_for(lambda: stats(a)[1]["redis"] == "ok" and stats(b)[1]["redis"] == "ok", what="redis connected")
+    x = np.random.default_rng(2).standard_normal((2, 512)).astype(np.float32)
+    from_a = mlp_infer(a, x).as_numpy("output")
+    wait_for(lambda: redis.keys() == 1, what="the write to reach redis")
+    from_b = mlp_infer(b, x).as_numpy("output")
+    assert from_a.tobytes() == from_b.tobytes()
+    m, cache = stats(b)
+    assert m["inference_stats"]["cache_hit"]["count"] == 1 and m["execution_count"] == 0
+    assert cache["redis_hits"] == 1
+    # The hit was promoted to b's own tier: the next one does not ask redis.
+    mlp_infer(b, x)
+    assert stats(b)[1]["redis_hits"] == 1
+
+
+def test_paused_redis_costs_bounded_latency_and_recovers(start_server, tmp_path, redis):
+    s = start_server("--cache-redis-url", redis.url, "--cache-redis-timeout-ms", "5", repository=cached_repo(tmp_path))
+    wait_for(lambda: stats(s)[1]["redis"] == "ok", what="redis connected")
+    rng = np.random.default_rng(3)
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        worst = 0.0
+        for _ in range(30):
+            x = rng.standard_normal((1, 512)).astype(np.float32)
+            t = time.perf_counter()
+            out = mlp_infer(s, x).as_numpy("output")
+            worst = max(worst, time.perf_counter() - t)
+            assert out.shape == (1, 10)
+        _, cache = stats(s)
+        assert cache["redis_errors"] > 0 and cache["redis"] == "degraded", cache
+        assert worst < 0.5, f"a request took {worst:.3f}s with redis paused"
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    before = redis.keys()
+
+    def recovered():
+        mlp_infer(s, rng.standard_normal((1, 512)).astype(np.float32))
+        return stats(s)[1]["redis"] == "ok" and redis.keys() > before
+
+    wait_for(recovered, timeout=15, what="recovery after SIGCONT")
+
+
+def test_redis_down_at_start_and_restarted_mid_run(start_server, tmp_path):
+    port = free_port()
+    s = start_server("--cache-redis-url", f"redis://127.0.0.1:{port}/", repository=cached_repo(tmp_path))
+    x = np.ones((1, 512), np.float32)
+    assert mlp_infer(s, x).as_numpy("output").shape == (1, 10)
+    assert stats(s)[1]["redis"] == "degraded"
+    redis = Redis(tmp_path, port)
+    try:
+        wait_for(lambda: stats(s)[1]["redis"] == "ok", timeout=15, what="connecting to a redis that came up")
+        rng = np.random.default_rng(4)
+        mlp_infer(s, rng.standard_normal((1, 512)).astype(np.float32))
+        wait_for(lambda: redis.keys() >= 1, what="a write")
+        redis.stop()
+        for _ in range(10):
+            assert mlp_infer(s, rng.standard_normal((1, 512)).astype(np.float32)).as_numpy("output").shape == (1, 10)
+        redis.start()
+
+        def recovered():
+            mlp_infer(s, rng.standard_normal((1, 512)).astype(np.float32))
+            return redis.keys() >= 1
+
+        wait_for(recovered, timeout=15, what="writes after redis restarted")
+    finally:
+        redis.stop()
