@@ -4,6 +4,7 @@
 # throughput with <= 1/5 of its p99 at 128 concurrent batch-1 clients.
 #
 # Usage: bench/run.sh [--duration 20] [--clients 128] [--name mlp] [--variants]
+#        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,4 +34,9 @@ if ! ldconfig -p | grep -q libb64.so.0d; then
     apt-get update -qq && apt-get install -y -qq libb64-0d
 fi
 cargo build --release --locked --bin ferrite --example ceiling
+if [ "${1:-}" = "--cache" ]; then
+    shift
+    command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+    exec python3 bench/cache.py "$@"
+fi
 exec python3 bench/run.py "$@"
