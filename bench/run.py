@@ -127,7 +127,7 @@ def ferrite(name, args, load_for, extra=(), repo=None):
     """Starts Ferrite and measures it; `load_for(http_base, grpc_address)` picks the load."""
     port, grpc_port = free_port(), free_port()
     cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo or WORK / "repo"),
-           "--http-port", str(port), "--grpc-port", str(grpc_port), "--log", "warn", *extra]
+           "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "warn", *extra]
     base = f"http://127.0.0.1:{port}"
     return measure(name, cmd, f"{base}/v2/health/ready", load_for(base, f"127.0.0.1:{grpc_port}"), args)
 

@@ -37,10 +37,12 @@ class Server:
         self.url = f"127.0.0.1:{self.port}"
         self.grpc_port = free_port()
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = repository.parent / f"ferrite-{self.port}.log"
         self.log = open(self.log_path, "w")
         cmd = [BIN, "serve", "--model-repository", str(repository), "--http-port", str(self.port),
-               "--grpc-port", str(self.grpc_port), *args]
+               "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 60
         while time.time() < deadline:

@@ -201,8 +201,13 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let batched = spec.batch.max_batch_size > 0;
     let rows: usize = batch.iter().map(|p| p.rows).sum();
     let requests = batch.len();
+    let version = spec.version.to_string();
+    let labels = [spec.name.as_str(), version.as_str()];
+    let m = crate::metrics::global();
+    let queue_seconds = m.queue_duration.with_label_values(&labels);
     for p in &batch {
         shared.stats.queue.add(start - p.enqueued);
+        queue_seconds.observe((start - p.enqueued).as_secs_f64());
     }
     let inputs: Vec<BatchInput<'_>> = spec
         .inputs
@@ -256,6 +261,10 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     };
     // Statistics first, so a client that reads them after its answer sees its own batch.
     shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
+    m.executions.with_label_values(&labels).inc();
+    m.inferences.with_label_values(&labels).inc_by(rows as u64);
+    m.batch_size.with_label_values(&labels).observe(rows as f64);
+    m.compute_duration.with_label_values(&labels).observe(start.elapsed().as_secs_f64());
     for (p, r) in replies {
         let _ = p.reply.send(r);
     }

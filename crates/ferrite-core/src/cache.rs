@@ -322,11 +322,13 @@ impl RedisTier {
             }
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "redis cache error");
+                crate::metrics::global().redis_errors.inc();
                 self.errors.fetch_add(1, Relaxed);
                 self.breaker.failure(Instant::now());
                 None
             }
             Err(_) => {
+                crate::metrics::global().redis_errors.inc();
                 self.timeouts.fetch_add(1, Relaxed);
                 self.errors.fetch_add(1, Relaxed);
                 self.breaker.failure(Instant::now());

@@ -9,6 +9,7 @@ pub mod cache;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod metrics;
 pub mod model;
 pub mod onnx;
 pub mod queue;

@@ -12,6 +12,7 @@ use crate::{
     batcher::Batcher,
     cache::{self, ResponseCache},
     config::ModelSpec,
+    metrics,
     queue::Pending,
     stats::ModelStats,
     tensor::element_count,
@@ -57,6 +58,21 @@ pub struct InferResponse {
     pub outputs: Vec<Tensor>,
 }
 
+/// Records a request whose caller went away before it was answered.
+struct Outcome<'m> {
+    model: &'m Model,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for Outcome<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.model.record("failure", "cancelled", self.start.elapsed());
+        }
+    }
+}
+
 pub struct Model {
     pub spec: ModelSpec,
     pub stats: Arc<ModelStats>,
@@ -79,10 +95,29 @@ impl Model {
     /// Validates, queues and awaits one request.
     pub async fn infer(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
         let start = Instant::now();
+        // Counts the request as cancelled if its caller stops waiting (the future is dropped).
+        let mut outcome = Outcome { model: self, start, done: false };
+        let id = req.id.clone();
         let result = self.run(req, limits).await;
+        outcome.done = true;
+        let elapsed = start.elapsed();
         let counter = if result.is_ok() { &self.stats.success } else { &self.stats.fail };
-        counter.add(start.elapsed());
+        counter.add(elapsed);
+        let (status, reason) = match &result {
+            Ok(_) => ("success", ""),
+            Err(e) => ("failure", metrics::reason(e)),
+        };
+        self.record(status, reason, elapsed);
+        tracing::debug!(model = %self.spec.name, version = self.spec.version, id = id.as_deref().unwrap_or(""),
+            outcome = status, reason, duration_us = elapsed.as_micros() as u64, "request");
         result
+    }
+
+    fn record(&self, outcome: &str, reason: &str, elapsed: Duration) {
+        let m = metrics::global();
+        let v = self.spec.version.to_string();
+        m.requests.with_label_values(&[self.spec.name.as_str(), v.as_str(), outcome, reason]).inc();
+        m.request_duration.with_label_values(&[self.spec.name.as_str(), v.as_str()]).observe(elapsed.as_secs_f64());
     }
 
     async fn run(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
@@ -93,12 +128,16 @@ impl Model {
         let key = cache.map(|_| cache::key(&self.spec.name, self.spec.version, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
+            let v = self.spec.version.to_string();
+            let labels = [self.spec.name.as_str(), v.as_str()];
             if let Some(hit) = c.get(k).await {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
+                metrics::global().cache_hits.with_label_values(&labels).inc();
                 return Ok(self.response(req.id, hit.as_ref().clone()));
             }
             self.stats.cache_miss.add(t.elapsed());
+            metrics::global().cache_misses.with_label_values(&labels).inc();
         }
         let now = Instant::now();
         let deadline = self.timeout(req.timeout_us).map(|t| now + t);

@@ -136,12 +136,17 @@ fn latest_version(dir: &Path) -> Result<(u64, PathBuf)> {
 }
 
 fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, options: &LoadOptions) -> Result<Model> {
+    let started = std::time::Instant::now();
     let threads = config.threads.unwrap_or(options.threads).max(1);
     let backend = OnnxBackend::load(onnx, OnnxOptions { intra_threads: threads, spinning: options.spinning })?;
     let spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
     let cache = options.cache.clone().filter(|_| spec.cache);
     let mut model = Model::start(spec, &backend)?;
     model.cache = cache;
+    crate::metrics::global()
+        .model_load_duration
+        .with_label_values(&[name, version.to_string().as_str()])
+        .set(started.elapsed().as_secs_f64());
     Ok(model)
 }
 

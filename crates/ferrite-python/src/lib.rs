@@ -451,6 +451,8 @@ fn serve(
         grpc: GrpcLimits { max_decoding_message_size: max_body_bytes, max_encoding_message_size: max_body_bytes },
         grpc_max_concurrent_streams: 1024,
         exit_timeout: Duration::from_secs_f64(exit_timeout.max(0.0)),
+        metrics_port: None,
+        metrics_on_http: true,
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -49,6 +49,15 @@ struct ServeArgs {
     /// Concurrent HTTP/2 streams per gRPC connection.
     #[arg(long, env = "FERRITE_GRPC_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     grpc_max_concurrent_streams: u32,
+    /// Port of the Prometheus `/metrics` listener (0 picks a free one).
+    #[arg(long, env = "FERRITE_METRICS_PORT", default_value_t = 8002)]
+    metrics_port: u16,
+    /// Serve no metrics listener.
+    #[arg(long, env = "FERRITE_NO_METRICS")]
+    no_metrics: bool,
+    /// Also serve `/metrics` on the HTTP port.
+    #[arg(long, env = "FERRITE_METRICS_ON_HTTP")]
+    metrics_on_http: bool,
     /// Path of libonnxruntime; by default ORT_DYLIB_PATH, then the onnxruntime package of `python3`.
     #[arg(long, env = "FERRITE_ONNXRUNTIME_LIB")]
     onnxruntime_lib: Option<PathBuf>,
@@ -82,17 +91,29 @@ struct ServeArgs {
     /// Response cache: responses larger than this many bytes are not cached.
     #[arg(long, env = "FERRITE_CACHE_MAX_VALUE_BYTES", default_value_t = 1 << 20)]
     cache_max_value_bytes: usize,
-    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `ferrite_core=debug`.
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `ferrite_core=debug` (one line per
+    /// request at debug; never tensor data).
     #[arg(long, env = "FERRITE_LOG", default_value = "info")]
     log: String,
+    /// Log format: `text` for people, `json` for log pipelines.
+    #[arg(long, env = "FERRITE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 fn main() {
     let Command::Serve(args) = Cli::parse().command;
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
     if let Err(e) = ferrite_core::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
         eprintln!("ferrite: {e}");
         std::process::exit(2);
@@ -130,9 +151,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         grpc_max_concurrent_streams: args.grpc_max_concurrent_streams,
         exit_timeout: Duration::from_secs(args.exit_timeout_secs),
+        metrics_port: (!args.no_metrics).then_some(args.metrics_port),
+        metrics_on_http: args.metrics_on_http,
     };
     let bound = serve::bind(&cfg).await?;
-    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, models = core.models().count(), "listening");
+    let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());
+    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, %metrics, models = core.models().count(), "listening");
     serve::run(core, bound, &cfg, shutdown_signal()).await;
     Ok(())
 }

@@ -19,14 +19,20 @@ pub struct ServeConfig {
     pub grpc: grpc::GrpcLimits,
     pub grpc_max_concurrent_streams: u32,
     pub exit_timeout: Duration,
+    /// Port of the Prometheus `/metrics` listener; `None` serves none.
+    pub metrics_port: Option<u16>,
+    /// Also serve `/metrics` on the HTTP port.
+    pub metrics_on_http: bool,
 }
 
 /// Listening sockets, bound before the server runs so callers learn the ports.
 pub struct Bound {
     pub http_addr: SocketAddr,
     pub grpc_addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
     http: TcpListener,
     grpc: TcpListener,
+    metrics: Option<TcpListener>,
 }
 
 pub async fn bind(cfg: &ServeConfig) -> io::Result<Bound> {
@@ -36,7 +42,12 @@ pub async fn bind(cfg: &ServeConfig) -> io::Result<Bound> {
     };
     let http = listen(cfg.http_port).await?;
     let grpc = listen(cfg.grpc_port).await?;
-    Ok(Bound { http_addr: http.local_addr()?, grpc_addr: grpc.local_addr()?, http, grpc })
+    let metrics = match cfg.metrics_port {
+        Some(port) => Some(listen(port).await?),
+        None => None,
+    };
+    let metrics_addr = metrics.as_ref().map(|m| m.local_addr()).transpose()?;
+    Ok(Bound { http_addr: http.local_addr()?, grpc_addr: grpc.local_addr()?, metrics_addr, http, grpc, metrics })
 }
 
 type InferenceServer = grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>;
@@ -79,7 +90,15 @@ pub async fn run(
     let listener = bound.http.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    let app = http::app(core.clone(), &cfg.http);
+    let mut app = http::app(core.clone(), &cfg.http);
+    if cfg.metrics_on_http {
+        app = app.merge(http::metrics_app(core.clone()));
+    }
+    let metrics_server = bound.metrics.map(|listener| {
+        let server =
+            axum::serve(listener, http::metrics_app(core.clone())).with_graceful_shutdown(stopped(stop_rx.clone()));
+        tokio::spawn(async move { server.await })
+    });
     let http_server = axum::serve(listener, app).with_graceful_shutdown(stopped(stop_rx.clone()));
     let http_server = tokio::spawn(async move { http_server.await });
 
@@ -91,7 +110,13 @@ pub async fn run(
         tracing::warn!(failed, "requests failed at shutdown");
     }
     // Give in-flight responses a moment to be written.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async { tokio::join!(http_server, grpc_server) }).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = tokio::join!(http_server, grpc_server);
+        if let Some(m) = metrics_server {
+            let _ = m.await;
+        }
+    })
+    .await;
     tracing::info!("stopped");
     failed
 }

@@ -31,6 +31,17 @@ pub struct HttpLimits {
     pub max_body_bytes: usize,
 }
 
+/// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
+/// when asked).
+pub fn metrics_app(core: Core) -> Router {
+    Router::new().route("/metrics", get(metrics)).with_state(AppState { core })
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    let body = ferrite_core::metrics::render(&s.core);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
 /// The whole V2 REST surface.
 pub fn app(core: Core, limits: &HttpLimits) -> Router {
     let model_routes = Router::new()

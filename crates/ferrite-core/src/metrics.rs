@@ -1,0 +1,134 @@
+//! Prometheus metrics, one registry per process, named `ferrite_*` with base units. The batcher,
+//! the models and the cache record into it; `render` is what a `/metrics` endpoint returns.
+
+use std::sync::OnceLock;
+
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use crate::{Core, Error};
+
+/// Seconds, from 100 µs to 10 s.
+const DURATION_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub inferences: IntCounterVec,
+    pub executions: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub queue_duration: HistogramVec,
+    pub compute_duration: HistogramVec,
+    pub batch_size: HistogramVec,
+    pub pending: IntGaugeVec,
+    pub cache_hits: IntCounterVec,
+    pub cache_misses: IntCounterVec,
+    pub redis_errors: prometheus::IntCounter,
+    pub redis_up: prometheus::IntGauge,
+    pub model_ready: IntGaugeVec,
+    pub model_load_duration: prometheus::GaugeVec,
+}
+
+const MODEL: &[&str] = &["model", "version"];
+
+impl Metrics {
+    fn new() -> prometheus::Result<Metrics> {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| -> prometheus::Result<IntCounterVec> {
+            let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let histogram = |name: &str, help: &str, buckets: &[f64]| -> prometheus::Result<HistogramVec> {
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), MODEL)?;
+            registry.register(Box::new(h.clone()))?;
+            Ok(h)
+        };
+        let gauge = |name: &str, help: &str| -> prometheus::Result<IntGaugeVec> {
+            let g = IntGaugeVec::new(Opts::new(name, help), MODEL)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let m = Metrics {
+            requests: counter(
+                "ferrite_requests_total",
+                "Inference requests by outcome (success, failure) and failure reason (invalid, not_found, rejected, timeout, cancelled, backend, unsupported).",
+                &["model", "version", "outcome", "reason"],
+            )?,
+            inferences: counter("ferrite_inferences_total", "Rows inferred (a batch of 8 counts 8).", MODEL)?,
+            executions: counter("ferrite_executions_total", "Batches executed by the backend.", MODEL)?,
+            request_duration: histogram(
+                "ferrite_request_duration_seconds",
+                "Time from a request reaching the engine to its answer, cache hits included.",
+                DURATION_BUCKETS,
+            )?,
+            queue_duration: histogram("ferrite_queue_duration_seconds", "Time requests waited in the batcher queue.", DURATION_BUCKETS)?,
+            compute_duration: histogram(
+                "ferrite_compute_duration_seconds",
+                "Time the backend took per batch (inputs, run, outputs).",
+                DURATION_BUCKETS,
+            )?,
+            batch_size: histogram("ferrite_batch_size", "Rows per executed batch.", BATCH_BUCKETS)?,
+            pending: gauge("ferrite_pending_requests", "Requests waiting in the batcher queue.")?,
+            cache_hits: counter("ferrite_cache_hits_total", "Response cache lookups that found an answer.", MODEL)?,
+            cache_misses: counter("ferrite_cache_misses_total", "Response cache lookups that did not.", MODEL)?,
+            redis_errors: {
+                let c = prometheus::IntCounter::new("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
+            redis_up: {
+                let g = prometheus::IntGauge::new("ferrite_cache_redis_up", "1 when the Redis cache tier is connected and healthy, 0 when degraded.")?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            model_ready: gauge("ferrite_model_ready", "1 while a model version serves, 0 once it stopped.")?,
+            model_load_duration: {
+                let g = prometheus::GaugeVec::new(Opts::new("ferrite_model_load_duration_seconds", "How long loading a model version took."), MODEL)?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            registry,
+        };
+        #[cfg(target_os = "linux")]
+        m.registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
+        Ok(m)
+    }
+}
+
+/// The process's metrics.
+pub fn global() -> &'static Metrics {
+    static M: OnceLock<Metrics> = OnceLock::new();
+    M.get_or_init(|| Metrics::new().expect("metric definitions are valid"))
+}
+
+/// The failure reason label of an error.
+pub fn reason(e: &Error) -> &'static str {
+    match e {
+        Error::InvalidInput(_) => "invalid",
+        Error::NotFound(_) => "not_found",
+        Error::Unavailable { .. } => "rejected",
+        Error::DeadlineExceeded(_) => "timeout",
+        Error::Unsupported(_) => "unsupported",
+        Error::Internal(_) => "backend",
+    }
+}
+
+/// The Prometheus text format, with gauges that are read from the engine's state brought up to date.
+pub fn render(core: &Core) -> String {
+    let m = global();
+    for model in core.models() {
+        let v = model.spec.version.to_string();
+        let labels = [model.spec.name.as_str(), v.as_str()];
+        m.pending.with_label_values(&labels).set(model.batcher().queued() as i64);
+        m.model_ready.with_label_values(&labels).set(core.is_ready() as i64);
+    }
+    if let Some(c) = core.cache() {
+        m.redis_up.set((c.snapshot().redis == "ok") as i64);
+    }
+    let mut out = Vec::new();
+    // Encoding gathered families into a Vec cannot fail.
+    let _ = TextEncoder::new().encode(&m.registry.gather(), &mut out);
+    String::from_utf8(out).unwrap_or_default()
+}
