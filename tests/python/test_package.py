@@ -304,3 +304,36 @@ def test_ctrl_c_interrupts_a_blocking_call(tmp_path):
     out, _ = p.communicate(timeout=20)
     assert out.startswith("interrupted"), out
     assert float(out.split()[1]) < 5
+
+
+def test_traces_continue_the_python_callers_trace(tmp_path):
+    """In a fresh interpreter (tracing is set up once per process): a FastAPI-style caller passes
+    its traceparent; the engine's spans land in that trace, under the caller's span."""
+    import subprocess
+
+    script = tmp_path / "traced.py"
+    script.write_text(
+        "import sys, time, queue, grpc, numpy as np, ferrite\n"
+        "from concurrent import futures\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from test_tracing import Receiver\n"
+        "r = Receiver(); server = grpc.server(futures.ThreadPoolExecutor(2))\n"
+        "from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc\n"
+        "trace_service_pb2_grpc.add_TraceServiceServicer_to_server(r, server)\n"
+        "port = server.add_insecure_port('127.0.0.1:0'); server.start()\n"
+        "ferrite.init_tracing(f'http://127.0.0.1:{port}', sample_rate=0.0)\n"
+        f"m = ferrite.Model.load({str(MLP)!r})\n"
+        "tp = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'\n"
+        "m.infer({'input': np.ones((1, 512), np.float32)}, traceparent=tp)\n"
+        "import asyncio\n"
+        "asyncio.run(m.infer_async({'input': np.ones((1, 512), np.float32)}, traceparent=tp))\n"
+        "m.infer({'input': np.ones((1, 512), np.float32)})  # no context, rate 0: not traced\n"
+        "ferrite.shutdown_tracing()\n"
+        "spans = []\n"
+        "while not r.spans.empty(): spans.append(r.spans.get())\n"
+        "recv = [s for s in spans if s.name == 'receive']\n"
+        "print(len(recv), all(s.trace_id.hex() == '4bf92f3577b34da6a3ce929d0e0e4736' for s in recv),"
+        " all(s.parent_span_id.hex() == '00f067aa0ba902b7' for s in recv))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "True", "True"], out.stdout + out.stderr

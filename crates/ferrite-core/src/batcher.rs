@@ -227,6 +227,12 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
             }
         })
         .collect();
+    // One span per batch, linked to every request it serves.
+    let batch_span = tracing::debug_span!("batch", model = %spec.name, rows, requests);
+    for p in &batch {
+        batch_span.follows_from(&p.span);
+    }
+    let _entered = batch_span.enter();
     let ran = Instant::now();
     let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs)))
         .unwrap_or_else(|_| Err(Error::internal("the backend panicked while running a batch")));

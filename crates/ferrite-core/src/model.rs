@@ -7,6 +7,7 @@ use std::{
 };
 
 use tokio::sync::oneshot;
+use tracing::Instrument;
 
 use crate::{
     batcher::Batcher,
@@ -121,16 +122,18 @@ impl Model {
     }
 
     async fn run(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
-        let (inputs, rows) = self.check_inputs(req.inputs, limits)?;
-        let outputs = self.check_outputs(req.outputs.as_deref())?;
-        let level = self.level(req.priority)?;
+        let validated = tracing::debug_span!("validate").in_scope(|| -> Result<_> {
+            let (inputs, rows) = self.check_inputs(req.inputs, limits)?;
+            Ok((inputs, rows, self.check_outputs(req.outputs.as_deref())?, self.level(req.priority)?))
+        });
+        let (inputs, rows, outputs, level) = validated?;
         let cache = self.cache.as_ref().filter(|_| !req.skip_cache);
         let key = cache.map(|_| cache::key(&self.spec.name, self.spec.version, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
             let v = self.spec.version.to_string();
             let labels = [self.spec.name.as_str(), v.as_str()];
-            if let Some(hit) = c.get(k).await {
+            if let Some(hit) = c.get(k).instrument(tracing::debug_span!("cache")).await {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
                 metrics::global().cache_hits.with_label_values(&labels).inc();
@@ -142,10 +145,12 @@ impl Model {
         let now = Instant::now();
         let deadline = self.timeout(req.timeout_us).map(|t| now + t);
         let (tx, rx) = oneshot::channel();
-        self.batcher.submit(Pending { inputs, rows, outputs, level, enqueued: now, deadline, reply: tx })?;
+        let queued = tracing::debug_span!("queue", rows);
+        let span = queued.clone();
+        self.batcher.submit(Pending { inputs, rows, outputs, level, enqueued: now, deadline, reply: tx, span })?;
         let answer = match deadline {
-            None => rx.await,
-            Some(d) => match tokio::time::timeout_at(d.into(), rx).await {
+            None => rx.instrument(queued).await,
+            Some(d) => match tokio::time::timeout_at(d.into(), rx).instrument(queued).await {
                 Ok(a) => a,
                 // Dropping `rx` tells the queue to skip the request.
                 Err(_) => return Err(Error::DeadlineExceeded("request timed out before it ran".into())),

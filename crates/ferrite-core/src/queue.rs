@@ -28,6 +28,8 @@ pub struct Pending {
     pub enqueued: Instant,
     pub deadline: Option<Instant>,
     pub reply: oneshot::Sender<Result<Vec<Tensor>>>,
+    /// The request's span, which the batch span that serves it links to.
+    pub span: tracing::Span,
 }
 
 impl Pending {
@@ -195,8 +197,17 @@ mod tests {
     fn push(q: &mut Queue, at: Instant, rows: usize, width: usize, level: usize) -> Req {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
-        q.push(Pending { inputs: vec![x], rows, outputs: None, level, enqueued: at, deadline: None, reply: tx })
-            .unwrap();
+        q.push(Pending {
+            inputs: vec![x],
+            rows,
+            outputs: None,
+            level,
+            enqueued: at,
+            deadline: None,
+            reply: tx,
+            span: tracing::Span::none(),
+        })
+        .unwrap();
         Req { rx }
     }
 
@@ -296,8 +307,16 @@ mod tests {
         let mut q = Queue::new(1, 1);
         let _a = push(&mut q, t, 1, 4, 0);
         let (tx, _rx) = oneshot::channel();
-        let extra =
-            Pending { inputs: vec![], rows: 1, outputs: None, level: 0, enqueued: t, deadline: None, reply: tx };
+        let extra = Pending {
+            inputs: vec![],
+            rows: 1,
+            outputs: None,
+            level: 0,
+            enqueued: t,
+            deadline: None,
+            reply: tx,
+            span: tracing::Span::none(),
+        };
         let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
     }
@@ -315,6 +334,7 @@ mod tests {
             enqueued: t,
             deadline: Some(t + Duration::from_micros(100)),
             reply: tx,
+            span: tracing::Span::none(),
         })
         .unwrap();
         assert!(matches!(q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[]), false), Decision::Idle));

@@ -55,6 +55,39 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+static TELEMETRY: Mutex<Option<ferrite_server::telemetry::Telemetry>> = Mutex::new(None);
+
+/// Exports spans over OTLP/gRPC (`endpoint`, default `OTEL_EXPORTER_OTLP_ENDPOINT`) and writes
+/// logs at `log` to stderr. Once per process.
+#[pyfunction]
+#[pyo3(signature = (endpoint=None, *, sample_rate=1.0, log="warn"))]
+fn init_tracing(endpoint: Option<String>, sample_rate: f64, log: &str) -> PyResult<()> {
+    use ferrite_server::telemetry;
+    let mut slot = TELEMETRY.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.is_some() {
+        return Ok(());
+    }
+    let cfg = telemetry::TelemetryConfig {
+        log_filter: log.to_string(),
+        json_logs: false,
+        otlp_endpoint: endpoint,
+        sample_rate,
+    };
+    let _context = runtime().enter();
+    *slot = Some(telemetry::init(&cfg).map_err(InvalidInput::new_err)?);
+    Ok(())
+}
+
+/// Flushes and stops span export (call before exit to send what is buffered).
+#[pyfunction]
+fn shutdown_tracing(py: Python<'_>) {
+    let t = TELEMETRY.lock().unwrap_or_else(|e| e.into_inner()).take();
+    py.detach(move || {
+        let _context = runtime().enter();
+        drop(t);
+    });
+}
+
 /// Loads ONNX Runtime from `path` (the `onnxruntime` package's library, found by the Python side).
 #[pyfunction]
 fn init_runtime(path: PathBuf) -> PyResult<String> {
@@ -131,6 +164,12 @@ struct Model {
 }
 
 impl Model {
+    fn span(&self, traceparent: Option<&str>) -> tracing::Span {
+        use ferrite_server::telemetry;
+        let parent = traceparent.map(|tp| telemetry::from_traceparent(tp, None)).unwrap_or_default();
+        telemetry::request_span("python", &self.name, parent)
+    }
+
     fn model(&self) -> PyResult<&Arc<ferrite_core::Model>> {
         self.core.model(&self.name, None).map_err(py_err)
     }
@@ -224,7 +263,9 @@ impl Model {
     }
 
     /// Runs one request and returns its outputs. The GIL is released while it waits and runs.
-    #[pyo3(signature = (inputs, outputs=None, *, copy=false, timeout_us=None, priority=0))]
+    /// `traceparent` (W3C) makes the request's spans children of the caller's.
+    #[pyo3(signature = (inputs, outputs=None, *, copy=false, timeout_us=None, priority=0, traceparent=None))]
+    #[allow(clippy::too_many_arguments)]
     fn infer<'py>(
         &self,
         py: Python<'py>,
@@ -233,15 +274,18 @@ impl Model {
         copy: bool,
         timeout_us: Option<u64>,
         priority: u32,
+        traceparent: Option<&str>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        use tracing::Instrument;
         let req = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
-        let result = block_on(py, self.core.infer(req))?;
+        let span = self.span(traceparent);
+        let result = block_on(py, self.core.infer(req).instrument(span))?;
         convert::outputs(py, result.map_err(py_err)?.outputs)
     }
 
     /// Queues one request; its result is delivered through `completer` under `token`.
     /// Returns a handle whose `cancel()` drops the request if it has not run yet.
-    #[pyo3(signature = (inputs, outputs, copy, timeout_us, priority, completer, token))]
+    #[pyo3(signature = (inputs, outputs, copy, timeout_us, priority, completer, token, traceparent=None))]
     #[allow(clippy::too_many_arguments)]
     fn _submit(
         &self,
@@ -253,14 +297,20 @@ impl Model {
         priority: u32,
         completer: &Completer,
         token: u64,
+        traceparent: Option<&str>,
     ) -> PyResult<Pending> {
+        use tracing::Instrument;
         let req = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
         let core = self.core.clone();
         let done = completer.inner.clone();
-        let handle = runtime().spawn(async move {
-            let r = core.infer(req).await.map(|r| r.outputs);
-            done.push(token, r);
-        });
+        let span = self.span(traceparent);
+        let handle = runtime().spawn(
+            async move {
+                let r = core.infer(req).await.map(|r| r.outputs);
+                done.push(token, r);
+            }
+            .instrument(span),
+        );
         Ok(Pending { abort: handle.abort_handle() })
     }
 
@@ -493,6 +543,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(init_runtime, m)?)?;
     m.add_function(wrap_pyfunction!(serve, m)?)?;
+    m.add_function(wrap_pyfunction!(init_tracing, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown_tracing, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<Model>()?;
     m.add_class::<Completer>()?;

@@ -4,3 +4,4 @@
 pub mod grpc;
 pub mod http;
 pub mod serve;
+pub mod telemetry;

@@ -3,6 +3,7 @@
 use ferrite_server::{
     grpc, http,
     serve::{self, ServeConfig},
+    telemetry,
 };
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
@@ -95,6 +96,13 @@ struct ServeArgs {
     /// request at debug; never tensor data).
     #[arg(long, env = "FERRITE_LOG", default_value = "info")]
     log: String,
+    /// OTLP/gRPC endpoint for traces (e.g. http://collector:4317); default OTEL_EXPORTER_OTLP_ENDPOINT.
+    #[arg(long, env = "FERRITE_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Share of requests without a trace context that are traced; requests that carry a W3C
+    /// traceparent are always traced. Default OTEL_TRACES_SAMPLER_ARG, else 1.
+    #[arg(long, env = "FERRITE_TRACE_SAMPLE_RATE")]
+    trace_sample_rate: Option<f64>,
     /// Log format: `text` for people, `json` for log pipelines.
     #[arg(long, env = "FERRITE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -108,18 +116,28 @@ enum LogFormat {
 
 fn main() {
     let Command::Serve(args) = Cli::parse().command;
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match args.log_format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().init(),
-    }
     if let Err(e) = ferrite_core::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
         eprintln!("ferrite: {e}");
         std::process::exit(2);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-    if let Err(e) = runtime.block_on(serve(args)) {
+    let result = runtime.block_on(async {
+        let sample_rate = args
+            .trace_sample_rate
+            .or_else(|| std::env::var("OTEL_TRACES_SAMPLER_ARG").ok().and_then(|v| v.parse().ok()))
+            .unwrap_or(1.0);
+        let telemetry = telemetry::init(&telemetry::TelemetryConfig {
+            log_filter: args.log.clone(),
+            json_logs: matches!(args.log_format, LogFormat::Json),
+            otlp_endpoint: args.otlp_endpoint.clone(),
+            sample_rate,
+        })
+        .map_err(anyhow::Error::msg)?;
+        let served = serve(args).await;
+        drop(telemetry);
+        served
+    });
+    if let Err(e) = result {
         eprintln!("ferrite: {e:#}");
         std::process::exit(1);
     }

@@ -40,6 +40,8 @@ __all__ = [
     "TensorSpec",
     "Server",
     "serve",
+    "init_tracing",
+    "shutdown_tracing",
     "FerriteError",
     "InvalidInput",
     "ModelNotFound",
@@ -182,11 +184,18 @@ class Model:
         copy: bool = False,
         timeout_us: Optional[int] = None,
         priority: int = 0,
+        traceparent: Optional[str] = None,
     ) -> Dict[str, np.ndarray]:
         """Runs one request. Arrays are read in place when C-contiguous and of the model's dtype;
-        anything else raises TypeError/ValueError unless `copy=True`. Ctrl-C interrupts the wait."""
+        anything else raises TypeError/ValueError unless `copy=True`. Ctrl-C interrupts the wait.
+        `traceparent` (W3C) makes the request's spans children of the caller's span."""
         return self._native.infer(
-            dict(inputs), list(outputs) if outputs is not None else None, copy=copy, timeout_us=timeout_us, priority=priority
+            dict(inputs),
+            list(outputs) if outputs is not None else None,
+            copy=copy,
+            timeout_us=timeout_us,
+            priority=priority,
+            traceparent=traceparent,
         )
 
     async def infer_async(
@@ -197,6 +206,7 @@ class Model:
         copy: bool = False,
         timeout_us: Optional[int] = None,
         priority: int = 0,
+        traceparent: Optional[str] = None,
     ) -> Dict[str, np.ndarray]:
         """As `infer`, without blocking the event loop. Cancelling the await drops the request if
         it has not run yet."""
@@ -214,6 +224,7 @@ class Model:
                 priority,
                 state.completer,
                 token,
+                traceparent,
             )
         except BaseException:
             del state.futures[token]
@@ -227,6 +238,17 @@ class Model:
 
     def __repr__(self) -> str:
         return f"ferrite.Model({self.name!r})"
+
+
+def init_tracing(endpoint: Optional[str] = None, *, sample_rate: float = 1.0, log: str = "warn") -> None:
+    """Exports the engine's spans over OTLP/gRPC (`endpoint`, default OTEL_EXPORTER_OTLP_ENDPOINT).
+    Requests given a `traceparent` are always traced; others at `sample_rate`."""
+    _native.init_tracing(endpoint, sample_rate=sample_rate, log=log)
+
+
+def shutdown_tracing() -> None:
+    """Sends buffered spans and stops exporting."""
+    _native.shutdown_tracing()
 
 
 class Engine:

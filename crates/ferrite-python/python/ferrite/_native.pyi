@@ -18,7 +18,9 @@ __all__ = [
     "Unavailable",
     "Unsupported",
     "init_runtime",
+    "init_tracing",
     "serve",
+    "shutdown_tracing",
 ]
 
 class FerriteError(Exception): ...
@@ -30,6 +32,8 @@ class Unsupported(FerriteError): ...
 class InternalError(FerriteError): ...
 
 def init_runtime(path: str) -> str: ...
+def init_tracing(endpoint: Optional[str] = None, *, sample_rate: float = 1.0, log: str = "warn") -> None: ...
+def shutdown_tracing() -> None: ...
 
 _Tensor = Tuple[str, str, List[int]]
 
@@ -67,6 +71,7 @@ class Model:
         copy: bool = False,
         timeout_us: Optional[int] = None,
         priority: int = 0,
+        traceparent: Optional[str] = None,
     ) -> Dict[str, np.ndarray]: ...
     def _submit(
         self,
@@ -77,6 +82,7 @@ class Model:
         priority: int,
         completer: Completer,
         token: int,
+        traceparent: Optional[str] = None,
     ) -> Pending: ...
     def _input_pointers(self, inputs: Dict[str, Any], copy: bool = False) -> List[Tuple[str, int]]: ...
 

@@ -12,6 +12,8 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::{wrappers::ReceiverStream, Stream};
 use tonic::{metadata::MetadataMap, Request, Response, Status, Streaming};
 
+use crate::telemetry;
+
 pub mod pb {
     tonic::include_proto!("inference");
 }
@@ -133,9 +135,13 @@ impl GrpcInferenceService for Service {
     }
 
     async fn model_infer(&self, r: Request<pb::ModelInferRequest>) -> Result<Response<pb::ModelInferResponse>, Status> {
+        use tracing::Instrument;
         let deadline = grpc_timeout_us(r.metadata());
+        let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
+        let req = r.into_inner();
+        let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
-        self.infer(r.into_inner(), deadline).await.map(Response::new).map_err(status)
+        self.infer(req, deadline).instrument(span).await.map(Response::new).map_err(status)
     }
 
     type ModelStreamInferStream = InferStream;
@@ -144,6 +150,7 @@ impl GrpcInferenceService for Service {
         &self,
         r: Request<Streaming<pb::ModelInferRequest>>,
     ) -> Result<Response<InferStream>, Status> {
+        let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
         let mut incoming = r.into_inner();
         let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
@@ -160,23 +167,27 @@ impl GrpcInferenceService for Service {
                     }
                 };
                 let (tx, svc) = (tx.clone(), svc.clone());
-                tokio::spawn(async move {
-                    let (id, model_name) = (msg.id.clone(), msg.model_name.clone());
-                    // One bad request answers with an error message; the stream goes on.
-                    let out = tokio::select! {
-                        r = svc.infer(msg, None) => match r {
-                            Ok(resp) => pb::ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
-                            Err(e) => pb::ModelStreamInferResponse {
-                                error_message: e.to_string(),
-                                infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
+                let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
+                tokio::spawn(tracing::Instrument::instrument(
+                    async move {
+                        let (id, model_name) = (msg.id.clone(), msg.model_name.clone());
+                        // One bad request answers with an error message; the stream goes on.
+                        let out = tokio::select! {
+                            r = svc.infer(msg, None) => match r {
+                                Ok(resp) => pb::ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
+                                Err(e) => pb::ModelStreamInferResponse {
+                                    error_message: e.to_string(),
+                                    infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
+                                },
                             },
-                        },
-                        // The client went away: dropping the request frees its queue slot.
-                        _ = tx.closed() => return,
-                    };
-                    let _ = tx.send(Ok(out)).await;
-                    drop(permit);
-                });
+                            // The client went away: dropping the request frees its queue slot.
+                            _ = tx.closed() => return,
+                        };
+                        let _ = tx.send(Ok(out)).await;
+                        drop(permit);
+                    },
+                    span,
+                ));
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))

@@ -188,6 +188,21 @@ async fn infer(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    use tracing::Instrument;
+    let span = crate::telemetry::request_span(
+        "http",
+        &p.model,
+        crate::telemetry::extract(&crate::telemetry::Headers(&headers)),
+    );
+    infer_inner(s, p, headers, body).instrument(span).await
+}
+
+async fn infer_inner(
+    s: AppState,
+    p: ModelPath,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let mut body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     let max = s.core.limits().max_elements;
     let msgpack_in = is_msgpack(headers.get(header::CONTENT_TYPE));
