@@ -168,6 +168,13 @@ def main():
                         lambda base, _: perf_analyzer_load("http", base.removeprefix("http://"), args.clients)))
     rows.append(ferrite("ferrite gRPC (perf_analyzer)", args,
                         lambda _, grpc_addr: perf_analyzer_load("grpc", grpc_addr, args.clients)))
+    # Tracing cost: on with nothing sampled, and on with every request sampled (exported to an
+    # address where nothing listens, so the export is attempted and fails after serialising).
+    dead = f"http://127.0.0.1:{free_port()}"
+    rows.append(ferrite("ferrite REST-JSON, tracing on, 0% sampled", args, json_load,
+                        ["--otlp-endpoint", dead, "--trace-sample-rate", "0"]))
+    rows.append(ferrite("ferrite REST-JSON, tracing on, 100% sampled", args, json_load,
+                        ["--otlp-endpoint", dead, "--trace-sample-rate", "1"]))
     variants = []
     if args.variants:
         # The batching defaults are chosen from this grid: throughput under load vs latency alone.
@@ -226,6 +233,8 @@ def main():
         f"| Ferrite / engine ceiling throughput | {f['rps'] / ceiling['rows_per_sec']:.2f} |",
         f"| Ferrite REST-binary / REST-JSON throughput (both oha) | {rows[1]['rps'] / f['rps']:.2f} |",
         f"| Ferrite gRPC / REST-binary throughput (both perf_analyzer) | {rows[3]['rps'] / rows[2]['rps']:.2f} |",
+        f"| tracing on (0% sampled) / off, REST-JSON throughput | {rows[4]['rps'] / f['rps']:.2f} |",
+        f"| tracing on (100% sampled) / off, REST-JSON throughput | {rows[5]['rps'] / f['rps']:.2f} |",
         "",
         f"Bar (issue 2): throughput >= 10x baseline: **{'met' if f['rps'] >= 10 * baseline['rps'] else 'NOT met'}**; "
         f"p99 <= 1/5 of baseline: **{'met' if f['p99_ms'] <= baseline['p99_ms'] / 5 else 'NOT met'}**.",
