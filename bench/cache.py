@@ -38,21 +38,6 @@ def bodies(path, lines=60000):
             f.write((body(1_000_000 + i) if i % 10 == 9 else rng.choice(hot)) + "\n")
 
 
-def oha_lines(url, path, clients):
-    def load(duration):
-        out = subprocess.run(
-            ["oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
-             "-m", "POST", "-Z", str(path), "-H", "Content-Type: application/json", url],
-            capture_output=True, text=True, check=True,
-        )
-        r = json.loads(out.stdout)
-        ok = r["statusCodeDistribution"].get("200", 0)
-        total = sum(r["statusCodeDistribution"].values()) + sum(r.get("errorDistribution", {}).values())
-        return ok / r["summary"]["total"], r["latencyPercentiles"]["p50"] * 1000, r["latencyPercentiles"]["p99"] * 1000, total - ok
-
-    return load
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=int, default=20)
@@ -86,7 +71,8 @@ def main():
             hit_rate = {}
 
             def load_for(base, _grpc, hit_rate=hit_rate):
-                run = oha_lines(base + "/v2/models/mlp/infer", lines, args.clients)
+                run = common.oha_load(base + "/v2/models/mlp/infer", lines, args.clients,
+                                      ["Content-Type: application/json"], lines=True)
 
                 def measured(duration):
                     r = run(duration)

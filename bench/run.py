@@ -66,14 +66,15 @@ def cpu_seconds(pid):
     return total / CLK_TCK
 
 
-def oha_load(url, body, clients, headers=()):
-    """A load function: oha with `clients` connections; returns (req/s, p50 ms, p99 ms, errors)."""
+def oha_load(url, body, clients, headers=(), lines=False):
+    """A load function: oha with `clients` connections; returns (req/s, p50 ms, p99 ms, errors).
+    With `lines`, each request's body is the next line of the file `body`."""
 
     def run(duration):
         cmd_headers = [x for h in headers for x in ("-H", h)]
         out = subprocess.run(
             ["oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
-             "-m", "POST", "-D", str(body), *cmd_headers, url],
+             "-m", "POST", "-Z" if lines else "-D", str(body), *cmd_headers, url],
             capture_output=True, text=True, check=True,
         )
         r = json.loads(out.stdout)

@@ -38,6 +38,7 @@ struct Shared {
     policy: BatchPolicy,
     spec: ModelSpec,
     stats: Arc<ModelStats>,
+    metrics: crate::metrics::ModelMetrics,
 }
 
 impl Shared {
@@ -65,6 +66,7 @@ impl Batcher {
             policy: spec.batch.clone(),
             spec: spec.clone(),
             stats,
+            metrics: crate::metrics::ModelMetrics::new(&spec.name, spec.version),
         });
         let workers = instances
             .into_iter()
@@ -147,6 +149,7 @@ impl Drop for Batcher {
 }
 
 fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
+    let mut last_requests = 0;
     loop {
         let batch = {
             let mut q = shared.lock();
@@ -174,12 +177,17 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
                             return;
                         }
                         let seen = shared.submitted.load(Ordering::Acquire);
-                        drop(q);
-                        let spin_until = Instant::now() + IDLE_SPIN;
-                        while shared.submitted.load(Ordering::Acquire) == seen && Instant::now() < spin_until {
-                            std::hint::spin_loop();
+                        // Spin only after a lone request: that is a caller waiting on its answer
+                        // before it sends the next. Under load, batches are larger and the
+                        // cores are better left to the front-ends.
+                        if last_requests <= 1 {
+                            drop(q);
+                            let spin_until = Instant::now() + IDLE_SPIN;
+                            while shared.submitted.load(Ordering::Acquire) == seen && Instant::now() < spin_until {
+                                std::hint::spin_loop();
+                            }
+                            q = shared.lock();
                         }
-                        q = shared.lock();
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
                             q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
@@ -188,6 +196,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
                 }
             }
         };
+        last_requests = batch.len();
         execute(shared, instance.as_mut(), batch);
         shared.running.fetch_sub(1, Ordering::AcqRel);
         shared.idle.notify_all();
@@ -201,13 +210,10 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let batched = spec.batch.max_batch_size > 0;
     let rows: usize = batch.iter().map(|p| p.rows).sum();
     let requests = batch.len();
-    let version = spec.version.to_string();
-    let labels = [spec.name.as_str(), version.as_str()];
-    let m = crate::metrics::global();
-    let queue_seconds = m.queue_duration.with_label_values(&labels);
+    let m = &shared.metrics;
     for p in &batch {
         shared.stats.queue.add(start - p.enqueued);
-        queue_seconds.observe((start - p.enqueued).as_secs_f64());
+        m.queue.observe((start - p.enqueued).as_secs_f64());
     }
     let inputs: Vec<BatchInput<'_>> = spec
         .inputs
@@ -267,10 +273,10 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     };
     // Statistics first, so a client that reads them after its answer sees its own batch.
     shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
-    m.executions.with_label_values(&labels).inc();
-    m.inferences.with_label_values(&labels).inc_by(rows as u64);
-    m.batch_size.with_label_values(&labels).observe(rows as f64);
-    m.compute_duration.with_label_values(&labels).observe(start.elapsed().as_secs_f64());
+    m.executions.inc();
+    m.inferences.inc_by(rows as u64);
+    m.batch_size.observe(rows as f64);
+    m.compute.observe(start.elapsed().as_secs_f64());
     for (p, r) in replies {
         let _ = p.reply.send(r);
     }

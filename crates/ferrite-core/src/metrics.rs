@@ -97,6 +97,48 @@ impl Metrics {
     }
 }
 
+/// One model version's series, looked up once so the hot path does no label hashing.
+pub struct ModelMetrics {
+    labels: [String; 2],
+    pub success: prometheus::IntCounter,
+    pub request: prometheus::Histogram,
+    pub queue: prometheus::Histogram,
+    pub compute: prometheus::Histogram,
+    pub batch_size: prometheus::Histogram,
+    pub inferences: prometheus::IntCounter,
+    pub executions: prometheus::IntCounter,
+    pub cache_hits: prometheus::IntCounter,
+    pub cache_misses: prometheus::IntCounter,
+}
+
+impl ModelMetrics {
+    pub fn new(model: &str, version: u64) -> ModelMetrics {
+        let m = global();
+        let v = version.to_string();
+        let l = [model, v.as_str()];
+        ModelMetrics {
+            success: m.requests.with_label_values(&[model, v.as_str(), "success", ""]),
+            request: m.request_duration.with_label_values(&l),
+            queue: m.queue_duration.with_label_values(&l),
+            compute: m.compute_duration.with_label_values(&l),
+            batch_size: m.batch_size.with_label_values(&l),
+            inferences: m.inferences.with_label_values(&l),
+            executions: m.executions.with_label_values(&l),
+            cache_hits: m.cache_hits.with_label_values(&l),
+            cache_misses: m.cache_misses.with_label_values(&l),
+            labels: [model.to_string(), v],
+        }
+    }
+
+    /// Counts a failed request under its reason.
+    pub fn failure(&self, reason: &str) {
+        global()
+            .requests
+            .with_label_values(&[self.labels[0].as_str(), self.labels[1].as_str(), "failure", reason])
+            .inc();
+    }
+}
+
 /// The process's metrics.
 pub fn global() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();

@@ -78,6 +78,7 @@ pub struct Model {
     pub spec: ModelSpec,
     pub stats: Arc<ModelStats>,
     batcher: Batcher,
+    metrics: metrics::ModelMetrics,
     /// Set when the model enables caching and the process has a cache.
     pub(crate) cache: Option<Arc<ResponseCache>>,
 }
@@ -86,7 +87,8 @@ impl Model {
     pub fn start(spec: ModelSpec, backend: &dyn Backend) -> Result<Model> {
         let stats = Arc::new(ModelStats::default());
         let batcher = Batcher::start(&spec, backend, stats.clone())?;
-        Ok(Model { spec, stats, batcher, cache: None })
+        let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
+        Ok(Model { spec, stats, batcher, metrics, cache: None })
     }
 
     pub fn batcher(&self) -> &Batcher {
@@ -115,10 +117,12 @@ impl Model {
     }
 
     fn record(&self, outcome: &str, reason: &str, elapsed: Duration) {
-        let m = metrics::global();
-        let v = self.spec.version.to_string();
-        m.requests.with_label_values(&[self.spec.name.as_str(), v.as_str(), outcome, reason]).inc();
-        m.request_duration.with_label_values(&[self.spec.name.as_str(), v.as_str()]).observe(elapsed.as_secs_f64());
+        if outcome == "success" {
+            self.metrics.success.inc();
+        } else {
+            self.metrics.failure(reason);
+        }
+        self.metrics.request.observe(elapsed.as_secs_f64());
     }
 
     async fn run(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
@@ -131,16 +135,14 @@ impl Model {
         let key = cache.map(|_| cache::key(&self.spec.name, self.spec.version, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
-            let v = self.spec.version.to_string();
-            let labels = [self.spec.name.as_str(), v.as_str()];
             if let Some(hit) = c.get(k).instrument(tracing::debug_span!("cache")).await {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
-                metrics::global().cache_hits.with_label_values(&labels).inc();
+                self.metrics.cache_hits.inc();
                 return Ok(self.response(req.id, hit.as_ref().clone()));
             }
             self.stats.cache_miss.add(t.elapsed());
-            metrics::global().cache_misses.with_label_values(&labels).inc();
+            self.metrics.cache_misses.inc();
         }
         let now = Instant::now();
         let deadline = self.timeout(req.timeout_us).map(|t| now + t);
