@@ -233,11 +233,16 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
             }
         })
         .collect();
-    // One span per batch, linked to every request it serves.
-    let batch_span = tracing::debug_span!("batch", model = %spec.name, rows, requests);
-    for p in &batch {
-        batch_span.follows_from(&p.span);
-    }
+    // One span per batch that serves a traced request, linked to every request it serves.
+    let batch_span = if batch.iter().any(|p| !p.span.is_none()) {
+        let span = tracing::debug_span!("batch", model = %spec.name, rows, requests);
+        for p in &batch {
+            span.follows_from(&p.span);
+        }
+        span
+    } else {
+        tracing::Span::none()
+    };
     let _entered = batch_span.enter();
     let ran = Instant::now();
     let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs)))

@@ -126,7 +126,10 @@ impl Model {
     }
 
     async fn run(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
-        let validated = tracing::debug_span!("validate").in_scope(|| -> Result<_> {
+        // Child spans only for a request that is being traced (front-ends give the others none).
+        let traced = !tracing::Span::current().is_none();
+        let child = |span: fn() -> tracing::Span| if traced { span() } else { tracing::Span::none() };
+        let validated = child(|| tracing::debug_span!("validate")).in_scope(|| -> Result<_> {
             let (inputs, rows) = self.check_inputs(req.inputs, limits)?;
             Ok((inputs, rows, self.check_outputs(req.outputs.as_deref())?, self.level(req.priority)?))
         });
@@ -135,7 +138,7 @@ impl Model {
         let key = cache.map(|_| cache::key(&self.spec.name, self.spec.version, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
-            if let Some(hit) = c.get(k).instrument(tracing::debug_span!("cache")).await {
+            if let Some(hit) = c.get(k).instrument(child(|| tracing::debug_span!("cache"))).await {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
                 self.metrics.cache_hits.inc();
@@ -147,7 +150,7 @@ impl Model {
         let now = Instant::now();
         let deadline = self.timeout(req.timeout_us).map(|t| now + t);
         let (tx, rx) = oneshot::channel();
-        let queued = tracing::debug_span!("queue", rows);
+        let queued = if traced { tracing::debug_span!("queue", rows) } else { tracing::Span::none() };
         let span = queued.clone();
         self.batcher.submit(Pending { inputs, rows, outputs, level, enqueued: now, deadline, reply: tx, span })?;
         let answer = match deadline {

@@ -68,6 +68,9 @@ impl ShouldSample for ContextOrRatio {
     }
 }
 
+/// The sample rate for requests without a trace context (f64 bits); set once tracing is on.
+static SAMPLE_RATE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Installs the global subscriber. Call inside the tokio runtime (the exporter runs on it).
 pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, String> {
     let logs_filter = EnvFilter::try_new(&cfg.log_filter).map_err(|e| format!("--log: {e}"))?;
@@ -94,6 +97,7 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, String> {
         .with_sampler(ContextOrRatio(Sampler::TraceIdRatioBased(cfg.sample_rate.clamp(0.0, 1.0))))
         .with_resource(opentelemetry_sdk::Resource::builder().with_service_name("ferrite").build())
         .build();
+    SAMPLE_RATE.store(cfg.sample_rate.clamp(0.0, 1.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
     let tracer = provider.tracer("ferrite");
     // Request spans are at DEBUG so they cost nothing when tracing is off.
     let traces = tracing_opentelemetry::layer()
@@ -148,12 +152,29 @@ impl Extractor for Metadata<'_> {
     }
 }
 
-/// A request span for `front` (http, grpc) whose parent is the caller's context, if it sent one.
+/// A request span for `front` (http, grpc, python) whose parent is the caller's context, if it
+/// sent one. A request without a context that the sample rate leaves out gets no span at all, so
+/// the engine builds none of its child spans either (the core checks `Span::current()`).
 pub fn request_span(front: &'static str, model: &str, parent: Context) -> tracing::Span {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let traced = parent.span().span_context().is_valid();
+    if !traced {
+        let rate = f64::from_bits(SAMPLE_RATE.load(std::sync::atomic::Ordering::Relaxed));
+        if rate <= 0.0 || (rate < 1.0 && rand_unit() >= rate) {
+            return tracing::Span::none();
+        }
+    }
     let span = tracing::debug_span!("receive", front, model = %model);
-    if parent.span().span_context().is_valid() {
+    if traced {
         let _ = span.set_parent(parent);
     }
     span
+}
+
+/// A cheap uniform number in [0, 1) for sampling (not for anything that needs randomness).
+fn rand_unit() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
