@@ -235,3 +235,21 @@ def test_flags_read_from_environment(start_server, tmp_path):
     help_text = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True).stdout
     for flag in ["--model-repository", "--http-port", "--host", "--onnxruntime-lib", "--exit-timeout-secs", "FERRITE_HTTP_PORT"]:
         assert flag in help_text
+
+
+def test_over_the_concurrency_cap_gets_429_with_retry_after(start_server, tmp_path):
+    repo = make_repository(tmp_path / "capped", ("mlp",))
+    (repo / "mlp" / "config.toml").write_text("[dynamic_batching]\nmax_queue_delay_microseconds = 2000000\n")
+    s = start_server("--max-concurrent-requests", "1", repository=repo)
+    c = client(s, concurrency=2)
+    waiting = c.async_infer("mlp", [json_input("input", np.ones((1, 512), np.float32), "FP32")])
+    time.sleep(0.3)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0] * 512}]})
+    out = subprocess.run(["curl", "-s", "-i", "-X", "POST", "--data-binary", body, f"http://{s.url}/v2/models/mlp/infer"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("HTTP/1.1 429"), out
+    assert "retry-after: 1" in out.lower()
+    assert waiting.get_result().as_numpy("output").shape == (1, 10)
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics") as r:
+        metrics = r.read().decode()
+    assert 'reason="throttled"' in metrics

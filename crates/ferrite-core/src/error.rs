@@ -15,6 +15,9 @@ pub enum Error {
     /// The server or model cannot take work now (not ready, queue full, shutting down).
     #[error("{message}")]
     Unavailable { message: String, retry_after: Option<Duration> },
+    /// Over a concurrency or rate limit: retry later (HTTP 429, gRPC RESOURCE_EXHAUSTED).
+    #[error("{message}")]
+    Overloaded { message: String, retry_after: Option<Duration> },
     /// The request's timeout ended before it could run.
     #[error("{0}")]
     DeadlineExceeded(String),
@@ -37,17 +40,5 @@ impl Error {
 
     pub fn unavailable(message: impl Into<String>, retry_after: Option<Duration>) -> Self {
         Self::Unavailable { message: message.into(), retry_after }
-    }
-
-    /// A short, stable name for the class of error (for statistics and logs).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Error::InvalidInput(_) => "invalid",
-            Error::NotFound(_) => "not_found",
-            Error::Unavailable { .. } => "unavailable",
-            Error::DeadlineExceeded(_) => "timeout",
-            Error::Unsupported(_) => "unsupported",
-            Error::Internal(_) => "internal",
-        }
     }
 }

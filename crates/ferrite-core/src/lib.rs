@@ -46,6 +46,17 @@ struct Inner {
     failed: BTreeMap<String, String>,
     accepting: AtomicBool,
     limits: Limits,
+    /// Requests in the engine now, for `Limits::max_concurrent_requests`.
+    in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// Holds one place under `max_concurrent_requests` while a request is in the engine.
+struct Admitted<'c>(&'c std::sync::atomic::AtomicUsize);
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Core {
@@ -60,7 +71,16 @@ impl Core {
     }
 
     pub fn from_models(models: BTreeMap<String, Arc<Model>>, failed: BTreeMap<String, String>, limits: Limits) -> Core {
-        Core { inner: Arc::new(Inner { cache: None, models, failed, accepting: AtomicBool::new(true), limits }) }
+        Core {
+            inner: Arc::new(Inner {
+                cache: None,
+                models,
+                failed,
+                accepting: AtomicBool::new(true),
+                limits,
+                in_flight: Default::default(),
+            }),
+        }
     }
 
     /// The process's response cache, if it has one.
@@ -105,6 +125,16 @@ impl Core {
             return Err(Error::unavailable("server is shutting down", Some(queue::RETRY_AFTER)));
         }
         let model = self.model(&req.model_name, req.model_version.as_deref())?.clone();
+        let cap = self.inner.limits.max_concurrent_requests;
+        let now = self.inner.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        let _admitted = Admitted(&self.inner.in_flight);
+        if cap > 0 && now > cap {
+            let e = Error::Overloaded {
+                message: format!("over --max-concurrent-requests ({cap} requests in flight)"),
+                retry_after: Some(queue::RETRY_AFTER),
+            };
+            return Err(model.refuse(e));
+        }
         model.infer(req, &self.inner.limits).await
     }
 

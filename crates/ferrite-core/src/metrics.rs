@@ -53,7 +53,7 @@ impl Metrics {
         let m = Metrics {
             requests: counter(
                 "ferrite_requests_total",
-                "Inference requests by outcome (success, failure) and failure reason (invalid, not_found, rejected, timeout, cancelled, backend, unsupported).",
+                "Inference requests by outcome (success, failure) and failure reason (invalid, not_found, rejected, throttled, timeout, cancelled, backend, unsupported).",
                 &["model", "version", "outcome", "reason"],
             )?,
             inferences: counter("ferrite_inferences_total", "Rows inferred (a batch of 8 counts 8).", MODEL)?,
@@ -151,6 +151,7 @@ pub fn reason(e: &Error) -> &'static str {
         Error::InvalidInput(_) => "invalid",
         Error::NotFound(_) => "not_found",
         Error::Unavailable { .. } => "rejected",
+        Error::Overloaded { .. } => "throttled",
         Error::DeadlineExceeded(_) => "timeout",
         Error::Unsupported(_) => "unsupported",
         Error::Internal(_) => "backend",

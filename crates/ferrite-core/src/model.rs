@@ -25,11 +25,14 @@ use crate::{
 pub struct Limits {
     /// Elements in all the input tensors of one request together.
     pub max_elements: usize,
+    /// Requests in the engine at once (queued, running or in a cache lookup); past it, new ones
+    /// are refused with `Overloaded`. 0: no limit.
+    pub max_concurrent_requests: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_elements: 1 << 23 }
+        Limits { max_elements: 1 << 23, max_concurrent_requests: 0 }
     }
 }
 
@@ -114,6 +117,13 @@ impl Model {
         tracing::debug!(model = %self.spec.name, version = self.spec.version, id = id.as_deref().unwrap_or(""),
             outcome = status, reason, duration_us = elapsed.as_micros() as u64, "request");
         result
+    }
+
+    /// Counts a request refused before it reached this model (admission), and returns its error.
+    pub fn refuse(&self, e: Error) -> Error {
+        self.stats.fail.add(Duration::ZERO);
+        self.record("failure", metrics::reason(&e), Duration::ZERO);
+        e
     }
 
     fn record(&self, outcome: &str, reason: &str, elapsed: Duration) {

@@ -159,9 +159,12 @@ async fn invalid_requests_are_refused_with_the_input_named() {
         core.infer(InferRequest { model_name: "fixed".into(), inputs: vec![x], ..Default::default() }).await.unwrap();
     assert_eq!(out.outputs[0], Tensor::from_le("y", DataType::Fp64, vec![2, 3], &[2f64, 4.0, 6.0, 8.0, 10.0, 12.0]));
     // Caps on elements apply before anything is queued.
-    let small =
-        Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false, cache: None }, Limits { max_elements: 6 })
-            .unwrap();
+    let small = Core::load(
+        dir.path(),
+        &LoadOptions { threads: 1, spinning: false, cache: None },
+        Limits { max_elements: 6, ..Default::default() },
+    )
+    .unwrap();
     let err = small.infer(req(vec![ids(vec![1, 4]), values(vec![1, 4])])).await.unwrap_err();
     assert!(err.to_string().contains("more than 6 elements"), "{err}");
 }
@@ -330,6 +333,45 @@ async fn shutdown_fails_what_is_left_after_the_deadline() {
     for r in results.iter().filter(|r| r.is_err()) {
         assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_concurrency_cap_is_refused_at_once_and_counted() {
+    let (tx, rx) = mpsc::channel();
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
+    let spec = ModelSpec::resolve(
+        "stuck",
+        1,
+        &ModelConfig { max_batch_size: Some(1), ..Default::default() },
+        &specs,
+        &specs,
+        1,
+    )
+    .unwrap();
+    let model = Arc::new(Model::start(spec, &backend).unwrap());
+    let limits = Limits { max_concurrent_requests: 1, ..Default::default() };
+    let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), limits);
+    let req = || InferRequest {
+        model_name: "stuck".into(),
+        inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[1f32])],
+        ..Default::default()
+    };
+    let first = {
+        let core = core.clone();
+        tokio::spawn(async move { core.infer(req()).await })
+    };
+    while model.batcher().running() < 1 {
+        tokio::task::yield_now().await;
+    }
+    let err = core.infer(req()).await.unwrap_err();
+    assert!(matches!(err, Error::Overloaded { retry_after: Some(_), .. }), "{err:?}");
+    assert_eq!(model.stats.fail.snapshot().count, 1);
+    tx.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    // The place is given back: the next request is admitted.
+    tx.send(()).unwrap();
+    core.infer(req()).await.unwrap();
 }
 
 async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {

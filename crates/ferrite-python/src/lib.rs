@@ -25,6 +25,7 @@ create_exception!(_native, FerriteError, PyException, "Base class of every Ferri
 create_exception!(_native, InvalidInput, FerriteError, "The request does not fit the model.");
 create_exception!(_native, ModelNotFound, FerriteError, "No such model or version.");
 create_exception!(_native, Unavailable, FerriteError, "The model cannot take work now (queue full, shutting down).");
+create_exception!(_native, Overloaded, Unavailable, "Over a concurrency limit: retry later.");
 create_exception!(_native, DeadlineExceeded, FerriteError, "The request's timeout ended before it ran.");
 create_exception!(_native, Unsupported, FerriteError, "The request asks for something not supported.");
 create_exception!(_native, InternalError, FerriteError, "A fault inside the engine.");
@@ -35,6 +36,7 @@ fn py_err(e: Error) -> PyErr {
         Error::InvalidInput(m) => InvalidInput::new_err(m),
         Error::NotFound(m) => ModelNotFound::new_err(m),
         Error::Unavailable { message, .. } => Unavailable::new_err(message),
+        Error::Overloaded { message, .. } => Overloaded::new_err(message),
         Error::DeadlineExceeded(m) => DeadlineExceeded::new_err(m),
         Error::Unsupported(m) => Unsupported::new_err(m),
         Error::Internal(m) => InternalError::new_err(m),
@@ -555,6 +557,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidInput", py.get_type::<InvalidInput>())?;
     m.add("ModelNotFound", py.get_type::<ModelNotFound>())?;
     m.add("Unavailable", py.get_type::<Unavailable>())?;
+    m.add("Overloaded", py.get_type::<Overloaded>())?;
     m.add("DeadlineExceeded", py.get_type::<DeadlineExceeded>())?;
     m.add("Unsupported", py.get_type::<Unsupported>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;

@@ -74,6 +74,10 @@ struct ServeArgs {
     /// Most tensor elements one request may carry (all inputs together).
     #[arg(long, env = "FERRITE_MAX_REQUEST_ELEMENTS", default_value_t = 1 << 23)]
     max_request_elements: usize,
+    /// Requests in the engine at once, all models together; past it, 429 / RESOURCE_EXHAUSTED with
+    /// Retry-After. 0: no limit.
+    #[arg(long, env = "FERRITE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]
+    max_concurrent_requests: usize,
     /// On SIGINT/SIGTERM, how long queued and running requests may take before they are failed.
     #[arg(long, env = "FERRITE_EXIT_TIMEOUT_SECS", default_value_t = 30)]
     exit_timeout_secs: u64,
@@ -156,7 +160,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         options.threads = t.max(1);
     }
     let repo = args.model_repository.clone();
-    let limits = Limits { max_elements: args.max_request_elements };
+    let limits =
+        Limits { max_elements: args.max_request_elements, max_concurrent_requests: args.max_concurrent_requests };
     let core = tokio::task::spawn_blocking(move || Core::load(&repo, &options, limits)).await??;
     let cfg = ServeConfig {
         host: args.host,

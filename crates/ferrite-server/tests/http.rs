@@ -1,6 +1,6 @@
 //! Every V2 REST endpoint and error class, in-process through the real router and real models.
 
-use std::path::Path;
+use std::{path::Path, time::Duration};
 
 use axum::{
     body::{Body, Bytes},
@@ -380,6 +380,7 @@ fn every_core_error_maps_to_its_status() {
         (Error::invalid("x"), StatusCode::BAD_REQUEST),
         (Error::NotFound("x".into()), StatusCode::NOT_FOUND),
         (Error::unavailable("x", None), StatusCode::SERVICE_UNAVAILABLE),
+        (Error::Overloaded { message: "x".into(), retry_after: None }, StatusCode::TOO_MANY_REQUESTS),
         (Error::DeadlineExceeded("x".into()), StatusCode::GATEWAY_TIMEOUT),
         (Error::Unsupported("x".into()), StatusCode::NOT_IMPLEMENTED),
         (Error::internal("x"), StatusCode::INTERNAL_SERVER_ERROR),
@@ -387,4 +388,6 @@ fn every_core_error_maps_to_its_status() {
     for (e, status) in cases {
         assert_eq!(ApiError::from(e).status, status);
     }
+    let limited = ApiError::from(Error::Overloaded { message: "x".into(), retry_after: Some(Duration::from_secs(2)) });
+    assert_eq!(limited.retry_after, Some(2));
 }

@@ -29,6 +29,7 @@ from ._native import (
     InternalError,
     InvalidInput,
     ModelNotFound,
+    Overloaded,
     Unavailable,
     Unsupported,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidInput",
     "ModelNotFound",
     "Unavailable",
+    "Overloaded",
     "DeadlineExceeded",
     "Unsupported",
     "InternalError",

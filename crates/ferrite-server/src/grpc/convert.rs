@@ -400,6 +400,7 @@ mod tests {
             (Error::invalid("x"), Code::InvalidArgument),
             (Error::NotFound("x".into()), Code::NotFound),
             (Error::unavailable("x", None), Code::Unavailable),
+            (Error::Overloaded { message: "x".into(), retry_after: None }, Code::ResourceExhausted),
             (Error::DeadlineExceeded("x".into()), Code::DeadlineExceeded),
             (Error::Unsupported("x".into()), Code::Unimplemented),
             (Error::internal("x"), Code::Internal),

@@ -47,6 +47,7 @@ pub fn status(e: Error) -> Status {
         Error::InvalidInput(m) => Status::invalid_argument(m),
         Error::NotFound(m) => Status::not_found(m),
         Error::Unavailable { message, .. } => Status::unavailable(message),
+        Error::Overloaded { message, .. } => Status::resource_exhausted(message),
         Error::DeadlineExceeded(m) => Status::deadline_exceeded(m),
         Error::Unsupported(m) => Status::unimplemented(m),
         Error::Internal(m) => Status::internal(m),

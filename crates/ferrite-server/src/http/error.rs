@@ -30,12 +30,15 @@ impl From<Error> for ApiError {
             Error::InvalidInput(_) => StatusCode::BAD_REQUEST,
             Error::NotFound(_) => StatusCode::NOT_FOUND,
             Error::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             Error::Unsupported(_) => StatusCode::NOT_IMPLEMENTED,
             Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let retry_after = match &e {
-            Error::Unavailable { retry_after, .. } => retry_after.map(|d| d.as_secs().max(1)),
+            Error::Unavailable { retry_after, .. } | Error::Overloaded { retry_after, .. } => {
+                retry_after.map(|d| d.as_secs().max(1))
+            }
             _ => None,
         };
         ApiError { status, message: e.to_string(), retry_after }
