@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -52,10 +53,15 @@ class Server:
                 with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=1) as r:
                     if r.status == 200:
                         return
+            except urllib.error.HTTPError as e:
+                if e.code == 401:  # up, and behind --auth-token-file
+                    return
+                time.sleep(0.1)
             except OSError:
                 time.sleep(0.1)
+        logs = self.logs()
         self.stop()
-        raise RuntimeError("ferrite did not become ready: " + self.logs())
+        raise RuntimeError("ferrite did not become ready: " + logs)
 
     def logs(self):
         self.log.flush()

@@ -505,6 +505,7 @@ fn serve(
         exit_timeout: Duration::from_secs_f64(exit_timeout.max(0.0)),
         metrics_port: None,
         metrics_on_http: true,
+        auth: None,
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -74,6 +74,14 @@ struct ServeArgs {
     /// Most tensor elements one request may carry (all inputs together).
     #[arg(long, env = "FERRITE_MAX_REQUEST_ELEMENTS", default_value_t = 1 << 23)]
     max_request_elements: usize,
+    /// Bearer tokens, one per line as `<token> [scope,scope]` (infer, metrics, admin; default
+    /// infer). When set, every route of every listener requires one.
+    #[arg(long, env = "FERRITE_AUTH_TOKEN_FILE")]
+    auth_token_file: Option<PathBuf>,
+    /// With --auth-token-file: let health endpoints (HTTP /v2/health/*, grpc.health.v1) answer
+    /// without a token.
+    #[arg(long, env = "FERRITE_AUTH_ALLOW_HEALTH")]
+    auth_allow_health: bool,
     /// Requests in the engine at once, all models together; past it, 429 / RESOURCE_EXHAUSTED with
     /// Retry-After. 0: no limit.
     #[arg(long, env = "FERRITE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]
@@ -176,6 +184,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         exit_timeout: Duration::from_secs(args.exit_timeout_secs),
         metrics_port: (!args.no_metrics).then_some(args.metrics_port),
         metrics_on_http: args.metrics_on_http,
+        auth: args
+            .auth_token_file
+            .as_deref()
+            .map(|p| ferrite_server::auth::Auth::from_file(p, args.auth_allow_health))
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
     };
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());

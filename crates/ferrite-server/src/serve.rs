@@ -23,6 +23,8 @@ pub struct ServeConfig {
     pub metrics_port: Option<u16>,
     /// Also serve `/metrics` on the HTTP port.
     pub metrics_on_http: bool,
+    /// Bearer tokens required on every listener, when set.
+    pub auth: Option<std::sync::Arc<crate::auth::Auth>>,
 }
 
 /// Listening sockets, bound before the server runs so callers learn the ports.
@@ -79,8 +81,14 @@ pub async fn run(
     let grpc_server = tonic::transport::Server::builder()
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
-        .add_service(health_service)
-        .add_service(grpc::service(core.clone(), &cfg.grpc))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            health_service,
+            grpc::interceptor(cfg.auth.clone().filter(|a| !a.allow_health), crate::auth::Scope::Infer),
+        ))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            grpc::service(core.clone(), &cfg.grpc),
+            grpc::interceptor(cfg.auth.clone(), crate::auth::Scope::Infer),
+        ))
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(bound.grpc).with_nodelay(Some(true)),
             stopped(stop_rx.clone()),
@@ -90,13 +98,19 @@ pub async fn run(
     let listener = bound.http.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
+    // Every route of every listener, aliases and the 404 fallback included, behind the tokens.
+    let guard = |router: axum::Router| match &cfg.auth {
+        Some(auth) => http::protect(router, auth.clone()),
+        None => router,
+    };
     let mut app = http::app(core.clone(), &cfg.http);
     if cfg.metrics_on_http {
         app = app.merge(http::metrics_app(core.clone()));
     }
+    let app = guard(app);
     let metrics_server = bound.metrics.map(|listener| {
-        let server =
-            axum::serve(listener, http::metrics_app(core.clone())).with_graceful_shutdown(stopped(stop_rx.clone()));
+        let server = axum::serve(listener, guard(http::metrics_app(core.clone())))
+            .with_graceful_shutdown(stopped(stop_rx.clone()));
         tokio::spawn(async move { server.await })
     });
     let http_server = axum::serve(listener, app).with_graceful_shutdown(stopped(stop_rx.clone()));

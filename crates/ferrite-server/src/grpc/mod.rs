@@ -41,6 +41,26 @@ pub fn service(core: Core, limits: &GrpcLimits) -> GrpcInferenceServiceServer<Se
         .max_encoding_message_size(limits.max_encoding_message_size)
 }
 
+/// Checks the `authorization` metadata of every call against `scope` (when auth is on).
+pub fn interceptor(
+    auth: Option<Arc<crate::auth::Auth>>,
+    scope: crate::auth::Scope,
+) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |req: Request<()>| {
+        let Some(auth) = &auth else { return Ok(req) };
+        let header = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
+        match auth.check(header, scope) {
+            Ok(()) => Ok(req),
+            Err(crate::auth::Denied::Unauthenticated) => {
+                Err(Status::unauthenticated("a valid bearer token is required"))
+            }
+            Err(crate::auth::Denied::Forbidden) => {
+                Err(Status::permission_denied("the token lacks the scope this call needs"))
+            }
+        }
+    }
+}
+
 /// The one mapping from core errors to gRPC status codes.
 pub fn status(e: Error) -> Status {
     match &e {

@@ -14,6 +14,8 @@ use axum::{
     Json, Router,
 };
 use ferrite_core::{Core, Model};
+
+use crate::auth::{Auth, Denied, Scope};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -35,6 +37,37 @@ pub struct HttpLimits {
 /// when asked).
 pub fn metrics_app(core: Core) -> Router {
     Router::new().route("/metrics", get(metrics)).with_state(AppState { core })
+}
+
+/// Requires a bearer token with the route's scope on every route of `router`: `/metrics` needs
+/// `metrics`, health needs nothing when `allow_health`, everything else `infer`.
+pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
+    router.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
+        let auth = auth.clone();
+        async move {
+            let path = req.uri().path();
+            let scope = if path == "/metrics" {
+                Scope::Metrics
+            } else if path.starts_with("/v2/health/") && auth.allow_health {
+                return next.run(req).await;
+            } else {
+                Scope::Infer
+            };
+            let header = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+            match auth.check(header, scope) {
+                Ok(()) => next.run(req).await,
+                Err(Denied::Unauthenticated) => {
+                    let mut resp =
+                        ApiError::new(StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response();
+                    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                    resp
+                }
+                Err(Denied::Forbidden) => {
+                    ApiError::new(StatusCode::FORBIDDEN, "the token lacks the scope this route needs").into_response()
+                }
+            }
+        }
+    }))
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
