@@ -507,3 +507,34 @@ mod tests {
         assert!(s.local_entries > 0 && s.redis == "off");
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+        /// A corrupt Redis value is an error, never a panic or a huge allocation.
+        #[test]
+        fn cache_values_never_panic(v in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = super::decode(bytes::Bytes::from(v));
+        }
+
+        #[test]
+        fn wire_tensors_never_panic(v in proptest::collection::vec(any::<u8>(), 0..256), count in 0usize..64) {
+            for dt in crate::DataType::ALL {
+                let _ = crate::TensorData::from_wire("x", dt, count, bytes::Bytes::from(v.clone()));
+            }
+        }
+
+        /// Any config text parses or is refused, and resolving what parses never panics.
+        #[test]
+        fn configs_never_panic(text in "[a-z_ =\\[\\]0-9\"\n,.-]{0,200}") {
+            if let Ok(cfg) = toml::from_str::<crate::config::ModelConfig>(&text) {
+                let io = [crate::config::TensorSpec { name: "x".into(), datatype: crate::DataType::Fp32, dims: vec![-1, 4] }];
+                let _ = crate::config::ModelSpec::resolve("m", 1, &cfg, &io, &io, 1);
+            }
+        }
+    }
+}

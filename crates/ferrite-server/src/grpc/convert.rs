@@ -409,3 +409,39 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// Any message the wire can carry converts or is refused; it never panics.
+        #[test]
+        fn grpc_requests_never_panic(
+            raw in proptest::collection::vec(any::<u8>(), 0..512),
+            typed in proptest::collection::vec(any::<i32>(), 0..16),
+            shape in proptest::collection::vec(-2i64..6, 0..4),
+            dt in prop_oneof![Just("INT8"), Just("INT32"), Just("FP16"), Just("BYTES"), Just("BOOL"), Just("X")],
+            use_raw in any::<bool>(),
+        ) {
+            // Decoding arbitrary bytes as a protobuf message must not panic either.
+            let _ = <pb::ModelInferRequest as prost::Message>::decode(&raw[..]);
+            let input = pb::model_infer_request::InferInputTensor {
+                name: "x".into(),
+                datatype: dt.into(),
+                shape,
+                contents: (!use_raw).then(|| InferTensorContents { int_contents: typed, ..Default::default() }),
+                ..Default::default()
+            };
+            let req = pb::ModelInferRequest {
+                inputs: vec![input],
+                raw_input_contents: if use_raw { vec![Bytes::from(raw)] } else { vec![] },
+                ..Default::default()
+            };
+            let _ = to_core(req, 1 << 16);
+        }
+    }
+}

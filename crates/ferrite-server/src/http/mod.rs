@@ -274,3 +274,62 @@ async fn infer_inner(
     )
         .into_response())
 }
+
+/// Property tests over the request parsers: whatever the bytes, parsing returns (never panics),
+/// and every length the client states is checked before use. Bounded so `cargo test` stays fast.
+#[cfg(test)]
+mod fuzz {
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    const DTYPES: &[&str] = &["BOOL", "UINT8", "INT16", "INT64", "FP16", "BF16", "FP32", "FP64", "BYTES", "NOPE"];
+
+    fn request() -> impl Strategy<Value = (String, Vec<u8>)> {
+        let input = (
+            0..DTYPES.len(),
+            proptest::collection::vec(-2i64..5, 0..4),
+            prop_oneof![Just(None), (0u64..64).prop_map(Some)],
+            proptest::collection::vec(-300.0f64..300.0, 0..12),
+        );
+        (proptest::collection::vec(input, 0..4), proptest::collection::vec(any::<u8>(), 0..128)).prop_map(
+            |(inputs, binary)| {
+                let inputs: Vec<_> = inputs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (dt, shape, size, data))| {
+                        let mut v =
+                            serde_json::json!({"name": format!("i{i}"), "shape": shape, "datatype": DTYPES[dt]});
+                        match size {
+                            Some(n) => v["parameters"] = serde_json::json!({"binary_data_size": n}),
+                            None => v["data"] = serde_json::json!(data),
+                        }
+                        v
+                    })
+                    .collect();
+                (serde_json::json!({"inputs": inputs, "parameters": {"binary_data_output": true}}).to_string(), binary)
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn json_and_binary_bodies_never_panic((json, binary) in request()) {
+            let _ = super::json::parse("m", None, json.as_bytes(), Some(Bytes::from(binary)), 1 << 16);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = super::json::parse("m", None, &body, None, 1 << 16);
+            let _ = super::msgpack::parse("m", None, &body, 1 << 16);
+        }
+
+        #[test]
+        fn msgpack_bodies_never_panic((json, _) in request()) {
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            let body = rmp_serde::to_vec_named(&v).unwrap();
+            let _ = super::msgpack::parse("m", None, &body, 1 << 16);
+        }
+    }
+}
