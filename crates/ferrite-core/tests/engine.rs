@@ -292,27 +292,30 @@ impl Instance for StuckInstance {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_fails_what_is_left_after_the_deadline() {
+/// A core serving one `Stuck` model (batch size 1), the sender that lets its runs go, and the model.
+fn stuck_core(limits: Limits) -> (Core, mpsc::Sender<()>, Arc<Model>) {
     let (tx, rx) = mpsc::channel();
     let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
     let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
-    let spec = ModelSpec::resolve(
-        "stuck",
-        1,
-        &ModelConfig { max_batch_size: Some(1), ..Default::default() },
-        &specs,
-        &specs,
-        1,
-    )
-    .unwrap();
+    let config = ModelConfig { max_batch_size: Some(1), ..Default::default() };
+    let spec = ModelSpec::resolve("stuck", 1, &config, &specs, &specs, 1).unwrap();
     let model = Arc::new(Model::start(spec, &backend).unwrap());
-    let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), Limits::default());
-    let req = || InferRequest {
+    let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), limits);
+    (core, tx, model)
+}
+
+fn stuck_request() -> InferRequest {
+    InferRequest {
         model_name: "stuck".into(),
         inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[1f32])],
         ..Default::default()
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_fails_what_is_left_after_the_deadline() {
+    let (core, tx, model) = stuck_core(Limits::default());
+    let req = stuck_request;
     let tasks: Vec<_> = (0..3)
         .map(|_| {
             let core = core.clone();
@@ -337,26 +340,8 @@ async fn shutdown_fails_what_is_left_after_the_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_the_concurrency_cap_is_refused_at_once_and_counted() {
-    let (tx, rx) = mpsc::channel();
-    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
-    let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
-    let spec = ModelSpec::resolve(
-        "stuck",
-        1,
-        &ModelConfig { max_batch_size: Some(1), ..Default::default() },
-        &specs,
-        &specs,
-        1,
-    )
-    .unwrap();
-    let model = Arc::new(Model::start(spec, &backend).unwrap());
-    let limits = Limits { max_concurrent_requests: 1, ..Default::default() };
-    let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), limits);
-    let req = || InferRequest {
-        model_name: "stuck".into(),
-        inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[1f32])],
-        ..Default::default()
-    };
+    let (core, tx, model) = stuck_core(Limits { max_concurrent_requests: 1, ..Default::default() });
+    let req = stuck_request;
     let first = {
         let core = core.clone();
         tokio::spawn(async move { core.infer(req()).await })
