@@ -83,7 +83,7 @@ pub fn key(model: &str, version: u64, inputs: &[Tensor], outputs: Option<&[usize
 type Value = Arc<Vec<Tensor>>;
 
 fn weight(outputs: &[Tensor]) -> usize {
-    outputs.iter().map(|t| t.name.len() + 64 + t.data.to_wire().len()).sum()
+    outputs.iter().map(|t| t.name.len() + 64 + t.data.wire_len()).sum()
 }
 
 /// Counters, for statistics and metrics.

@@ -63,17 +63,23 @@ impl Core {
     /// Loads the repository at `root`; models that fail are logged and left out.
     pub fn load(root: &Path, options: &LoadOptions, limits: Limits) -> Result<Core> {
         let loaded = repository::load_all(root, options)?;
-        let mut core = Core::from_models(loaded.models, loaded.failed, limits);
-        if let Some(inner) = Arc::get_mut(&mut core.inner) {
-            inner.cache = options.cache.clone();
-        }
-        Ok(core)
+        Ok(Core::new(loaded.models, loaded.failed, limits, options.cache.clone()))
     }
 
+    /// A core over models loaded elsewhere (one `Model.load` from Python, tests), with no cache.
     pub fn from_models(models: BTreeMap<String, Arc<Model>>, failed: BTreeMap<String, String>, limits: Limits) -> Core {
+        Core::new(models, failed, limits, None)
+    }
+
+    fn new(
+        models: BTreeMap<String, Arc<Model>>,
+        failed: BTreeMap<String, String>,
+        limits: Limits,
+        cache: Option<Arc<cache::ResponseCache>>,
+    ) -> Core {
         Core {
             inner: Arc::new(Inner {
-                cache: None,
+                cache,
                 models,
                 failed,
                 accepting: AtomicBool::new(true),

@@ -116,12 +116,20 @@ impl TensorData {
         Ok(TensorData::Bytes(items))
     }
 
+    /// The length of `to_wire()`, without building it.
+    pub fn wire_len(&self) -> usize {
+        match self {
+            TensorData::Raw(b) => b.len(),
+            TensorData::Bytes(items) => items.iter().map(|b| b.len() + 4).sum(),
+        }
+    }
+
     /// The raw wire form (see `from_wire`); fixed-size data is shared, not copied.
     pub fn to_wire(&self) -> Bytes {
         match self {
             TensorData::Raw(b) => b.clone(),
             TensorData::Bytes(items) => {
-                let mut out = Vec::with_capacity(items.iter().map(|b| b.len() + 4).sum());
+                let mut out = Vec::with_capacity(self.wire_len());
                 for b in items {
                     out.extend_from_slice(&(b.len() as u32).to_le_bytes());
                     out.extend_from_slice(b);
@@ -253,6 +261,7 @@ mod tests {
     fn wire_form_round_trips_and_checks_every_length() {
         let items = vec![Bytes::from_static(b"ab"), Bytes::new(), Bytes::from_static(b"xyz")];
         let wire = TensorData::Bytes(items.clone()).to_wire();
+        assert_eq!(TensorData::Bytes(items.clone()).wire_len(), wire.len());
         assert_eq!(&wire[..], b"\x02\0\0\0ab\0\0\0\0\x03\0\0\0xyz");
         assert_eq!(TensorData::from_wire("s", DataType::Bytes, 3, wire.clone()).unwrap(), TensorData::Bytes(items));
         for (count, raw, needle) in [
