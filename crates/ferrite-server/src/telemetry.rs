@@ -98,6 +98,7 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, String> {
         .with_resource(opentelemetry_sdk::Resource::builder().with_service_name("ferrite").build())
         .build();
     SAMPLE_RATE.store(cfg.sample_rate.clamp(0.0, 1.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
+    ENABLED.store(true, std::sync::atomic::Ordering::Relaxed);
     let tracer = provider.tracer("ferrite");
     // Request spans are at DEBUG so they cost nothing when tracing is off.
     let traces = tracing_opentelemetry::layer()
@@ -107,8 +108,15 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, String> {
     Ok(Telemetry { provider: Some(provider) })
 }
 
-/// The caller's trace context from W3C headers (`traceparent`, `tracestate`).
+/// Set once spans are exported; until then no request parses trace headers.
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The caller's trace context from W3C headers (`traceparent`, `tracestate`). An empty context,
+/// with nothing parsed, when tracing is off or the caller sent none.
 pub fn extract(carrier: &dyn Extractor) -> Context {
+    if !ENABLED.load(std::sync::atomic::Ordering::Relaxed) || carrier.get("traceparent").is_none() {
+        return Context::new();
+    }
     TraceContextPropagator::new().extract(carrier)
 }
 
