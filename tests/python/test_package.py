@@ -245,7 +245,7 @@ def test_bytes_and_all_types_round_trip():
         elif dt == "BOOL":
             feeds[spec.name] = np.array([[True, False, True]])
         else:
-            np_dt = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}.get(dt) or np.dtype(dt.lower().replace("uint", "uint").replace("int", "int"))
+            np_dt = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}.get(dt) or np.dtype(dt.lower())
             feeds[spec.name] = np.array([[1, 2, 3]], dtype=np_dt)
     out = m.infer(feeds, copy=True)
     assert out["bytes_out"].tolist() == [[b"a", "b\u00e9".encode(), b""]]
@@ -337,3 +337,19 @@ def test_traces_continue_the_python_callers_trace(tmp_path):
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "True", "True"], out.stdout + out.stderr
+
+
+def test_engine_reports_failed_models_and_closes(tmp_path):
+    import shutil
+
+    shutil.copytree(MLP, tmp_path / "mlp")
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not onnx")
+    engine = ferrite.Engine(tmp_path)
+    assert engine.models == ("mlp",)
+    assert "cannot load" in engine.failed["broken"]
+    model = engine.model("mlp")
+    assert model.infer({"input": np.ones((1, 512), np.float32)})["output"].shape == (1, 10)
+    assert engine.close(timeout=5) == 0
+    with pytest.raises(ferrite.Unavailable):
+        model.infer({"input": np.ones((1, 512), np.float32)})
