@@ -97,6 +97,11 @@ impl Batcher {
         self.shared.lock().len()
     }
 
+    /// Requests dropped before running because their client had gone.
+    pub fn cancelled(&self) -> u64 {
+        self.shared.lock().cancelled
+    }
+
     /// Batches running now.
     pub fn running(&self) -> usize {
         self.shared.running.load(Ordering::Acquire)
@@ -156,8 +161,6 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
             loop {
                 let flush = shared.closed.load(Ordering::Acquire);
                 let decision = q.next_batch(Instant::now(), &shared.policy, flush);
-                let cancelled = q.cancelled;
-                shared.stats.cancelled.store(cancelled, Ordering::Relaxed);
                 match decision {
                     Decision::Run(batch) => {
                         shared.running.fetch_add(1, Ordering::AcqRel);

@@ -55,8 +55,6 @@ pub struct ModelStats {
     /// Batches run.
     pub execution_count: AtomicU64,
     last_inference_ms: AtomicU64,
-    /// Requests dropped before running because their client had gone.
-    pub cancelled: AtomicU64,
     batches: Mutex<BTreeMap<usize, (Duration2, Duration2, Duration2)>>,
 }
 
