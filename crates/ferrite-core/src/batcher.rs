@@ -6,16 +6,16 @@
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
     thread::JoinHandle,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use crate::{
     backend::{BatchInput, Instance},
-    config::{BatchPolicy, ModelSpec},
+    config::{BatchPolicy, ModelSpec, TimeoutAction},
     queue::{Decision, Pending, Queue},
     stats::ModelStats,
     Backend, Error, Result, Tensor,
@@ -35,6 +35,8 @@ struct Shared {
     idle: Condvar,
     closed: std::sync::atomic::AtomicBool,
     running: AtomicUsize,
+    /// Moving average of one batch's run time, for refusing requests whose deadline cannot be met.
+    batch_ns: AtomicU64,
     policy: BatchPolicy,
     spec: ModelSpec,
     stats: Arc<ModelStats>,
@@ -58,7 +60,8 @@ impl Batcher {
         let instances = (0..spec.instance_count).map(|_| backend.instance()).collect::<Result<Vec<_>>>()?;
         let shared = Arc::new(Shared {
             submitted: Default::default(),
-            queue: Mutex::new(Queue::new(spec.batch.priority_levels as usize, spec.batch.max_queue_size)),
+            queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
+            batch_ns: AtomicU64::new(0),
             wake: Condvar::new(),
             idle: Condvar::new(),
             closed: Default::default(),
@@ -82,15 +85,52 @@ impl Batcher {
         Ok(Batcher { shared, workers: Mutex::new(workers) })
     }
 
-    /// Queues `p`; refuses it when the queue is full or the batcher is closed.
+    /// Queues `p`; refuses it when the queue is full, the batcher is closed, or its deadline
+    /// cannot be met given the work ahead of it (rather than letting it wait and then fail).
     pub fn submit(&self, p: Pending) -> Result<()> {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(Error::unavailable("model is shutting down", Some(crate::queue::RETRY_AFTER)));
         }
-        self.shared.lock().push(p)?;
+        let mut q = self.shared.lock();
+        if let Some(deadline) = p.deadline.filter(|_| self.rejects_late(p.level)) {
+            if let Some(wait) = self.estimate_wait(&q, p.level) {
+                if p.enqueued + wait > deadline {
+                    return Err(Error::DeadlineExceeded(format!(
+                        "the request's timeout cannot be met: about {} µs of work is ahead of it, {} µs allowed",
+                        wait.as_micros(),
+                        deadline.saturating_duration_since(p.enqueued).as_micros()
+                    )));
+                }
+            }
+        }
+        q.push(p)?;
+        drop(q);
         self.shared.submitted.fetch_add(1, Ordering::Release);
         self.shared.wake.notify_one();
         Ok(())
+    }
+
+    fn rejects_late(&self, level: usize) -> bool {
+        let levels = &self.shared.policy.level_queues;
+        levels.get(level).or(levels.last()).is_none_or(|q| q.timeout_action == TimeoutAction::Reject)
+    }
+
+    /// A lower bound on how long a request queued at `level` now waits for its answer: the
+    /// batches queued ahead of it shared among the instances, plus its own, at the recent
+    /// average batch time. `None` before the first batch has run.
+    fn estimate_wait(&self, q: &Queue, level: usize) -> Option<Duration> {
+        let per_batch = self.shared.batch_ns.load(Ordering::Relaxed);
+        if per_batch == 0 {
+            return None;
+        }
+        let policy = &self.shared.policy;
+        let batches_ahead = if policy.dynamic {
+            q.rows_ahead(level).div_ceil(policy.max_batch_size.max(1))
+        } else {
+            q.requests_ahead(level)
+        };
+        let rounds = (batches_ahead / self.shared.spec.instance_count.max(1)) as u64 + 1;
+        Some(Duration::from_nanos(per_batch.saturating_mul(rounds)))
     }
 
     pub fn queued(&self) -> usize {
@@ -279,6 +319,9 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
     };
+    let took = (done - ran).as_nanos() as u64;
+    let avg = shared.batch_ns.load(Ordering::Relaxed);
+    shared.batch_ns.store(if avg == 0 { took } else { (avg * 7 + took) / 8 }, Ordering::Relaxed);
     // Statistics first, so a client that reads them after its answer sees its own batch.
     shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
     m.executions.inc();

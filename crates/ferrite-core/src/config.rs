@@ -10,6 +10,8 @@ use crate::{DataType, Error, Result};
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
 pub const DEFAULT_MAX_QUEUE_DELAY_US: u64 = 0;
 pub const DEFAULT_MAX_QUEUE_SIZE: usize = 1024;
+/// Each level holds its own queue; a config cannot ask for an unbounded number of them.
+pub const MAX_PRIORITY_LEVELS: u32 = 64;
 
 /// `models/<name>/config.toml`. Every field is optional.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -53,6 +55,78 @@ pub struct DynamicBatchingConfig {
     /// The level of requests that name none; 0 means the lowest.
     #[serde(default)]
     pub default_priority_level: u32,
+    /// May a request's own `timeout` shorten the default one? (Never lengthen it.)
+    #[serde(default = "yes")]
+    pub allow_timeout_override: bool,
+    /// What happens to a request whose timeout ends while it is queued.
+    #[serde(default)]
+    pub timeout_action: TimeoutAction,
+    /// Per-level overrides of the queue policy above, keyed by level (`"1"` is highest).
+    #[serde(default)]
+    pub priority_queue_policy: std::collections::BTreeMap<String, QueuePolicyConfig>,
+}
+
+/// `[dynamic_batching.priority_queue_policy.<level>]`: fields left out keep the model's defaults.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueuePolicyConfig {
+    pub max_queue_size: Option<usize>,
+    pub default_timeout_microseconds: Option<u64>,
+    pub allow_timeout_override: Option<bool>,
+    pub timeout_action: Option<TimeoutAction>,
+}
+
+/// Triton's `timeout_action`: a request past its timeout while queued is either failed at once
+/// (`reject`) or kept and run after every request of its level and above that is still in time
+/// (`delay`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimeoutAction {
+    #[default]
+    Reject,
+    Delay,
+}
+
+impl TimeoutAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimeoutAction::Reject => "REJECT",
+            TimeoutAction::Delay => "DELAY",
+        }
+    }
+}
+
+/// The queue policy of one priority level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePolicy {
+    pub max_queue_size: usize,
+    /// 0: no timeout unless the request gives one.
+    pub default_timeout_us: u64,
+    pub allow_timeout_override: bool,
+    pub timeout_action: TimeoutAction,
+}
+
+impl Default for QueuePolicy {
+    fn default() -> Self {
+        QueuePolicy {
+            max_queue_size: DEFAULT_MAX_QUEUE_SIZE,
+            default_timeout_us: 0,
+            allow_timeout_override: true,
+            timeout_action: TimeoutAction::Reject,
+        }
+    }
+}
+
+impl QueuePolicy {
+    /// The timeout a request gets: its own when it may override and it is shorter, else the default.
+    pub fn timeout(&self, requested_us: Option<u64>) -> Option<std::time::Duration> {
+        let default = self.default_timeout_us;
+        let us = match requested_us.filter(|&t| t > 0 && self.allow_timeout_override) {
+            Some(t) if default == 0 || t < default => t,
+            _ => default,
+        };
+        (us > 0).then(|| std::time::Duration::from_micros(us))
+    }
 }
 
 fn yes() -> bool {
@@ -69,6 +143,9 @@ impl Default for DynamicBatchingConfig {
             default_timeout_microseconds: 0,
             priority_levels: 0,
             default_priority_level: 0,
+            allow_timeout_override: true,
+            timeout_action: TimeoutAction::Reject,
+            priority_queue_policy: Default::default(),
         }
     }
 }
@@ -106,10 +183,12 @@ pub struct BatchPolicy {
     pub dynamic: bool,
     pub preferred_batch_sizes: Vec<usize>,
     pub max_queue_delay_us: u64,
-    pub max_queue_size: usize,
-    pub default_timeout_us: u64,
     pub priority_levels: u32,
     pub default_priority_level: u32,
+    /// The policy of levels without their own.
+    pub queue: QueuePolicy,
+    /// One per level, highest priority first.
+    pub level_queues: Vec<QueuePolicy>,
 }
 
 impl Default for BatchPolicy {
@@ -119,10 +198,10 @@ impl Default for BatchPolicy {
             dynamic: false,
             preferred_batch_sizes: Vec::new(),
             max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
-            max_queue_size: DEFAULT_MAX_QUEUE_SIZE,
-            default_timeout_us: 0,
             priority_levels: 1,
             default_priority_level: 1,
+            queue: QueuePolicy::default(),
+            level_queues: vec![QueuePolicy::default()],
         }
     }
 }
@@ -183,9 +262,28 @@ impl ModelSpec {
             batch.dynamic = db.enabled && max_batch_size > 0;
             batch.preferred_batch_sizes = db.preferred_batch_size.clone();
             batch.max_queue_delay_us = db.max_queue_delay_microseconds.unwrap_or(DEFAULT_MAX_QUEUE_DELAY_US);
-            batch.max_queue_size = db.max_queue_size.filter(|&n| n > 0).unwrap_or(DEFAULT_MAX_QUEUE_SIZE);
-            batch.default_timeout_us = db.default_timeout_microseconds;
+            batch.queue = QueuePolicy {
+                max_queue_size: db.max_queue_size.filter(|&n| n > 0).unwrap_or(DEFAULT_MAX_QUEUE_SIZE),
+                default_timeout_us: db.default_timeout_microseconds,
+                allow_timeout_override: db.allow_timeout_override,
+                timeout_action: db.timeout_action,
+            };
             batch.priority_levels = db.priority_levels.max(1);
+            if batch.priority_levels > MAX_PRIORITY_LEVELS {
+                return Err(Error::invalid(format!("priority_levels must be at most {MAX_PRIORITY_LEVELS}")));
+            }
+            batch.level_queues = vec![batch.queue.clone(); batch.priority_levels as usize];
+            for (key, o) in &db.priority_queue_policy {
+                let level =
+                    key.parse::<u32>().ok().filter(|l| (1..=batch.priority_levels).contains(l)).ok_or_else(|| {
+                        Error::invalid(format!("priority_queue_policy '{key}' is not a level in 1..=priority_levels"))
+                    })?;
+                let q = &mut batch.level_queues[level as usize - 1];
+                q.max_queue_size = o.max_queue_size.filter(|&n| n > 0).unwrap_or(q.max_queue_size);
+                q.default_timeout_us = o.default_timeout_microseconds.unwrap_or(q.default_timeout_us);
+                q.allow_timeout_override = o.allow_timeout_override.unwrap_or(q.allow_timeout_override);
+                q.timeout_action = o.timeout_action.unwrap_or(q.timeout_action);
+            }
             batch.default_priority_level = match db.default_priority_level {
                 0 => batch.priority_levels,
                 n if n <= batch.priority_levels => n,

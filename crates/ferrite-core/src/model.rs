@@ -12,7 +12,7 @@ use tracing::Instrument;
 use crate::{
     batcher::Batcher,
     cache::{self, ResponseCache},
-    config::ModelSpec,
+    config::{ModelSpec, TimeoutAction},
     metrics,
     queue::Pending,
     stats::ModelStats,
@@ -158,12 +158,15 @@ impl Model {
             self.metrics.cache_misses.inc();
         }
         let now = Instant::now();
-        let deadline = self.timeout(req.timeout_us).map(|t| now + t);
+        let policy = &self.spec.batch.level_queues[level.min(self.spec.batch.level_queues.len() - 1)];
+        let deadline = policy.timeout(req.timeout_us).map(|t| now + t);
+        // With `timeout_action = delay` a late request still runs, so its caller waits for it.
+        let wait_limit = deadline.filter(|_| policy.timeout_action == TimeoutAction::Reject);
         let (tx, rx) = oneshot::channel();
         let queued = if traced { tracing::debug_span!("queue", rows) } else { tracing::Span::none() };
         let span = queued.clone();
         self.batcher.submit(Pending { inputs, rows, outputs, level, enqueued: now, deadline, reply: tx, span })?;
-        let answer = match deadline {
+        let answer = match wait_limit {
             None => rx.instrument(queued).await,
             Some(d) => match tokio::time::timeout_at(d.into(), rx).instrument(queued).await {
                 Ok(a) => a,
@@ -263,14 +266,5 @@ impl Model {
             return Err(Error::invalid(format!("priority {priority} is outside 1..={levels}")));
         }
         Ok(p.max(1) as usize - 1)
-    }
-
-    fn timeout(&self, requested_us: Option<u64>) -> Option<Duration> {
-        let model = self.spec.batch.default_timeout_us;
-        let us = match requested_us.filter(|&t| t > 0) {
-            Some(t) if model == 0 || t < model => t,
-            _ => model,
-        };
-        (us > 0).then(|| Duration::from_micros(us))
     }
 }

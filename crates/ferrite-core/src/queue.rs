@@ -9,7 +9,10 @@ use std::{
 
 use tokio::sync::oneshot;
 
-use crate::{config::BatchPolicy, Error, Result, Tensor};
+use crate::{
+    config::{BatchPolicy, QueuePolicy, TimeoutAction},
+    Error, Result, Tensor,
+};
 
 /// How long a client refused for a full queue is told to wait.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -49,26 +52,51 @@ pub enum Decision {
     Idle,
 }
 
+/// One priority level: requests in time, then (`timeout_action = delay`) those past their timeout.
+#[derive(Debug)]
+struct Level {
+    fresh: VecDeque<Pending>,
+    delayed: VecDeque<Pending>,
+    policy: QueuePolicy,
+}
+
+impl Level {
+    fn len(&self) -> usize {
+        self.fresh.len() + self.delayed.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Pending> {
+        self.fresh.iter().chain(&self.delayed)
+    }
+
+    fn pop_front(&mut self) -> Option<Pending> {
+        self.fresh.pop_front().or_else(|| self.delayed.pop_front())
+    }
+}
+
 #[derive(Debug)]
 pub struct Queue {
-    levels: Vec<VecDeque<Pending>>,
+    levels: Vec<Level>,
     len: usize,
-    capacity: usize,
     /// Requests whose clients left before they ran.
     pub cancelled: u64,
-    /// Requests that timed out while queued.
+    /// Requests that timed out while queued and were rejected.
     pub expired: u64,
+    /// Requests that timed out while queued and were moved behind the others (`delay`).
+    pub delayed: u64,
 }
 
 impl Queue {
-    pub fn new(levels: usize, capacity: usize) -> Queue {
-        Queue {
-            levels: (0..levels.max(1)).map(|_| VecDeque::new()).collect(),
-            len: 0,
-            capacity,
-            cancelled: 0,
-            expired: 0,
+    /// One level per policy, highest priority first.
+    pub fn new(policies: &[QueuePolicy]) -> Queue {
+        let mut levels: Vec<Level> = policies
+            .iter()
+            .map(|p| Level { fresh: VecDeque::new(), delayed: VecDeque::new(), policy: p.clone() })
+            .collect();
+        if levels.is_empty() {
+            levels.push(Level { fresh: VecDeque::new(), delayed: VecDeque::new(), policy: QueuePolicy::default() });
         }
+        Queue { levels, len: 0, cancelled: 0, expired: 0, delayed: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -79,16 +107,27 @@ impl Queue {
         self.len == 0
     }
 
-    /// Admits `p`, or refuses it when the queue is full.
+    /// Rows waiting at `level` and above: the work a new request at `level` queues behind.
+    pub fn rows_ahead(&self, level: usize) -> usize {
+        self.levels.iter().take(level + 1).flat_map(Level::iter).map(|p| p.rows).sum()
+    }
+
+    /// Requests waiting at `level` and above.
+    pub fn requests_ahead(&self, level: usize) -> usize {
+        self.levels.iter().take(level + 1).map(Level::len).sum()
+    }
+
+    /// Admits `p`, or refuses it when its level's queue is full.
     pub fn push(&mut self, p: Pending) -> Result<()> {
-        if self.len >= self.capacity {
+        let last = self.levels.len() - 1;
+        let level = &mut self.levels[p.level.min(last)];
+        if level.len() >= level.policy.max_queue_size {
             return Err(Error::unavailable(
-                format!("queue full: {} requests waiting (max_queue_size)", self.len),
+                format!("queue full: {} requests waiting at this priority (max_queue_size)", level.len()),
                 Some(RETRY_AFTER),
             ));
         }
-        let level = p.level.min(self.levels.len() - 1);
-        self.levels[level].push_back(p);
+        level.fresh.push_back(p);
         self.len += 1;
         Ok(())
     }
@@ -96,42 +135,54 @@ impl Queue {
     /// Removes every queued request (for shutdown), highest priority first.
     pub fn drain(&mut self) -> Vec<Pending> {
         self.len = 0;
-        self.levels.iter_mut().flat_map(|l| l.drain(..)).collect()
+        self.levels.iter_mut().flat_map(|l| l.fresh.drain(..).chain(l.delayed.drain(..)).collect::<Vec<_>>()).collect()
     }
 
-    /// Drops requests whose client left and rejects those whose deadline passed.
+    /// Drops requests whose client left, and rejects or delays those whose timeout passed.
     fn prune(&mut self, now: Instant) {
+        let gone = |p: &Pending| p.reply.is_closed() || p.deadline.is_some_and(|d| d <= now);
         for level in &mut self.levels {
-            level.retain_mut(|p| {
+            // Nearly always nothing to do; rebuild the level only when something must go.
+            if !level.iter().any(gone) {
+                continue;
+            }
+            let delay = level.policy.timeout_action == TimeoutAction::Delay;
+            let mut kept = VecDeque::with_capacity(level.fresh.len());
+            for p in level.fresh.drain(..) {
                 if p.reply.is_closed() {
                     self.cancelled += 1;
-                    return false;
-                }
-                if p.deadline.is_some_and(|d| d <= now) {
+                } else if p.deadline.is_none_or(|d| d > now) {
+                    kept.push_back(p);
+                } else if delay {
+                    self.delayed += 1;
+                    level.delayed.push_back(Pending { deadline: None, ..p });
+                } else {
                     self.expired += 1;
-                    // Moving the sender out is not possible in retain; replace it with a closed one.
-                    let (tx, _) = oneshot::channel();
-                    let reply = std::mem::replace(&mut p.reply, tx);
-                    let _ = reply.send(Err(Error::DeadlineExceeded("request timed out in the queue".into())));
-                    return false;
+                    let _ = p.reply.send(Err(Error::DeadlineExceeded("request timed out in the queue".into())));
                 }
-                true
-            });
+            }
+            level.fresh = kept;
+            let before = level.delayed.len();
+            level.delayed.retain(|p| !p.reply.is_closed());
+            self.cancelled += (before - level.delayed.len()) as u64;
         }
-        self.len = self.levels.iter().map(VecDeque::len).sum();
+        self.len = self.levels.iter().map(Level::len).sum();
     }
 
     /// Decides what a free instance should run at `now`. `flush` sends what is pending without
     /// waiting for the queue delay (at shutdown).
     pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, flush: bool) -> Decision {
         self.prune(now);
-        let mut order = self.levels.iter().flatten();
-        let Some(first) = order.next() else {
+        if self.is_empty() {
             return Decision::Idle;
-        };
+        }
         if !policy.dynamic {
             return Decision::Run(self.pop(1));
         }
+        let mut order = self.levels.iter().flat_map(Level::iter);
+        let Some(first) = order.next() else {
+            return Decision::Idle;
+        };
         // The longest run of compatible requests, in priority then arrival order, that fits.
         let mut total = first.rows;
         let mut sums = vec![total];
@@ -184,10 +235,13 @@ mod tests {
             dynamic: true,
             preferred_batch_sizes: preferred.to_vec(),
             max_queue_delay_us: delay_us,
-            max_queue_size: 100,
             priority_levels: 2,
             ..BatchPolicy::default()
         }
+    }
+
+    fn queue(levels: usize, capacity: usize) -> Queue {
+        Queue::new(&vec![QueuePolicy { max_queue_size: capacity, ..QueuePolicy::default() }; levels])
     }
 
     struct Req {
@@ -221,7 +275,7 @@ mod tests {
     #[test]
     fn zero_delay_sends_what_is_pending() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _r: Vec<_> = (0..3).map(|_| push(&mut q, t, 1, 4, 0)).collect();
         assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1, 1, 1]);
         assert!(matches!(q.next_batch(t, &policy(8, 0, &[]), false), Decision::Idle));
@@ -230,7 +284,7 @@ mod tests {
     #[test]
     fn never_exceeds_max_batch() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _r: Vec<_> = [3, 3, 3].iter().map(|&n| push(&mut q, t, n, 4, 0)).collect();
         assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![3, 3]);
         assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![3]);
@@ -240,7 +294,7 @@ mod tests {
     fn waits_for_delay_then_sends() {
         let t = Instant::now();
         let p = policy(8, 1000, &[]);
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _a = push(&mut q, t, 1, 4, 0);
         match q.next_batch(t + Duration::from_micros(10), &p, false) {
             Decision::WaitUntil(when) => assert_eq!(when, t + Duration::from_micros(1000)),
@@ -254,7 +308,7 @@ mod tests {
     #[test]
     fn flush_sends_without_waiting() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _a = push(&mut q, t, 1, 4, 0);
         assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), true)), vec![1]);
     }
@@ -262,7 +316,7 @@ mod tests {
     #[test]
     fn full_batch_goes_before_the_delay() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _r: Vec<_> = (0..4).map(|_| push(&mut q, t, 2, 4, 0)).collect();
         assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), false)), vec![2, 2, 2, 2]);
     }
@@ -271,7 +325,7 @@ mod tests {
     fn largest_reachable_preferred_size_goes_now() {
         let t = Instant::now();
         let p = policy(16, 1_000_000, &[2, 4]);
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _r: Vec<_> = (0..5).map(|_| push(&mut q, t, 1, 4, 0)).collect();
         assert_eq!(rows(q.next_batch(t, &p, false)), vec![1, 1, 1, 1]);
         // One left: no preferred size reachable, so it waits for the delay.
@@ -281,7 +335,7 @@ mod tests {
     #[test]
     fn different_non_batch_dims_do_not_mix() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 100);
+        let mut q = queue(1, 100);
         let _a = push(&mut q, t, 1, 4, 0);
         let _b = push(&mut q, t, 1, 5, 0);
         let _c = push(&mut q, t, 1, 4, 0);
@@ -293,7 +347,7 @@ mod tests {
     #[test]
     fn priority_levels_go_first_fifo_within() {
         let t = Instant::now();
-        let mut q = Queue::new(2, 100);
+        let mut q = queue(2, 100);
         let _low = push(&mut q, t, 1, 4, 1);
         let _high1 = push(&mut q, t + Duration::from_micros(1), 2, 4, 0);
         let _high2 = push(&mut q, t + Duration::from_micros(2), 3, 4, 0);
@@ -304,7 +358,7 @@ mod tests {
     #[test]
     fn full_queue_refuses_with_retry_after() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 1);
+        let mut q = queue(1, 1);
         let _a = push(&mut q, t, 1, 4, 0);
         let (tx, _rx) = oneshot::channel();
         let extra = Pending {
@@ -324,7 +378,7 @@ mod tests {
     #[test]
     fn expired_requests_are_rejected_never_run() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 10);
+        let mut q = queue(1, 10);
         let (tx, mut rx) = oneshot::channel();
         q.push(Pending {
             inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
@@ -345,7 +399,7 @@ mod tests {
     #[test]
     fn requests_whose_client_left_are_dropped() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 10);
+        let mut q = queue(1, 10);
         let gone = push(&mut q, t, 1, 4, 0);
         let _kept = push(&mut q, t, 1, 4, 0);
         drop(gone.rx);
@@ -356,9 +410,90 @@ mod tests {
     #[test]
     fn without_dynamic_batching_one_request_at_a_time() {
         let t = Instant::now();
-        let mut q = Queue::new(1, 10);
+        let mut q = queue(1, 10);
         let _r: Vec<_> = (0..2).map(|_| push(&mut q, t, 1, 4, 0)).collect();
         let p = BatchPolicy { max_batch_size: 8, dynamic: false, ..BatchPolicy::default() };
         assert_eq!(rows(q.next_batch(t, &p, false)), vec![1]);
+    }
+
+    fn timed(q: &mut Queue, at: Instant, level: usize, timeout_us: u64) -> oneshot::Receiver<Result<Vec<Tensor>>> {
+        let (tx, rx) = oneshot::channel();
+        q.push(Pending {
+            inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
+            rows: 1,
+            outputs: None,
+            level,
+            enqueued: at,
+            deadline: Some(at + Duration::from_micros(timeout_us)),
+            reply: tx,
+            span: tracing::Span::none(),
+        })
+        .unwrap();
+        rx
+    }
+
+    #[test]
+    fn each_level_has_its_own_queue_cap() {
+        let t = Instant::now();
+        let small = QueuePolicy { max_queue_size: 1, ..QueuePolicy::default() };
+        let mut q = Queue::new(&[QueuePolicy::default(), small]);
+        let _a = push(&mut q, t, 1, 4, 1);
+        let (tx, _rx) = oneshot::channel();
+        let extra = Pending {
+            inputs: vec![],
+            rows: 1,
+            outputs: None,
+            level: 1,
+            enqueued: t,
+            deadline: None,
+            reply: tx,
+            span: tracing::Span::none(),
+        };
+        assert!(matches!(q.push(extra), Err(Error::Unavailable { .. })));
+        // The other level still takes work.
+        let _b = push(&mut q, t, 1, 4, 0);
+        assert_eq!(q.len(), 2);
+        assert_eq!(q.rows_ahead(0), 1);
+        assert_eq!(q.rows_ahead(1), 2);
+    }
+
+    #[test]
+    fn delay_keeps_late_requests_behind_those_in_time() {
+        let t = Instant::now();
+        let delay = QueuePolicy { timeout_action: TimeoutAction::Delay, ..QueuePolicy::default() };
+        let mut q = Queue::new(&[delay.clone(), delay]);
+        let mut late = timed(&mut q, t, 0, 10);
+        let _fresh = push(&mut q, t + Duration::from_micros(5), 3, 4, 0);
+        let _low = push(&mut q, t + Duration::from_micros(6), 2, 4, 1);
+        // At t+20 the first request is late: not rejected, but it runs after the level's fresh one
+        // and before the lower level.
+        assert_eq!(rows(q.next_batch(t + Duration::from_micros(20), &policy(16, 0, &[]), false)), vec![3, 1, 2]);
+        assert!(late.try_recv().is_err(), "a delayed request is not answered with an error");
+        assert_eq!((q.delayed, q.expired), (1, 0));
+    }
+
+    #[test]
+    fn reject_fails_late_requests_at_their_level_only() {
+        let t = Instant::now();
+        let delay = QueuePolicy { timeout_action: TimeoutAction::Delay, ..QueuePolicy::default() };
+        let mut q = Queue::new(&[QueuePolicy::default(), delay]);
+        let mut high = timed(&mut q, t, 0, 10);
+        let _low = timed(&mut q, t, 1, 10);
+        assert_eq!(rows(q.next_batch(t + Duration::from_micros(20), &policy(16, 0, &[]), false)), vec![1]);
+        assert!(matches!(high.try_recv(), Ok(Err(Error::DeadlineExceeded(_)))));
+        assert_eq!((q.delayed, q.expired), (1, 1));
+    }
+
+    #[test]
+    fn request_timeouts_follow_the_level_policy() {
+        let p = QueuePolicy { default_timeout_us: 1000, ..QueuePolicy::default() };
+        assert_eq!(p.timeout(None), Some(Duration::from_micros(1000)));
+        assert_eq!(p.timeout(Some(500)), Some(Duration::from_micros(500)));
+        // A request may shorten the default, never lengthen it.
+        assert_eq!(p.timeout(Some(5000)), Some(Duration::from_micros(1000)));
+        let fixed = QueuePolicy { allow_timeout_override: false, ..p };
+        assert_eq!(fixed.timeout(Some(500)), Some(Duration::from_micros(1000)));
+        assert_eq!(QueuePolicy::default().timeout(Some(7)), Some(Duration::from_micros(7)));
+        assert_eq!(QueuePolicy::default().timeout(None), None);
     }
 }

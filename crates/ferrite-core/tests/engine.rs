@@ -294,10 +294,14 @@ impl Instance for StuckInstance {
 
 /// A core serving one `Stuck` model (batch size 1), the sender that lets its runs go, and the model.
 fn stuck_core(limits: Limits) -> (Core, mpsc::Sender<()>, Arc<Model>) {
+    stuck_core_with(limits, "max_batch_size = 1")
+}
+
+fn stuck_core_with(limits: Limits, config: &str) -> (Core, mpsc::Sender<()>, Arc<Model>) {
     let (tx, rx) = mpsc::channel();
     let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
     let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
-    let config = ModelConfig { max_batch_size: Some(1), ..Default::default() };
+    let config: ModelConfig = toml::from_str(config).unwrap();
     let spec = ModelSpec::resolve("stuck", 1, &config, &specs, &specs, 1).unwrap();
     let model = Arc::new(Model::start(spec, &backend).unwrap());
     let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), limits);
@@ -357,6 +361,80 @@ async fn over_the_concurrency_cap_is_refused_at_once_and_counted() {
     // The place is given back: the next request is admitted.
     tx.send(()).unwrap();
     core.infer(req()).await.unwrap();
+}
+
+/// Starts `req` on its own task and returns once the model has it (queued or running).
+async fn started(core: &Core, model: &Model, req: InferRequest) -> tokio::task::JoinHandle<ferrite_core::Result<()>> {
+    let before = model.batcher().queued() + model.batcher().running();
+    let core = core.clone();
+    let task = tokio::spawn(async move { core.infer(req).await.map(|_| ()) });
+    while model.batcher().queued() + model.batcher().running() == before {
+        tokio::task::yield_now().await;
+    }
+    task
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_that_cannot_be_met_is_refused_at_admission() {
+    let (core, tx, model) = stuck_core(Limits::default());
+    // One batch that takes 200 ms teaches the batcher how long a batch takes.
+    let first = started(&core, &model, stuck_request()).await;
+    std::thread::sleep(Duration::from_millis(200));
+    tx.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    while model.batcher().running() > 0 {
+        tokio::task::yield_now().await;
+    }
+    // One running, one queued: about 400 ms of work before a new request's answer.
+    let running = started(&core, &model, stuck_request()).await;
+    let queued = started(&core, &model, stuck_request()).await;
+    let t = Instant::now();
+    let err = core.infer(InferRequest { timeout_us: Some(50_000), ..stuck_request() }).await.unwrap_err();
+    assert!(t.elapsed() < Duration::from_millis(40), "refused at once, not after waiting");
+    assert!(matches!(&err, Error::DeadlineExceeded(m) if m.contains("cannot be met")), "{err:?}");
+    // A timeout that leaves room is admitted.
+    let roomy = started(&core, &model, InferRequest { timeout_us: Some(30_000_000), ..stuck_request() }).await;
+    for _ in 0..3 {
+        tx.send(()).unwrap();
+    }
+    for t in [running, queued, roomy] {
+        t.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_level_queue_policies_cap_and_delay() {
+    let config = r#"
+        max_batch_size = 1
+        [dynamic_batching]
+        priority_levels = 2
+        [dynamic_batching.priority_queue_policy.2]
+        max_queue_size = 1
+        default_timeout_microseconds = 20000
+        timeout_action = "delay"
+    "#;
+    let (core, tx, model) = stuck_core_with(Limits::default(), config);
+    let at = |priority| InferRequest { priority, ..stuck_request() };
+    let running = started(&core, &model, at(1)).await;
+    let late = started(&core, &model, at(2)).await;
+    // Level 2 holds one request; level 1 still takes more.
+    let err = core.infer(at(2)).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    let high = started(&core, &model, at(1)).await;
+    // Past its 20 ms timeout, the level-2 request is delayed, not failed.
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    for _ in 0..3 {
+        tx.send(()).unwrap();
+    }
+    for t in [running, high, late] {
+        t.await.unwrap().unwrap();
+    }
+    // A config naming a level that does not exist is refused.
+    let bad =
+        "max_batch_size = 1\n[dynamic_batching]\npriority_levels = 2\n[dynamic_batching.priority_queue_policy.3]\n";
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let cfg: ModelConfig = toml::from_str(bad).unwrap();
+    assert!(ModelSpec::resolve("m", 1, &cfg, &specs, &specs, 1).is_err());
 }
 
 async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {

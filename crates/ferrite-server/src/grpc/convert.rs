@@ -242,15 +242,30 @@ pub fn config(m: &Model) -> pb::ModelConfig {
                 preserve_ordering: false,
                 priority_levels: b.priority_levels as u64,
                 default_priority_level: b.default_priority_level as u64,
-                default_queue_policy: Some(pb::ModelQueuePolicy {
-                    timeout_action: pb::model_queue_policy::TimeoutAction::Reject as i32,
-                    default_timeout_microseconds: b.default_timeout_us,
-                    allow_timeout_override: true,
-                    max_queue_size: u32::try_from(b.max_queue_size).unwrap_or(u32::MAX),
-                }),
+                default_queue_policy: Some(queue_policy(&b.queue)),
+                priority_queue_policy: b
+                    .level_queues
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, q)| **q != b.queue)
+                    .map(|(i, q)| (i as u64 + 1, queue_policy(q)))
+                    .collect(),
             })
         }),
         parameters: [("threads".to_string(), pb::ModelParameter { string_value: spec.threads.to_string() })].into(),
+    }
+}
+
+fn queue_policy(q: &ferrite_core::config::QueuePolicy) -> pb::ModelQueuePolicy {
+    use pb::model_queue_policy::TimeoutAction;
+    pb::ModelQueuePolicy {
+        timeout_action: match q.timeout_action {
+            ferrite_core::config::TimeoutAction::Reject => TimeoutAction::Reject,
+            ferrite_core::config::TimeoutAction::Delay => TimeoutAction::Delay,
+        } as i32,
+        default_timeout_microseconds: q.default_timeout_us,
+        allow_timeout_override: q.allow_timeout_override,
+        max_queue_size: u32::try_from(q.max_queue_size).unwrap_or(u32::MAX),
     }
 }
 

@@ -180,13 +180,23 @@ async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Re
             "max_queue_delay_microseconds": spec.batch.max_queue_delay_us,
             "priority_levels": spec.batch.priority_levels,
             "default_priority_level": spec.batch.default_priority_level,
-            "default_queue_policy": {
-                "max_queue_size": spec.batch.max_queue_size,
-                "default_timeout_microseconds": spec.batch.default_timeout_us,
-            },
+            "default_queue_policy": queue_policy(&spec.batch.queue),
+            "priority_queue_policy": spec.batch.level_queues.iter().enumerate()
+                .filter(|(_, q)| **q != spec.batch.queue)
+                .map(|(i, q)| ((i + 1).to_string(), queue_policy(q)))
+                .collect::<serde_json::Map<_, _>>(),
         });
     }
     Ok(Json(config))
+}
+
+fn queue_policy(q: &ferrite_core::config::QueuePolicy) -> Value {
+    json!({
+        "max_queue_size": q.max_queue_size,
+        "default_timeout_microseconds": q.default_timeout_us,
+        "allow_timeout_override": q.allow_timeout_override,
+        "timeout_action": q.timeout_action.as_str(),
+    })
 }
 
 async fn model_stats(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
