@@ -33,7 +33,7 @@ def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):
 
 
 class Server:
-    def __init__(self, repository: Path, *args, env=None):
+    def __init__(self, repository: Path, *args, env=None, ssl_context=None):
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.grpc_port = free_port()
@@ -50,7 +50,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ferrite exited with {self.proc.returncode}: {self.logs()}")
             try:
-                with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=1) as r:
+                scheme = "https" if ssl_context else "http"
+                ready = f"{scheme}://{self.url}/v2/health/ready"
+                with urllib.request.urlopen(ready, timeout=1, context=ssl_context) as r:
                     if r.status == 200:
                         return
             except urllib.error.HTTPError as e:
@@ -92,9 +94,9 @@ def start_server(tmp_path):
     """Starts extra servers for a test; stops them afterwards."""
     started = []
 
-    def start(*args, models=("mlp", "mixed"), repository=None, env=None):
+    def start(*args, models=("mlp", "mixed"), repository=None, env=None, ssl_context=None):
         repo = repository or make_repository(tmp_path / f"repo{len(started)}", models)
-        s = Server(repo, *args, env=env)
+        s = Server(repo, *args, env=env, ssl_context=ssl_context)
         started.append(s)
         return s
 

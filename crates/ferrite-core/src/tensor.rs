@@ -51,6 +51,20 @@ pub fn element_count(shape: &[usize], max: usize) -> Result<usize> {
     Ok(n)
 }
 
+/// Tensors one request may name (inputs, and requested outputs, each). Far above any model's
+/// count; it bounds the work a request can cause before the model is consulted.
+pub const MAX_TENSORS_PER_REQUEST: usize = 256;
+
+/// Refuses a request that names more inputs or outputs than `MAX_TENSORS_PER_REQUEST`.
+pub fn check_tensor_counts(inputs: usize, outputs: usize) -> Result<()> {
+    if inputs.max(outputs) > MAX_TENSORS_PER_REQUEST {
+        return Err(Error::invalid(format!(
+            "a request may name at most {MAX_TENSORS_PER_REQUEST} inputs and {MAX_TENSORS_PER_REQUEST} outputs"
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a wire tensor's header before anything is allocated for it: the datatype's V2 name, a
 /// shape without negative dims, and an element count within `max_elements`.
 pub fn parse_header(

@@ -499,13 +499,14 @@ fn serve(
         host: host.parse().map_err(|e| InvalidInput::new_err(format!("host '{host}': {e}")))?,
         http_port,
         grpc_port,
-        http: HttpLimits { max_body_bytes },
+        http: HttpLimits::new(max_body_bytes),
         grpc: GrpcLimits { max_decoding_message_size: max_body_bytes, max_encoding_message_size: max_body_bytes },
         grpc_max_concurrent_streams: 1024,
         exit_timeout: Duration::from_secs_f64(exit_timeout.max(0.0)),
         metrics_port: None,
         metrics_on_http: true,
         auth: None,
+        tls: None,
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -6,3 +6,4 @@ pub mod grpc;
 pub mod http;
 pub mod serve;
 pub mod telemetry;
+pub mod tls;

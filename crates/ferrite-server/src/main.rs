@@ -4,6 +4,7 @@ use ferrite_server::{
     grpc, http,
     serve::{self, ServeConfig},
     telemetry,
+    tls::{Tls, TlsFiles},
 };
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
@@ -71,6 +72,21 @@ struct ServeArgs {
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
     max_body_bytes: usize,
+    /// Seconds a client has for its TLS handshake and request head (slow senders are cut off).
+    #[arg(long, env = "FERRITE_HTTP_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    http_header_timeout_secs: u64,
+    /// Seconds a client has to send a whole request body (408 after).
+    #[arg(long, env = "FERRITE_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    http_body_timeout_secs: u64,
+    /// TLS certificate chain (PEM) for every listener; needs --tls-key.
+    #[arg(long, env = "FERRITE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) for --tls-cert.
+    #[arg(long, env = "FERRITE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// CA (PEM) that client certificates must be signed by: mutual TLS on every listener.
+    #[arg(long, env = "FERRITE_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// Most tensor elements one request may carry (all inputs together).
     #[arg(long, env = "FERRITE_MAX_REQUEST_ELEMENTS", default_value_t = 1 << 23)]
     max_request_elements: usize,
@@ -175,7 +191,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         host: args.host,
         http_port: args.http_port,
         grpc_port: args.grpc_port,
-        http: http::HttpLimits { max_body_bytes: args.max_body_bytes },
+        http: http::HttpLimits {
+            max_body_bytes: args.max_body_bytes,
+            header_timeout: Duration::from_secs(args.http_header_timeout_secs.max(1)),
+            body_timeout: Duration::from_secs(args.http_body_timeout_secs.max(1)),
+        },
         grpc: grpc::GrpcLimits {
             max_decoding_message_size: args.grpc_max_decoding_message_size,
             max_encoding_message_size: args.grpc_max_encoding_message_size,
@@ -190,6 +210,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .map(|p| ferrite_server::auth::Auth::from_file(p, args.auth_allow_health))
             .transpose()
             .map_err(anyhow::Error::msg)?,
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(
+                Tls::load(&TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: args.tls_client_ca.clone() })
+                    .map_err(anyhow::Error::msg)?,
+            ),
+            _ => None,
+        },
     };
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());

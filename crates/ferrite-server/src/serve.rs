@@ -3,11 +3,15 @@
 
 use std::{future::Future, io, net::SocketAddr, time::Duration};
 
-use axum::serve::ListenerExt;
 use ferrite_core::Core;
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    server::{conn::auto, graceful::GracefulShutdown},
+    service::TowerToHyperService,
+};
 use tokio::net::TcpListener;
 
-use crate::{grpc, http};
+use crate::{grpc, http, tls::Tls};
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -25,6 +29,8 @@ pub struct ServeConfig {
     pub metrics_on_http: bool,
     /// Bearer tokens required on every listener, when set.
     pub auth: Option<std::sync::Arc<crate::auth::Auth>>,
+    /// TLS (and client certificates, when mutual) on every listener, when set.
+    pub tls: Option<Tls>,
 }
 
 /// Listening sockets, bound before the server runs so callers learn the ports.
@@ -78,7 +84,11 @@ pub async fn run(
         let _ = rx.wait_for(|&s| s).await;
     };
 
-    let grpc_server = tonic::transport::Server::builder()
+    let mut grpc_builder = tonic::transport::Server::builder();
+    if let Some(tls) = &cfg.tls {
+        grpc_builder = grpc_builder.tls_config(tls.grpc()).expect("a valid TLS configuration");
+    }
+    let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
         .add_service(tonic::service::interceptor::InterceptedService::new(
@@ -94,10 +104,6 @@ pub async fn run(
             stopped(stop_rx.clone()),
         );
     let grpc_server = tokio::spawn(grpc_server);
-    // Small responses would otherwise wait on delayed ACKs.
-    let listener = bound.http.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     // Every route of every listener, aliases and the 404 fallback included, behind the tokens.
     let guard = |router: axum::Router| match &cfg.auth {
         Some(auth) => http::protect(router, auth.clone()),
@@ -107,14 +113,13 @@ pub async fn run(
     if cfg.metrics_on_http {
         app = app.merge(http::metrics_app(core.clone()));
     }
-    let app = guard(app);
+    let acceptor = cfg.tls.as_ref().map(|t| t.acceptor().expect("checked when loaded"));
     let metrics_server = bound.metrics.map(|listener| {
-        let server = axum::serve(listener, guard(http::metrics_app(core.clone())))
-            .with_graceful_shutdown(stopped(stop_rx.clone()));
-        tokio::spawn(async move { server.await })
+        let app = guard(http::metrics_app(core.clone()));
+        tokio::spawn(serve_http(listener, app, acceptor.clone(), cfg.http.clone(), stopped(stop_rx.clone())))
     });
-    let http_server = axum::serve(listener, app).with_graceful_shutdown(stopped(stop_rx.clone()));
-    let http_server = tokio::spawn(async move { http_server.await });
+    let http_server =
+        tokio::spawn(serve_http(bound.http, guard(app), acceptor, cfg.http.clone(), stopped(stop_rx.clone())));
 
     stopped(stop_rx).await;
     let drain_core = core.clone();
@@ -133,4 +138,57 @@ pub async fn run(
     .await;
     tracing::info!("stopped");
     failed
+}
+
+/// Serves `app` on `listener` (HTTP/1.1 and HTTP/2, over TLS when `tls` is set) until `stop`, then
+/// lets open connections finish their requests. A client gets `limits.header_timeout` to send its
+/// request head (and TLS handshake), so slow-header connections cannot pile up.
+async fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    limits: http::HttpLimits,
+    stop: impl Future<Output = ()>,
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(grpc::KEEPALIVE));
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(stop);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => break,
+        };
+        // Small responses would otherwise wait on delayed ACKs.
+        let _ = tcp.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
+        let handshake_timeout = limits.header_timeout;
+        tokio::spawn(async move {
+            match tls {
+                None => {
+                    let _ = watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(tcp), service)).await;
+                }
+                Some(acceptor) => {
+                    let Ok(Ok(stream)) = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await else {
+                        return;
+                    };
+                    let _ = watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(stream), service)).await;
+                }
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }

@@ -35,7 +35,7 @@ fn server(max_body_bytes: usize) -> Server {
     let dir = repository();
     let core =
         Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false, cache: None }, Limits::default()).unwrap();
-    let app = app(core.clone(), &HttpLimits { max_body_bytes });
+    let app = app(core.clone(), &HttpLimits::new(max_body_bytes));
     Server { core, app, _dir: dir }
 }
 

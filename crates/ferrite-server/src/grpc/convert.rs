@@ -30,6 +30,7 @@ pub fn wants_final_response(req: &pb::ModelInferRequest) -> bool {
 }
 
 pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferRequest, Error> {
+    ferrite_core::tensor::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
     let raw = req.raw_input_contents;
     if !raw.is_empty() {
         if raw.len() != req.inputs.len() {

@@ -11,7 +11,7 @@ use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
 use super::decode::{param_bool, param_u64, request_params, Params, Sink};
-use ferrite_core::tensor::parse_header;
+use ferrite_core::tensor::{check_tensor_counts, parse_header};
 
 #[derive(Deserialize)]
 pub struct JsonRequest<'a> {
@@ -43,6 +43,35 @@ pub struct JsonOutput {
     pub parameters: Params,
 }
 
+/// `json` with every bare `NaN`, `Infinity` and `-Infinity` token (outside strings) quoted, or
+/// `None` when it has none.
+fn quote_non_finite(json: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(json.len() + 16);
+    let (mut in_string, mut escaped, mut found) = (false, false, false);
+    let mut i = 0;
+    while i < json.len() {
+        let c = json[i];
+        if in_string {
+            in_string = escaped || c != b'"';
+            escaped = !escaped && c == b'\\';
+        } else if c == b'"' {
+            in_string = true;
+        } else if let Some(token) =
+            [&b"NaN"[..], b"Infinity", b"-Infinity"].into_iter().find(|t| json[i..].starts_with(t))
+        {
+            out.push(b'"');
+            out.extend_from_slice(token);
+            out.push(b'"');
+            i += token.len();
+            found = true;
+            continue;
+        }
+        out.push(c);
+        i += 1;
+    }
+    found.then_some(out)
+}
+
 /// Parses a JSON request; `binary` holds the bytes after the JSON when the binary extension is used.
 pub fn parse(
     model: &str,
@@ -51,8 +80,16 @@ pub fn parse(
     binary: Option<Bytes>,
     max_elements: usize,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
-    let req: JsonRequest<'_> =
-        serde_json::from_slice(json).map_err(|e| Error::invalid(format!("invalid JSON request: {e}")))?;
+    let req: JsonRequest<'_> = match serde_json::from_slice(json) {
+        Ok(req) => req,
+        // Python's `json` (and so tritonclient) writes non-finite floats as bare NaN/Infinity
+        // tokens, as our responses do; accept them by quoting them, off the hot path.
+        Err(e) => match quote_non_finite(json) {
+            Some(quoted) => return parse(model, version, &quoted, binary, max_elements),
+            None => return Err(Error::invalid(format!("invalid JSON request: {e}"))),
+        },
+    };
+    check_tensor_counts(req.inputs.len(), req.outputs.as_ref().map_or(0, Vec::len))?;
     let mut rest = binary.unwrap_or_default();
     let inputs =
         req.inputs.into_iter().map(|i| decode_input(i, &mut rest, max_elements)).collect::<Result<Vec<_>, _>>()?;
@@ -284,6 +321,10 @@ mod tests {
         let resp = InferResponse { model_name: "m".into(), model_version: "1".into(), id: None, outputs: vec![t] };
         let body = write(&resp);
         assert!(body.contains("\"data\":[NaN,Infinity,-1.5]"), "{body}");
+        // What we write, we read.
+        let quoted = super::quote_non_finite(br#"{"a":[NaN,-Infinity,"NaN \" Infinity"]}"#).unwrap();
+        assert_eq!(quoted, br#"{"a":["NaN","-Infinity","NaN \" Infinity"]}"#);
+        assert!(super::quote_non_finite(br#"{"a":"NaN"}"#).is_none());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use ferrite_core::{Core, Model};
 use crate::auth::{Auth, Denied, Scope};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 pub use error::ApiError;
 
@@ -30,7 +30,72 @@ pub struct AppState {
 /// Limits the HTTP front-end applies before anything reaches the core.
 #[derive(Debug, Clone)]
 pub struct HttpLimits {
+    /// Largest body, as sent and (gzip/deflate) once decompressed.
     pub max_body_bytes: usize,
+    /// Time a client has for its TLS handshake and request head.
+    pub header_timeout: Duration,
+    /// Time a client has to send its whole body.
+    pub body_timeout: Duration,
+}
+
+impl HttpLimits {
+    pub fn new(max_body_bytes: usize) -> HttpLimits {
+        HttpLimits { max_body_bytes, header_timeout: Duration::from_secs(10), body_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// Reads the whole body before any handler runs: within `body_timeout` (a slow sender gets 408),
+/// at most `max_body_bytes` (413), and a gzip or deflate body decompressed to at most the same cap
+/// (so a compression bomb costs no more memory than a plain body).
+async fn read_body(
+    State(limits): State<Arc<HttpLimits>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let max = limits.max_body_bytes;
+    let bytes = match tokio::time::timeout(limits.body_timeout, axum::body::to_bytes(body, max)).await {
+        Err(_) => {
+            let msg = format!("the request body did not arrive within {} s", limits.body_timeout.as_secs());
+            return ApiError::new(StatusCode::REQUEST_TIMEOUT, msg).into_response();
+        }
+        Ok(Err(e)) if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) => {
+            return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {max} bytes"))
+                .into_response();
+        }
+        Ok(Err(e)) => return ApiError::bad_request(format!("cannot read the request body: {e}")).into_response(),
+        Ok(Ok(b)) => b,
+    };
+    let encoding = parts.headers.remove(header::CONTENT_ENCODING);
+    let bytes = match encoding.as_ref().map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase()).as_deref() {
+        None | Some("identity") => Ok(bytes),
+        Some("gzip") => inflate(flate2::read::GzDecoder::new(&bytes[..]), max),
+        Some("deflate") => inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max),
+        Some(other) => Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("Content-Encoding '{other}' is not accepted (gzip, deflate or identity)"),
+        )),
+    }
+    .map_err(IntoResponse::into_response);
+    let bytes = match bytes {
+        Ok(b) => b,
+        Err(resp) => return resp,
+    };
+    parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+    next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await
+}
+
+fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    decoder
+        .take(max as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| ApiError::bad_request(format!("cannot decompress the request body: {e}")))?;
+    if out.len() > max {
+        return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("decompressed body is over {max} bytes")));
+    }
+    Ok(out.into())
 }
 
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
@@ -92,6 +157,7 @@ pub fn app(core: Core, limits: &HttpLimits) -> Router {
         .nest("/v2/models/{model}/versions/{version}", model_routes)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(Arc::new(limits.clone()), read_body))
         .with_state(AppState { core })
 }
 

@@ -49,6 +49,7 @@ fn bad(e: impl fmt::Display) -> Error {
 
 pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: usize) -> Result<InferRequest, Error> {
     let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
+    ferrite_core::tensor::check_tensor_counts(header.inputs.len(), header.outputs.as_ref().map_or(0, Vec::len))?;
     let mut sinks = Vec::with_capacity(header.inputs.len());
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {

@@ -1,0 +1,200 @@
+"""Hostile input through the real binary: each item of DESIGN.md's "Defaults that keep users safe"
+and Triton's L0_input_validation themes gets a 4xx, the server stays live, and its memory stays
+flat over 100 repeats. Slow senders (headers and bodies) are cut off."""
+
+import gzip
+import http.client
+import json
+import socket
+import time
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+
+MLP = "/v2/models/mlp/infer"
+MAX_BODY = 1 << 20
+JSON = {"Content-Type": "application/json"}
+
+
+def mlp_body(**over):
+    inp = {"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}
+    inp.update(over)
+    return json.dumps({"inputs": [inp]}).encode()
+
+
+def deep_json(depth):
+    return b'{"inputs":[{"name":"input","shape":[1,512],"datatype":"FP32","data":' + b"[" * depth + b"]" * depth + b"}]}"
+
+
+def deep_msgpack(depth):
+    # {"inputs": [[[[...]]]]}: fixmap(1), "inputs", then `depth` one-element arrays around an empty one.
+    return b"\x81" + msgpack.packb("inputs") + b"\x91" * depth + b"\x90"
+
+
+CASES = [
+    # (what, path, extra headers, body, expected status)
+    ("malformed JSON", MLP, JSON, b'{"inputs": [', 400),
+    ("JSON that is not an object", MLP, JSON, b"[1, 2, 3]", 400),
+    ("invalid UTF-8", MLP, JSON, b"\xff\xfe\xfd", 400),
+    ("wrong datatype", MLP, JSON, mlp_body(datatype="INT32", data=[1] * 512), 400),
+    ("unknown datatype", MLP, JSON, mlp_body(datatype="FP99"), 400),
+    ("data shorter than the shape", MLP, JSON, mlp_body(data=[1.0, 2.0]), 400),
+    ("data of the wrong JSON type", MLP, JSON, mlp_body(data=["a"] * 512), 400),
+    ("negative dim", MLP, JSON, mlp_body(shape=[-1, 512]), 400),
+    ("zero batch", MLP, JSON, mlp_body(shape=[0, 512], data=[]), 400),
+    ("overflowing dims", MLP, JSON, mlp_body(shape=[2**62, 2**62], data=[]), 400),
+    ("dims past u64", MLP, JSON, b'{"inputs":[{"name":"input","shape":[1e30],"datatype":"FP32","data":[]}]}', 400),
+    ("elements over the cap", MLP, JSON, mlp_body(shape=[1, 1 << 30], data=[]), 400),
+    ("duplicate input names", "/v2/models/mixed/infer", JSON, json.dumps({"inputs": [
+        {"name": "ids", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+        {"name": "ids", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+        {"name": "values", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}).encode(), 400),
+    ("unknown input name", MLP, JSON, mlp_body(name="../input"), 400),
+    ("too many tensors", MLP, JSON, json.dumps({"inputs": [
+        {"name": f"i{i}", "shape": [1], "datatype": "FP32", "data": [1]} for i in range(300)]}).encode(), 400),
+    ("unknown output requested", MLP, JSON,
+     json.dumps({"inputs": json.loads(mlp_body())["inputs"], "outputs": [{"name": "/etc/passwd"}]}).encode(), 400),
+    ("priority out of range", MLP, JSON,
+     json.dumps({"inputs": json.loads(mlp_body())["inputs"], "parameters": {"priority": 99}}).encode(), 400),
+    ("250,000-deep JSON nesting", MLP, JSON, deep_json(250_000), 400),
+    ("250,000-deep MessagePack nesting", MLP, {"Content-Type": "application/msgpack"}, deep_msgpack(250_000), 400),
+    ("MessagePack garbage", MLP, {"Content-Type": "application/msgpack"}, b"\xc1\xc1\xc1", 400),
+    ("binary header length past the body", MLP, {"Inference-Header-Content-Length": "999999"}, mlp_body(), 400),
+    ("binary header length not a number", MLP, {"Inference-Header-Content-Length": "-1"}, mlp_body(), 400),
+    ("binary_data_size past the body", MLP, {"Inference-Header-Content-Length": str(len(json.dumps({"inputs": [
+        {"name": "input", "shape": [1, 512], "datatype": "FP32", "parameters": {"binary_data_size": 2048}}]})))},
+     json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32",
+                             "parameters": {"binary_data_size": 2048}}]}).encode() + b"\0" * 16, 400),
+    ("body over the limit", MLP, JSON, b" " * (MAX_BODY + 1), 413),
+    ("gzip bomb", MLP, {**JSON, "Content-Encoding": "gzip"}, gzip.compress(b" " * (64 << 20), 9), 413),
+    ("deflate bomb", MLP, {**JSON, "Content-Encoding": "deflate"}, zlib.compress(b" " * (64 << 20), 9), 413),
+    ("corrupt gzip", MLP, {**JSON, "Content-Encoding": "gzip"}, b"\x1f\x8b\x08\x00garbage", 400),
+    ("unknown Content-Encoding", MLP, {**JSON, "Content-Encoding": "br"}, b"{}", 415),
+    ("unknown model", "/v2/models/nope/infer", JSON, mlp_body(), 404),
+    ("unknown version", "/v2/models/mlp/versions/9/infer", JSON, mlp_body(), 404),
+    ("non-numeric version", "/v2/models/mlp/versions/latest/infer", JSON, mlp_body(), 404),
+    ("path-like model name", "/v2/models/..%2F..%2Fetc%2Fpasswd/infer", JSON, mlp_body(), 404),
+    ("dot-dot segments", "/v2/models/../../etc/passwd/infer", JSON, mlp_body(), 404),
+    ("path-like version", "/v2/models/mlp/versions/..%2F1/infer", JSON, mlp_body(), 404),
+]
+
+
+def send(server, method, path, headers=None, body=None, timeout=30):
+    conn = http.client.HTTPConnection(server.url, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def hardened(tmp_path_factory):
+    from conftest import Server, make_repository
+    repo = make_repository(tmp_path_factory.mktemp("hostile"), models=("mlp", "mixed", "identity"))
+    s = Server(repo, "--max-body-bytes", str(MAX_BODY), "--http-header-timeout-secs", "1",
+               "--http-body-timeout-secs", "1")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("what,path,headers,body,expected", CASES, ids=[c[0] for c in CASES])
+def test_hostile_input_gets_a_clear_4xx(hardened, what, path, headers, body, expected):
+    status, answer = send(hardened, "POST", path, headers, body)
+    assert status == expected, (what, answer[:300])
+    assert json.loads(answer)["error"], "every refusal carries a message"
+    assert send(hardened, "GET", "/v2/health/live")[0] == 200
+
+
+def test_memory_stays_flat_over_100_repeats(hardened):
+    def round_():
+        for _, path, headers, body, expected in CASES:
+            assert send(hardened, "POST", path, headers, body)[0] == expected
+    for _ in range(5):
+        round_()
+    before = rss_kib(hardened.proc.pid)
+    for _ in range(100):
+        round_()
+    after = rss_kib(hardened.proc.pid)
+    assert after - before < 32 * 1024, f"RSS grew from {before} KiB to {after} KiB"
+    assert send(hardened, "POST", MLP, JSON, mlp_body())[0] == 200
+
+
+def test_gzip_and_deflate_bodies_are_accepted(hardened):
+    for encoding, pack in (("gzip", gzip.compress), ("deflate", zlib.compress)):
+        status, answer = send(hardened, "POST", MLP, {**JSON, "Content-Encoding": encoding}, pack(mlp_body()))
+        assert status == 200, answer
+        assert json.loads(answer)["outputs"][0]["shape"] == [1, 10]
+
+
+def test_nan_and_infinity_round_trip(hardened):
+    values = [float("nan"), float("inf"), float("-inf"), 1.5]
+    body = json.dumps({"inputs": [{"name": "fp32_in", "shape": [1, 3], "datatype": "FP32", "data": values[:3]},
+                                  {"name": "fp64_in", "shape": [1, 3], "datatype": "FP64", "data": values[1:]}],
+                       "outputs": [{"name": "fp32_out"}, {"name": "fp64_out"}]})
+    # The identity model takes every dtype; fill the others with zeros.
+    req = json.loads(body)
+    for dt, n in (("bool", "BOOL"), ("uint8", "UINT8"), ("uint16", "UINT16"), ("uint32", "UINT32"),
+                  ("uint64", "UINT64"), ("int8", "INT8"), ("int16", "INT16"), ("int32", "INT32"),
+                  ("int64", "INT64"), ("fp16", "FP16"), ("bf16", "BF16"), ("bytes", "BYTES")):
+        data = [False] * 3 if n == "BOOL" else ["a"] * 3 if n == "BYTES" else [0] * 3
+        req["inputs"].append({"name": f"{dt}_in", "shape": [1, 3], "datatype": n, "data": data})
+    status, answer = send(hardened, "POST", "/v2/models/identity/infer", JSON, json.dumps(req).encode())
+    assert status == 200, answer
+    outs = {o["name"]: np.array(o["data"], dtype=np.float64) for o in json.loads(answer)["outputs"]}
+    np.testing.assert_array_equal(outs["fp32_out"], values[:3])
+    np.testing.assert_array_equal(outs["fp64_out"], values[1:])
+
+
+def test_slow_headers_are_cut_off(hardened):
+    """Slowloris: connections that trickle their request head are closed after the header timeout,
+    while other clients are served."""
+    socks = []
+    for _ in range(50):
+        s = socket.create_connection(("127.0.0.1", hardened.port))
+        s.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    start = time.time()
+    assert send(hardened, "POST", MLP, JSON, mlp_body())[0] == 200
+    closed = 0
+    deadline = start + 5
+    for s in socks:
+        s.settimeout(max(0.1, deadline - time.time()))
+        try:
+            while True:
+                s.sendall(b"X-Slow: 1\r\n")
+                data = s.recv(4096)
+                if not data or data.startswith(b"HTTP/1.1 408"):
+                    closed += 1
+                    break
+        except (ConnectionError, BrokenPipeError):
+            closed += 1
+        except socket.timeout:
+            pass
+        finally:
+            s.close()
+    assert closed == len(socks), f"only {closed} of {len(socks)} slow connections were closed"
+    assert time.time() - start < 6
+
+
+def test_slow_body_gets_408(hardened):
+    s = socket.create_connection(("127.0.0.1", hardened.port))
+    s.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{\"inputs\"")
+    s.settimeout(5)
+    start = time.time()
+    answer = s.recv(4096)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.time() - start < 3
