@@ -1,5 +1,6 @@
 //! Runs both listeners over one core until told to stop, then drains: readiness off, new work
-//! refused, queued and running work finished until the exit timeout, what is left failed.
+//! refused (the listeners stay open and answer 503 meanwhile), queued and running work finished
+//! until the exit timeout, what is left failed; then the listeners close.
 
 use std::{future::Future, io, net::SocketAddr, time::Duration};
 
@@ -68,6 +69,9 @@ pub async fn run(
     cfg: &ServeConfig,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> usize {
+    // Draining starts on `stop`; the listeners close only once the engine has drained, so clients
+    // arriving meanwhile get a clear 503 / UNAVAILABLE rather than a refused connection.
+    let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<InferenceServer>().await;
@@ -78,7 +82,7 @@ pub async fn run(
         shutdown_core.begin_shutdown();
         health.set_not_serving::<InferenceServer>().await;
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        let _ = stop_tx.send(true);
+        let _ = drain_tx.send(true);
     });
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|&s| s).await;
@@ -121,13 +125,14 @@ pub async fn run(
     let http_server =
         tokio::spawn(serve_http(bound.http, guard(app), acceptor, cfg.http.clone(), stopped(stop_rx.clone())));
 
-    stopped(stop_rx).await;
+    stopped(drain_rx).await;
     let drain_core = core.clone();
     let exit_timeout = cfg.exit_timeout;
     let failed = tokio::task::spawn_blocking(move || drain_core.drain(exit_timeout)).await.unwrap_or(0);
     if failed > 0 {
         tracing::warn!(failed, "requests failed at shutdown");
     }
+    let _ = stop_tx.send(true);
     // Give in-flight responses a moment to be written.
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = tokio::join!(http_server, grpc_server);
