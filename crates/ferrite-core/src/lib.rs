@@ -15,6 +15,7 @@ pub mod onnx;
 pub mod queue;
 pub mod repository;
 pub mod stats;
+pub mod tenant;
 pub mod tensor;
 
 use std::{
@@ -46,6 +47,7 @@ struct Inner {
     failed: BTreeMap<String, String>,
     accepting: AtomicBool,
     limits: Limits,
+    tenants: Option<Arc<tenant::Tenants>>,
     /// Requests in the engine now, for `Limits::max_concurrent_requests`.
     in_flight: std::sync::atomic::AtomicUsize,
 }
@@ -84,9 +86,21 @@ impl Core {
                 failed,
                 accepting: AtomicBool::new(true),
                 limits,
+                tenants: None,
                 in_flight: Default::default(),
             }),
         }
+    }
+
+    /// Applies per-tenant limits to every request (before any other work). Call before cloning.
+    pub fn with_tenants(mut self, tenants: Arc<tenant::Tenants>) -> Core {
+        Arc::get_mut(&mut self.inner).expect("with_tenants is called on a fresh core").tenants = Some(tenants);
+        self
+    }
+
+    /// The per-tenant limits, when configured.
+    pub fn tenants(&self) -> Option<&Arc<tenant::Tenants>> {
+        self.inner.tenants.as_ref()
     }
 
     /// The process's response cache, if it has one.
@@ -131,6 +145,10 @@ impl Core {
             return Err(Error::unavailable("server is shutting down", Some(queue::RETRY_AFTER)));
         }
         let model = self.model(&req.model_name, req.model_version.as_deref())?.clone();
+        let _tenant = match &self.inner.tenants {
+            Some(t) => Some(t.admit(req.tenant.as_deref(), Instant::now()).map_err(|e| model.refuse(e))?),
+            None => None,
+        };
         let cap = self.inner.limits.max_concurrent_requests;
         let now = self.inner.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
         let _admitted = Admitted(&self.inner.in_flight);

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub redis_up: prometheus::IntGauge,
     pub model_ready: IntGaugeVec,
     pub model_load_duration: prometheus::GaugeVec,
+    pub tenant_refusals: IntCounterVec,
 }
 
 const MODEL: &[&str] = &["model", "version"];
@@ -71,6 +72,11 @@ impl Metrics {
             )?,
             batch_size: histogram("ferrite_batch_size", "Rows per executed batch.", BATCH_BUCKETS)?,
             pending: gauge("ferrite_pending_requests", "Requests waiting in the batcher queue.")?,
+            tenant_refusals: counter(
+                "ferrite_tenant_refusals_total",
+                "Requests refused by a tenant's limit (rate, concurrency); tenants not named in the config count as other.",
+                &["tenant", "limit"],
+            )?,
             cache_hits: counter("ferrite_cache_hits_total", "Response cache lookups that found an answer.", MODEL)?,
             cache_misses: counter("ferrite_cache_misses_total", "Response cache lookups that did not.", MODEL)?,
             redis_errors: {

@@ -52,6 +52,8 @@ pub struct InferRequest {
     pub timeout_us: Option<u64>,
     /// Bypass the response cache for this request (request parameter `cache: false`).
     pub skip_cache: bool,
+    /// Who sent it, for per-tenant limits (from the `--tenant-header` header).
+    pub tenant: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

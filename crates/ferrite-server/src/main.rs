@@ -12,6 +12,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 use clap::{Parser, Subcommand};
 use ferrite_core::{
     cache::{CacheOptions, ResponseCache},
+    tenant::{TenantConfig, Tenants},
     Core, Limits, LoadOptions,
 };
 
@@ -102,6 +103,14 @@ struct ServeArgs {
     /// Retry-After. 0: no limit.
     #[arg(long, env = "FERRITE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]
     max_concurrent_requests: usize,
+    /// Header (HTTP) / metadata key (gRPC) that names the tenant of a request, for per-tenant
+    /// limits from --tenant-config. Requests without it share the default tenant's limits.
+    #[arg(long, env = "FERRITE_TENANT_HEADER", requires = "tenant_config")]
+    tenant_header: Option<String>,
+    /// TOML file of per-tenant limits: `[default]` and `[tenants.<name>]` with `rate` (requests
+    /// per second), `burst` and `max_concurrent`. Over a limit: 429 / RESOURCE_EXHAUSTED.
+    #[arg(long, env = "FERRITE_TENANT_CONFIG", requires = "tenant_header")]
+    tenant_config: Option<PathBuf>,
     /// On SIGINT/SIGTERM, how long queued and running requests may take before they are failed.
     #[arg(long, env = "FERRITE_EXIT_TIMEOUT_SECS", default_value_t = 30)]
     exit_timeout_secs: u64,
@@ -186,7 +195,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let repo = args.model_repository.clone();
     let limits =
         Limits { max_elements: args.max_request_elements, max_concurrent_requests: args.max_concurrent_requests };
-    let core = tokio::task::spawn_blocking(move || Core::load(&repo, &options, limits)).await??;
+    let tenants = match (&args.tenant_header, &args.tenant_config) {
+        (Some(header), Some(path)) => {
+            axum::http::HeaderName::from_bytes(header.as_bytes())
+                .map_err(|_| anyhow::anyhow!("--tenant-header '{header}' is not a valid header name"))?;
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--tenant-config {}: {e}", path.display()))?;
+            Some(Tenants::new(TenantConfig::parse(&text)?, header))
+        }
+        _ => None,
+    };
+    let mut core = tokio::task::spawn_blocking(move || Core::load(&repo, &options, limits)).await??;
+    if let Some(t) = tenants {
+        core = core.with_tenants(t);
+    }
     let cfg = ServeConfig {
         host: args.host,
         http_port: args.http_port,

@@ -72,6 +72,7 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
             req.parameters.get("cache").and_then(|p| p.parameter_choice.as_ref()),
             Some(ParameterChoice::BoolParam(false))
         ),
+        tenant: None,
     })
 }
 

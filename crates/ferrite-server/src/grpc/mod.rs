@@ -99,14 +99,22 @@ impl Service {
         self.core.model(name, Some(version)).map_err(status)
     }
 
+    /// The tenant a call names in its `--tenant-header` metadata, when tenants are configured.
+    fn tenant(&self, metadata: &tonic::metadata::MetadataMap) -> Option<String> {
+        let key = &self.core.tenants()?.header;
+        metadata.get(key.as_str()).and_then(|v| v.to_str().ok()).map(str::to_string)
+    }
+
     /// One inference, shared by the unary and streaming calls.
     async fn infer(
         &self,
         req: pb::ModelInferRequest,
         deadline_us: Option<u64>,
+        tenant: Option<String>,
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let mut core_req = convert::to_core(req, self.core.limits().max_elements)?;
+        core_req.tenant = tenant;
         if let Some(d) = deadline_us {
             core_req.timeout_us = Some(core_req.timeout_us.filter(|&t| t > 0 && t < d).unwrap_or(d));
         }
@@ -159,10 +167,11 @@ impl GrpcInferenceService for Service {
         use tracing::Instrument;
         let deadline = grpc_timeout_us(r.metadata());
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
+        let tenant = self.tenant(r.metadata());
         let req = r.into_inner();
         let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
-        self.infer(req, deadline).instrument(span).await.map(Response::new).map_err(status)
+        self.infer(req, deadline, tenant).instrument(span).await.map(Response::new).map_err(status)
     }
 
     type ModelStreamInferStream = InferStream;
@@ -172,6 +181,7 @@ impl GrpcInferenceService for Service {
         r: Request<Streaming<pb::ModelInferRequest>>,
     ) -> Result<Response<InferStream>, Status> {
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
+        let tenant = self.tenant(r.metadata());
         let mut incoming = r.into_inner();
         let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
@@ -187,14 +197,14 @@ impl GrpcInferenceService for Service {
                         break;
                     }
                 };
-                let (tx, svc) = (tx.clone(), svc.clone());
+                let (tx, svc, tenant) = (tx.clone(), svc.clone(), tenant.clone());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
                         let (id, model_name) = (msg.id.clone(), msg.model_name.clone());
                         // One bad request answers with an error message; the stream goes on.
                         let out = tokio::select! {
-                            r = svc.infer(msg, None) => match r {
+                            r = svc.infer(msg, None, tenant) => match r {
                                 Ok(resp) => pb::ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
                                 Err(e) => pb::ModelStreamInferResponse {
                                     error_message: e.to_string(),

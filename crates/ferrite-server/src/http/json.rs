@@ -123,6 +123,7 @@ pub fn parse(
         priority: params.priority,
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,
+        tenant: None,
     };
     Ok((req, binary_outputs))
 }

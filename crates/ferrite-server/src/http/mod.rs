@@ -327,6 +327,10 @@ async fn infer_inner(
     } else {
         json::parse(&p.model, p.version, &body, None, max)?
     };
+    let mut req = req;
+    if let Some(t) = s.core.tenants() {
+        req.tenant = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_string);
+    }
     let resp = s.core.infer(req).await?;
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
     if accept.contains("msgpack") || (msgpack_in && !accept.contains("json")) {

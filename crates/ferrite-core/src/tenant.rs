@@ -1,0 +1,223 @@
+//! Per-tenant admission: a token bucket (rate, burst) and a concurrency cap per tenant, so one
+//! noisy tenant cannot starve the others. A tenant is named by a request header the front-ends
+//! read (`--tenant-header`); limits come from a TOML file (`--tenant-config`):
+//!
+//! ```toml
+//! [default]          # any tenant not listed, and requests that name none
+//! rate = 100         # requests per second
+//! burst = 200
+//! max_concurrent = 32
+//! [tenants.acme]
+//! rate = 1000
+//! ```
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use serde::Deserialize;
+
+use crate::{Error, Result};
+
+/// Distinct unlisted tenants tracked at once; past it they share one bucket, so a client that
+/// invents tenant names cannot make the server hold unbounded state.
+pub const MAX_TRACKED_TENANTS: usize = 10_000;
+/// Tenant names longer than this are refused.
+pub const MAX_TENANT_NAME: usize = 128;
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TenantLimits {
+    /// Requests per second, refilled continuously; 0: no rate limit.
+    #[serde(default)]
+    pub rate: f64,
+    /// Requests allowed in a burst; defaults to one second's worth of `rate`.
+    pub burst: Option<f64>,
+    /// Requests of this tenant in the engine at once; 0: no limit.
+    #[serde(default)]
+    pub max_concurrent: usize,
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        TenantLimits { rate: 0.0, burst: None, max_concurrent: 0 }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    #[serde(default)]
+    pub default: TenantLimits,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, TenantLimits>,
+}
+
+impl TenantConfig {
+    pub fn parse(text: &str) -> Result<TenantConfig> {
+        let config: TenantConfig = toml::from_str(text).map_err(|e| Error::invalid(format!("tenant config: {e}")))?;
+        for (name, l) in
+            std::iter::once(("default", &config.default)).chain(config.tenants.iter().map(|(n, l)| (n.as_str(), l)))
+        {
+            if !(l.rate >= 0.0 && l.rate.is_finite()) || l.burst.is_some_and(|b| !(b >= 1.0 && b.is_finite())) {
+                return Err(Error::invalid(format!("tenant config [{name}]: rate must be >= 0 and burst >= 1")));
+            }
+        }
+        Ok(config)
+    }
+}
+
+#[derive(Debug)]
+struct Bucket {
+    limits: TenantLimits,
+    tokens: f64,
+    refilled: Instant,
+    in_flight: usize,
+}
+
+impl Bucket {
+    fn new(limits: TenantLimits, now: Instant) -> Bucket {
+        Bucket { limits, tokens: limits.burst.unwrap_or(limits.rate.max(1.0)), refilled: now, in_flight: 0 }
+    }
+
+    /// Takes a token and a concurrency place, or says which limit refused and when to retry.
+    fn admit(&mut self, now: Instant) -> std::result::Result<(), (&'static str, Duration)> {
+        let l = self.limits;
+        if l.max_concurrent > 0 && self.in_flight >= l.max_concurrent {
+            return Err(("concurrency", Duration::from_secs(1)));
+        }
+        if l.rate > 0.0 {
+            let burst = l.burst.unwrap_or(l.rate.max(1.0));
+            let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
+            self.tokens = (self.tokens + elapsed * l.rate).min(burst);
+            self.refilled = now;
+            if self.tokens < 1.0 {
+                return Err(("rate", Duration::from_secs_f64((1.0 - self.tokens) / l.rate)));
+            }
+            self.tokens -= 1.0;
+        }
+        self.in_flight += 1;
+        Ok(())
+    }
+}
+
+/// The buckets of every tenant seen; cheap to share.
+#[derive(Debug)]
+pub struct Tenants {
+    config: TenantConfig,
+    /// Name of the header (HTTP) or metadata key (gRPC) that names the tenant, lower case.
+    pub header: String,
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+/// Holds a tenant's concurrency place while its request is in the engine.
+pub struct TenantPass {
+    tenants: Arc<Tenants>,
+    key: String,
+}
+
+impl Drop for TenantPass {
+    fn drop(&mut self) {
+        if let Some(b) = self.tenants.lock().get_mut(&self.key) {
+            b.in_flight = b.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+/// The key of requests that name no tenant, and of unlisted tenants once the table is full.
+const ANONYMOUS: &str = "";
+const OVERFLOW: &str = "\u{0}overflow";
+
+impl Tenants {
+    pub fn new(config: TenantConfig, header: &str) -> Arc<Tenants> {
+        Arc::new(Tenants { config, header: header.to_ascii_lowercase(), buckets: Mutex::new(HashMap::new()) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
+        self.buckets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admits one request of `tenant` at `now`, or refuses it with `Overloaded` and a Retry-After.
+    pub fn admit(self: &Arc<Self>, tenant: Option<&str>, now: Instant) -> Result<TenantPass> {
+        let name = tenant.unwrap_or(ANONYMOUS);
+        if name.len() > MAX_TENANT_NAME {
+            return Err(Error::invalid(format!("tenant names are at most {MAX_TENANT_NAME} bytes")));
+        }
+        let listed = self.config.tenants.get(name);
+        let mut buckets = self.lock();
+        let key = if listed.is_some() || buckets.contains_key(name) || buckets.len() < MAX_TRACKED_TENANTS {
+            name
+        } else {
+            OVERFLOW
+        };
+        if !buckets.contains_key(key) {
+            let limits = listed.copied().unwrap_or(self.config.default);
+            buckets.insert(key.to_string(), Bucket::new(limits, now));
+        }
+        let bucket = buckets.get_mut(key).expect("inserted above");
+        match bucket.admit(now) {
+            Ok(()) => Ok(TenantPass { tenants: self.clone(), key: key.to_string() }),
+            Err((limit, retry)) => {
+                let label = if listed.is_some() { name } else { "other" };
+                crate::metrics::global().tenant_refusals.with_label_values(&[label, limit]).inc();
+                Err(Error::Overloaded {
+                    message: format!("tenant '{name}' is over its {limit} limit"),
+                    retry_after: Some(retry.max(Duration::from_secs(1))),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenants(text: &str) -> Arc<Tenants> {
+        Tenants::new(TenantConfig::parse(text).unwrap(), "X-Tenant")
+    }
+
+    #[test]
+    fn token_bucket_refills_at_the_rate() {
+        let t = tenants("[default]\nrate = 10\nburst = 2\n");
+        let now = Instant::now();
+        let _a = t.admit(Some("a"), now).unwrap();
+        let _b = t.admit(Some("a"), now).unwrap();
+        let err = t.admit(Some("a"), now).err().unwrap();
+        assert!(matches!(err, Error::Overloaded { retry_after: Some(_), .. }), "{err:?}");
+        // Another tenant has its own bucket.
+        assert!(t.admit(Some("b"), now).is_ok());
+        // 100 ms at 10/s gives one token back.
+        assert!(t.admit(Some("a"), now + Duration::from_millis(100)).is_ok());
+        assert!(t.admit(Some("a"), now + Duration::from_millis(100)).is_err());
+    }
+
+    #[test]
+    fn concurrency_places_are_given_back() {
+        let t = tenants("[default]\nmax_concurrent = 1\n[tenants.big]\nmax_concurrent = 2\n");
+        let now = Instant::now();
+        let pass = t.admit(None, now).unwrap();
+        assert!(t.admit(None, now).is_err());
+        drop(pass);
+        assert!(t.admit(None, now).is_ok());
+        let _x = t.admit(Some("big"), now).unwrap();
+        let _y = t.admit(Some("big"), now).unwrap();
+        assert!(t.admit(Some("big"), now).is_err());
+    }
+
+    #[test]
+    fn invented_tenant_names_do_not_grow_the_table_without_bound() {
+        let t = tenants("[default]\nrate = 1\nburst = 1\n");
+        let now = Instant::now();
+        for i in 0..MAX_TRACKED_TENANTS + 50 {
+            let _ = t.admit(Some(&format!("t{i}")), now);
+        }
+        assert!(t.lock().len() <= MAX_TRACKED_TENANTS + 1);
+        assert!(t.admit(Some(&"x".repeat(MAX_TENANT_NAME + 1)), now).is_err());
+        assert!(TenantConfig::parse("[default]\nrate = -1\n").is_err());
+        assert!(TenantConfig::parse("[default]\nburst = 0\n").is_err());
+        assert!(TenantConfig::parse("[default]\nspeed = 1\n").is_err());
+    }
+}
