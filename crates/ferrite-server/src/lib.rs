@@ -7,3 +7,6 @@ pub mod http;
 pub mod serve;
 pub mod telemetry;
 pub mod tls;
+
+#[cfg(test)]
+mod fuzz;

@@ -2,8 +2,8 @@
 
 mod decode;
 mod error;
-mod json;
-mod msgpack;
+pub(crate) mod json;
+pub(crate) mod msgpack;
 
 use axum::{
     body::Bytes,
