@@ -132,7 +132,7 @@ fn fuzz_in(dir: PathBuf, target: &str, run: fn(&[u8])) {
             }
         }
         // Keep some mutants that still parse as seeds, so later rounds go deeper.
-        if runs % 64 == 0 && corpus.len() < 256 && input.len() < 1 << 16 {
+        if runs.is_multiple_of(64) && corpus.len() < 256 && input.len() < 1 << 16 {
             corpus.push(input);
         }
     }
