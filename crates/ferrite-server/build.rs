@@ -1,4 +1,4 @@
-//! Generates the KServe V2 gRPC types from `proto/` with a vendored `protoc`, so the build needs
+//! Generates the KServe V2 gRPC types (and the etcd client) from `proto/` with a vendored `protoc`, so the build needs
 //! nothing beyond crates.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -9,6 +9,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .bytes(".")
         .compile_protos(&[proto.join("grpc_service.proto")], std::slice::from_ref(&proto))?;
+    // The etcd client for --config-source: a client only.
+    tonic_prost_build::configure()
+        .build_server(false)
+        .compile_protos(&[proto.join("etcd.proto")], std::slice::from_ref(&proto))?;
     println!("cargo:rerun-if-changed={}", proto.display());
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use ferrite_core::{
     backend::{Backend, BatchInput},
     onnx::{OnnxBackend, OnnxOptions},
-    repository::load_model,
+    repository::load_with,
     Core, DataType, InferRequest, Limits, LoadOptions, Tensor,
 };
 
@@ -16,7 +16,7 @@ fn main() {
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: roundtrip MODEL_DIR"));
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
     let options = LoadOptions { threads: 1, spinning: false, cache: None };
-    let model = load_model(&dir, &name, &options).unwrap();
+    let model = load_with(&dir, &name, &options, &Default::default(), None).unwrap();
     let spec = model.spec.clone();
     let core =
         Core::from_models([(name.clone(), std::sync::Arc::new(model))].into(), Default::default(), Limits::default());

@@ -254,7 +254,8 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let rows: usize = batch.iter().map(|p| p.rows).sum();
     let requests = batch.len();
     let m = &shared.metrics;
-    for p in &batch {
+    let counted = !batch.iter().all(|p| p.warmup);
+    for p in batch.iter().filter(|p| !p.warmup) {
         shared.stats.queue.add(start - p.enqueued);
         m.queue.observe((start - p.enqueued).as_secs_f64());
     }
@@ -323,11 +324,13 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let avg = shared.batch_ns.load(Ordering::Relaxed);
     shared.batch_ns.store(if avg == 0 { took } else { (avg * 7 + took) / 8 }, Ordering::Relaxed);
     // Statistics first, so a client that reads them after its answer sees its own batch.
-    shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
-    m.executions.inc();
-    m.inferences.inc_by(rows as u64);
-    m.batch_size.observe(rows as f64);
-    m.compute.observe(start.elapsed().as_secs_f64());
+    if counted {
+        shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
+        m.executions.inc();
+        m.inferences.inc_by(rows as u64);
+        m.batch_size.observe(rows as f64);
+        m.compute.observe(start.elapsed().as_secs_f64());
+    }
     for (p, r) in replies {
         let _ = p.reply.send(r);
     }

@@ -28,6 +28,11 @@ pub struct ModelConfig {
     pub dynamic_batching: Option<DynamicBatchingConfig>,
     /// `[cache] enabled = true` puts the response cache in front of this model.
     pub cache: Option<CacheConfig>,
+    /// Which versions on disk are served; default `latest = 1`.
+    pub version_policy: Option<VersionPolicyConfig>,
+    /// A share of unversioned traffic for a candidate version, withdrawn automatically when it
+    /// does worse than the stable one.
+    pub canary: Option<crate::canary::CanaryConfig>,
     #[serde(default)]
     pub input: Vec<TensorConfig>,
     #[serde(default)]
@@ -150,6 +155,60 @@ impl Default for DynamicBatchingConfig {
     }
 }
 
+/// `[version_policy]`: exactly one of `latest = n`, `all = true`, `specific = [..]`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VersionPolicyConfig {
+    pub latest: Option<usize>,
+    pub all: Option<bool>,
+    pub specific: Option<Vec<u64>>,
+}
+
+/// Which of the versions on disk a model serves (Triton's `version_policy`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VersionPolicy {
+    Latest(usize),
+    All,
+    Specific(Vec<u64>),
+}
+
+impl Default for VersionPolicy {
+    fn default() -> Self {
+        VersionPolicy::Latest(1)
+    }
+}
+
+impl VersionPolicyConfig {
+    pub fn resolve(&self) -> Result<VersionPolicy> {
+        match (self.latest, self.all, &self.specific) {
+            (Some(0), None, None) => Err(Error::invalid("version_policy latest must be at least 1")),
+            (Some(n), None, None) => Ok(VersionPolicy::Latest(n)),
+            (None, Some(true), None) => Ok(VersionPolicy::All),
+            (None, None, Some(v)) if !v.is_empty() && v.iter().all(|&v| v > 0) => {
+                Ok(VersionPolicy::Specific(v.clone()))
+            }
+            _ => Err(Error::invalid(
+                "version_policy takes exactly one of latest = <n>, all = true, specific = [<positive versions>]",
+            )),
+        }
+    }
+}
+
+impl VersionPolicy {
+    /// The versions to serve among `available` (any order), highest first.
+    pub fn select(&self, available: &[u64]) -> Vec<u64> {
+        let mut v: Vec<u64> = available.to_vec();
+        v.sort_unstable_by(|a, b| b.cmp(a));
+        v.dedup();
+        match self {
+            VersionPolicy::Latest(n) => v.truncate(*n),
+            VersionPolicy::All => {}
+            VersionPolicy::Specific(wanted) => v.retain(|x| wanted.contains(x)),
+        }
+        v
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheConfig {
@@ -220,6 +279,7 @@ pub struct ModelSpec {
     pub threads: usize,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
+    pub version_policy: VersionPolicy,
 }
 
 impl ModelSpec {
@@ -308,6 +368,12 @@ impl ModelSpec {
             instance_count,
             threads: config.threads.unwrap_or(default_threads).max(1),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
+            version_policy: config
+                .version_policy
+                .as_ref()
+                .map(VersionPolicyConfig::resolve)
+                .transpose()?
+                .unwrap_or_default(),
         })
     }
 }
@@ -382,6 +448,21 @@ mod tests {
         assert_eq!(s.inputs[0].dims, vec![2, 4]);
         let cfg = ModelConfig { max_batch_size: Some(8), ..Default::default() };
         assert!(ModelSpec::resolve("m", 1, &cfg, &[spec("x", DataType::Fp32, &[2, 4])], &[], 1).is_err());
+    }
+
+    #[test]
+    fn version_policies_select_from_what_is_on_disk() {
+        let on_disk = [3, 1, 7, 5];
+        assert_eq!(VersionPolicy::default().select(&on_disk), vec![7]);
+        assert_eq!(VersionPolicy::Latest(2).select(&on_disk), vec![7, 5]);
+        assert_eq!(VersionPolicy::All.select(&on_disk), vec![7, 5, 3, 1]);
+        assert_eq!(VersionPolicy::Specific(vec![1, 4, 5]).select(&on_disk), vec![5, 1]);
+        let parse = |t: &str| toml::from_str::<ModelConfig>(t).unwrap().version_policy.unwrap().resolve();
+        assert_eq!(parse("[version_policy]\nspecific = [2, 3]").unwrap(), VersionPolicy::Specific(vec![2, 3]));
+        assert_eq!(parse("[version_policy]\nall = true").unwrap(), VersionPolicy::All);
+        assert!(parse("[version_policy]\nlatest = 2\nall = true").is_err());
+        assert!(parse("[version_policy]\nlatest = 0").is_err());
+        assert!(parse("[version_policy]\nspecific = []").is_err());
     }
 
     #[test]

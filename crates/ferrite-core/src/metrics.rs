@@ -29,6 +29,8 @@ pub struct Metrics {
     pub model_ready: IntGaugeVec,
     pub model_load_duration: prometheus::GaugeVec,
     pub tenant_refusals: IntCounterVec,
+    pub model_load_failures: IntCounterVec,
+    pub canary_rollbacks: IntCounterVec,
 }
 
 const MODEL: &[&str] = &["model", "version"];
@@ -72,6 +74,16 @@ impl Metrics {
             )?,
             batch_size: histogram("ferrite_batch_size", "Rows per executed batch.", BATCH_BUCKETS)?,
             pending: gauge("ferrite_pending_requests", "Requests waiting in the batcher queue.")?,
+            model_load_failures: counter(
+                "ferrite_model_load_failures_total",
+                "Model loads and reloads that failed (the previous load, if any, kept serving).",
+                &["model"],
+            )?,
+            canary_rollbacks: counter(
+                "ferrite_canary_rollbacks_total",
+                "Canary candidates withdrawn automatically for doing worse than the stable version.",
+                &["model"],
+            )?,
             tenant_refusals: counter(
                 "ferrite_tenant_refusals_total",
                 "Requests refused by a tenant's limit (rate, concurrency); tenants not named in the config count as other.",
@@ -167,6 +179,9 @@ pub fn reason(e: &Error) -> &'static str {
 /// The Prometheus text format, with gauges that are read from the engine's state brought up to date.
 pub fn render(core: &Core) -> String {
     let m = global();
+    // Versions unloaded since the last scrape drop out of the per-version gauges.
+    m.pending.reset();
+    m.model_ready.reset();
     for model in core.models() {
         let v = model.spec.version.to_string();
         let labels = [model.spec.name.as_str(), v.as_str()];

@@ -54,6 +54,8 @@ pub struct InferRequest {
     pub skip_cache: bool,
     /// Who sent it, for per-tenant limits (from the `--tenant-header` header).
     pub tenant: Option<String>,
+    /// The `x-ferrite-canary` header: how an unversioned request may be routed to a canary.
+    pub canary: crate::CanaryRoute,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +88,9 @@ pub struct Model {
     metrics: metrics::ModelMetrics,
     /// Set when the model enables caching and the process has a cache.
     pub(crate) cache: Option<Arc<ResponseCache>>,
+    /// Identifies the files and config this model was loaded from; a reload with the same one
+    /// keeps this instance.
+    pub(crate) fingerprint: u64,
 }
 
 impl Model {
@@ -93,7 +98,7 @@ impl Model {
         let stats = Arc::new(ModelStats::default());
         let batcher = Batcher::start(&spec, backend, stats.clone())?;
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
-        Ok(Model { spec, stats, batcher, metrics, cache: None })
+        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0 })
     }
 
     pub fn batcher(&self) -> &Batcher {
@@ -119,6 +124,63 @@ impl Model {
         tracing::debug!(model = %self.spec.name, version = self.spec.version, id = id.as_deref().unwrap_or(""),
             outcome = status, reason, duration_us = elapsed.as_micros() as u64, "request");
         result
+    }
+
+    /// Runs one request of synthetic data (no zeros: ones, halves and "a"s, variable dims as 1)
+    /// straight through the batcher, blocking the calling thread. A model that fails this is not
+    /// put in service. Not counted in the statistics of real traffic.
+    pub fn warm_up(&self) -> Result<()> {
+        use crate::DataType as D;
+        let batched = self.spec.batch.max_batch_size > 0;
+        let inputs = self
+            .spec
+            .inputs
+            .iter()
+            .map(|s| {
+                let shape: Vec<usize> = batched
+                    .then_some(1)
+                    .into_iter()
+                    .chain(s.dims.iter().map(|&d| if d < 0 { 1 } else { d as usize }))
+                    .collect();
+                let n: usize = shape.iter().product();
+                match s.datatype {
+                    D::Bytes => Tensor::new(
+                        s.name.clone(),
+                        D::Bytes,
+                        shape,
+                        crate::TensorData::Bytes(vec![bytes::Bytes::from_static(b"a"); n]),
+                    ),
+                    D::Fp16 => Tensor::from_le(&s.name, D::Fp16, shape, &vec![half::f16::from_f32(0.5); n]),
+                    D::Bf16 => Tensor::from_le(&s.name, D::Bf16, shape, &vec![half::bf16::from_f32(0.5); n]),
+                    D::Fp32 => Tensor::from_le(&s.name, D::Fp32, shape, &vec![0.5f32; n]),
+                    D::Fp64 => Tensor::from_le(&s.name, D::Fp64, shape, &vec![0.5f64; n]),
+                    other => {
+                        // Integers and booleans: the value 1 in the type's width.
+                        let width = other.size().unwrap_or(1);
+                        let mut one = vec![0u8; width];
+                        one[0] = 1;
+                        Tensor::new(s.name.clone(), other, shape, crate::TensorData::Raw(one.repeat(n).into()))
+                    }
+                }
+            })
+            .collect();
+        let (inputs, rows) = self.check_inputs(inputs, &Limits::default())?;
+        let (tx, rx) = oneshot::channel();
+        let now = Instant::now();
+        let span = tracing::Span::none();
+        let p = Pending {
+            inputs,
+            rows,
+            outputs: None,
+            level: 0,
+            enqueued: now,
+            deadline: None,
+            reply: tx,
+            span,
+            warmup: true,
+        };
+        self.batcher.submit(p)?;
+        block_on(rx).map_err(|_| Error::internal("the warm-up request was dropped"))?.map(|_| ())
     }
 
     /// Counts a request refused before it reached this model (admission), and returns its error.
@@ -167,7 +229,17 @@ impl Model {
         let (tx, rx) = oneshot::channel();
         let queued = if traced { tracing::debug_span!("queue", rows) } else { tracing::Span::none() };
         let span = queued.clone();
-        self.batcher.submit(Pending { inputs, rows, outputs, level, enqueued: now, deadline, reply: tx, span })?;
+        self.batcher.submit(Pending {
+            inputs,
+            rows,
+            outputs,
+            level,
+            enqueued: now,
+            deadline,
+            reply: tx,
+            span,
+            warmup: false,
+        })?;
         let answer = match wait_limit {
             None => rx.instrument(queued).await,
             Some(d) => match tokio::time::timeout_at(d.into(), rx).instrument(queued).await {
@@ -268,5 +340,25 @@ impl Model {
             return Err(Error::invalid(format!("priority {priority} is outside 1..={levels}")));
         }
         Ok(p.max(1) as usize - 1)
+    }
+}
+
+/// Waits for `f` on the calling thread, inside an async runtime or not (the batcher answers from
+/// its own threads, so nothing here needs the runtime).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark()
+        }
+    }
+    let waker = Arc::new(Unpark(std::thread::current())).into();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
     }
 }

@@ -33,6 +33,8 @@ pub struct Pending {
     pub reply: oneshot::Sender<Result<Vec<Tensor>>>,
     /// The request's span, which the batch span that serves it links to.
     pub span: tracing::Span,
+    /// A load's warm-up request: run at once, and left out of the statistics.
+    pub warmup: bool,
 }
 
 impl Pending {
@@ -196,7 +198,12 @@ impl Queue {
             oldest = oldest.min(p.enqueued);
         }
         let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
-        let n = if flush || total >= policy.max_batch_size || policy.max_queue_delay_us == 0 || now >= due {
+        let n = if flush
+            || first.warmup
+            || total >= policy.max_batch_size
+            || policy.max_queue_delay_us == 0
+            || now >= due
+        {
             sums.len()
         } else if let Some(j) = sums.iter().rposition(|s| policy.preferred_batch_sizes.contains(s)) {
             j + 1
@@ -260,6 +267,7 @@ mod tests {
             deadline: None,
             reply: tx,
             span: tracing::Span::none(),
+            warmup: false,
         })
         .unwrap();
         Req { rx }
@@ -370,6 +378,7 @@ mod tests {
             deadline: None,
             reply: tx,
             span: tracing::Span::none(),
+            warmup: false,
         };
         let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
@@ -389,6 +398,7 @@ mod tests {
             deadline: Some(t + Duration::from_micros(100)),
             reply: tx,
             span: tracing::Span::none(),
+            warmup: false,
         })
         .unwrap();
         assert!(matches!(q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[]), false), Decision::Idle));
@@ -427,6 +437,7 @@ mod tests {
             deadline: Some(at + Duration::from_micros(timeout_us)),
             reply: tx,
             span: tracing::Span::none(),
+            warmup: false,
         })
         .unwrap();
         rx
@@ -448,6 +459,7 @@ mod tests {
             deadline: None,
             reply: tx,
             span: tracing::Span::none(),
+            warmup: false,
         };
         assert!(matches!(q.push(extra), Err(Error::Unavailable { .. })));
         // The other level still takes work.

@@ -1,7 +1,6 @@
 //! The model repository on disk: `<root>/<name>/config.toml` and `<root>/<name>/<version>/model.onnx`.
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -42,51 +41,125 @@ pub fn is_model_name(name: &str) -> bool {
         && !name.contains("..")
 }
 
-/// What loading a repository gave: the models that serve, and why the others do not.
-#[derive(Default)]
-pub struct Loaded {
-    pub models: BTreeMap<String, Arc<Model>>,
-    pub failed: BTreeMap<String, String>,
+/// A model repository on disk. Every path it reads is resolved and checked to stay under the
+/// root, so a symlink cannot lead a load outside it.
+#[derive(Debug, Clone)]
+pub struct Repository {
+    root: PathBuf,
+    pub options: LoadOptions,
 }
 
-/// Loads every model under `root`. A directory that fails is reported and skipped.
-pub fn load_all(root: &Path, options: &LoadOptions) -> Result<Loaded> {
-    let entries = std::fs::read_dir(root)
-        .map_err(|e| Error::invalid(format!("cannot read model repository {}: {e}", root.display())))?;
-    let mut dirs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_dir()).collect();
-    dirs.sort();
-    let mut loaded = Loaded::default();
-    for dir in dirs {
-        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
-        if name.starts_with('.') {
-            continue;
+/// One version directory holding a `model.onnx`.
+#[derive(Debug, Clone)]
+pub struct OnDisk {
+    pub version: u64,
+    pub onnx: PathBuf,
+    /// Changes when the file is replaced or rewritten (length, modification time, inode).
+    pub fingerprint: u64,
+}
+
+impl Repository {
+    pub fn open(root: &Path, options: LoadOptions) -> Result<Repository> {
+        let root = root
+            .canonicalize()
+            .map_err(|e| Error::invalid(format!("cannot read model repository {}: {e}", root.display())))?;
+        if !root.is_dir() {
+            return Err(Error::invalid(format!("model repository {} is not a directory", root.display())));
         }
-        match load_model(&dir, &name, options) {
-            Ok(model) => {
-                tracing::info!(model = %name, version = model.spec.version, "model ready");
-                loaded.models.insert(name, Arc::new(model));
-            }
-            Err(e) => {
-                tracing::error!(model = %name, error = %e, "model skipped");
-                loaded.failed.insert(name, e.to_string());
+        Ok(Repository { root, options })
+    }
+
+    /// `path` resolved, if it exists and stays under the root.
+    fn inside(&self, path: &Path) -> Result<Option<PathBuf>> {
+        match path.canonicalize() {
+            Ok(real) if real.starts_with(&self.root) => Ok(Some(real)),
+            Ok(_) => Err(Error::invalid(format!("{} leads outside the model repository", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::invalid(format!("cannot read {}: {e}", path.display()))),
+        }
+    }
+
+    /// The names of the model directories, sorted (hidden ones left out; invalid ones kept, so
+    /// they are reported).
+    pub fn names(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.root) else { return Vec::new() };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn model_dir(&self, name: &str) -> Result<PathBuf> {
+        if !is_model_name(name) {
+            return Err(Error::invalid(format!("'{name}' is not a valid model name")));
+        }
+        match self.inside(&self.root.join(name))? {
+            Some(dir) if dir.is_dir() => Ok(dir),
+            _ => Err(Error::NotFound(format!("no model '{name}' in the repository"))),
+        }
+    }
+
+    /// The model's `config.toml` text ("" when it has none).
+    pub fn config_text(&self, name: &str) -> Result<String> {
+        let path = self.model_dir(name)?.join("config.toml");
+        match self.inside(&path)? {
+            None => Ok(String::new()),
+            Some(p) => {
+                std::fs::read_to_string(&p).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))
             }
         }
     }
-    Ok(loaded)
-}
 
-/// Loads the highest version of one model directory.
-pub fn load_model(dir: &Path, name: &str, options: &LoadOptions) -> Result<Model> {
-    if !is_model_name(name) {
-        return Err(Error::invalid(format!("'{name}' is not a valid model name")));
+    /// The model's version directories that hold a `model.onnx`, highest first.
+    pub fn versions(&self, name: &str) -> Result<Vec<OnDisk>> {
+        use std::os::unix::fs::MetadataExt;
+        let dir = self.model_dir(name)?;
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| Error::invalid(format!("cannot read {}: {e}", dir.display())))?;
+        let mut found = Vec::new();
+        for e in entries.filter_map(|e| e.ok()) {
+            let Some(version) = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()).filter(|&v| v > 0) else {
+                continue;
+            };
+            let Some(onnx) = self.inside(&e.path().join("model.onnx"))? else { continue };
+            let Ok(meta) = std::fs::metadata(&onnx) else { continue };
+            if !meta.is_file() {
+                continue;
+            }
+            let stamp = (meta.len(), meta.mtime(), meta.mtime_nsec(), meta.ino());
+            let fingerprint = xxhash_rust::xxh3::xxh3_64(format!("{stamp:?}").as_bytes());
+            found.push(OnDisk { version, onnx, fingerprint });
+        }
+        found.sort_by_key(|d| std::cmp::Reverse(d.version));
+        Ok(found)
     }
-    let config = read_config(dir)?;
-    let (version, onnx) = latest_version(dir)?;
-    load_version(&onnx, name, version, &config, options)
+
+    /// Loads one version with `config`, as `name`, and starts its batcher.
+    pub fn load_version(&self, name: &str, disk: &OnDisk, config: &ModelConfig, fingerprint: u64) -> Result<Model> {
+        let mut model = load_version(&disk.onnx, name, disk.version, config, &self.options)?;
+        model.fingerprint = fingerprint;
+        Ok(model)
+    }
 }
 
-/// Loads a model directory (as `load_model`) or a single `.onnx` file (as version 1), with the
-/// `Some` fields of `overrides` and `max_queue_delay_us` replacing what its config says.
+/// Parses a model config; "" is the empty config.
+pub fn parse_config(text: &str) -> Result<ModelConfig> {
+    let config: ModelConfig = toml::from_str(text).map_err(|e| Error::invalid(format!("config.toml: {e}")))?;
+    if let Some(c) = &config.canary {
+        c.check()?;
+    }
+    if let Some(p) = &config.version_policy {
+        p.resolve()?;
+    }
+    Ok(config)
+}
+
+/// Loads a model directory (its highest version) or a single `.onnx` file (as version 1), with
+/// the `Some` fields of `overrides` and `max_queue_delay_us` replacing what its config says.
 pub fn load_with(
     path: &Path,
     name: &str,
@@ -98,8 +171,15 @@ pub fn load_with(
         return Err(Error::invalid(format!("'{name}' is not a valid model name")));
     }
     let (mut config, version, onnx) = if path.is_dir() {
-        let (version, onnx) = latest_version(path)?;
-        (read_config(path)?, version, onnx)
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let repo = Repository::open(parent, options.clone())?;
+        let dir_name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let latest = repo
+            .versions(dir_name)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::invalid("no version directory (a positive integer) holds a model.onnx"))?;
+        (parse_config(&repo.config_text(dir_name)?)?, latest.version, latest.onnx)
     } else {
         (ModelConfig::default(), 1, path.to_path_buf())
     };
@@ -111,28 +191,6 @@ pub fn load_with(
         db.max_queue_delay_microseconds = Some(delay);
     }
     load_version(&onnx, name, version, &config, options)
-}
-
-fn read_config(dir: &Path) -> Result<ModelConfig> {
-    let config_path = dir.join("config.toml");
-    if !config_path.exists() {
-        return Ok(ModelConfig::default());
-    }
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", config_path.display())))?;
-    toml::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", config_path.display())))
-}
-
-/// The highest positive-integer version directory holding a `model.onnx`.
-fn latest_version(dir: &Path) -> Result<(u64, PathBuf)> {
-    let version = std::fs::read_dir(dir)
-        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", dir.display())))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok().filter(|&v| v > 0))
-        .filter(|v| dir.join(v.to_string()).join("model.onnx").is_file())
-        .max()
-        .ok_or_else(|| Error::invalid("no version directory (a positive integer) holds a model.onnx"))?;
-    Ok((version, dir.join(version.to_string()).join("model.onnx")))
 }
 
 fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, options: &LoadOptions) -> Result<Model> {

@@ -59,7 +59,7 @@ fn bad_model_directories_are_skipped_with_a_reason() {
     std::fs::write(p.join("badconfig/config.toml"), "max_batch_size = \"many\"").unwrap();
     std::fs::create_dir_all(p.join("bad name")).unwrap();
     let core = load(p);
-    assert_eq!(core.models().map(|m| m.spec.name.as_str()).collect::<Vec<_>>(), ["mixed"]);
+    assert_eq!(core.models().iter().map(|m| m.spec.name.clone()).collect::<Vec<_>>(), ["mixed"]);
     let failed = core.failed();
     assert!(failed["broken"].contains("cannot load"), "{failed:?}");
     assert!(failed["empty"].contains("no version"), "{failed:?}");

@@ -120,7 +120,7 @@ impl Engine {
 
     /// Names of the models that loaded.
     fn models(&self) -> Vec<String> {
-        self.core.models().map(|m| m.spec.name.clone()).collect()
+        self.core.registry().models.keys().cloned().collect()
     }
 
     /// Models that failed to load, with the reason.
@@ -172,7 +172,7 @@ impl Model {
         telemetry::request_span("python", &self.name, parent)
     }
 
-    fn model(&self) -> PyResult<&Arc<ferrite_core::Model>> {
+    fn model(&self) -> PyResult<Arc<ferrite_core::Model>> {
         self.core.model(&self.name, None).map_err(py_err)
     }
 
@@ -185,7 +185,8 @@ impl Model {
         timeout_us: Option<u64>,
         priority: u32,
     ) -> PyResult<InferRequest> {
-        let spec = &self.model()?.spec;
+        let model = self.model()?;
+        let spec = &model.spec;
         let tensors = convert::inputs(py, spec, inputs, copy)?;
         Ok(InferRequest {
             model_name: self.name.clone(),
@@ -244,7 +245,8 @@ impl Model {
         &self,
     ) -> PyResult<(String, String, String, usize, Vec<(String, String, Vec<i64>)>, Vec<(String, String, Vec<i64>)>)>
     {
-        let spec: &ModelSpec = &self.model()?.spec;
+        let model = self.model()?;
+        let spec: &ModelSpec = &model.spec;
         let batch = spec.batch.max_batch_size > 0;
         let tensors = |ts: &[ferrite_core::config::TensorSpec]| {
             ts.iter()
@@ -325,7 +327,8 @@ impl Model {
         inputs: &Bound<'_, PyDict>,
         copy: bool,
     ) -> PyResult<Vec<(String, usize)>> {
-        let spec = &self.model()?.spec;
+        let model = self.model()?;
+        let spec = &model.spec;
         let tensors = convert::inputs(py, spec, inputs, copy)?;
         Ok(tensors.iter().map(|t| (t.name.clone(), convert::data_pointer(t))).collect())
     }

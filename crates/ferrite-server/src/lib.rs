@@ -2,6 +2,7 @@
 //! the core's errors once; nothing else lives here.
 
 pub mod auth;
+pub mod config_source;
 pub mod grpc;
 pub mod http;
 pub mod serve;
@@ -10,3 +11,7 @@ pub mod tls;
 
 #[cfg(test)]
 mod fuzz;
+
+/// The request header (HTTP) and metadata key (gRPC) that steers an unversioned request to or
+/// away from a model's canary: `always`, `never` or `auto`.
+pub const CANARY_HEADER: &str = "x-ferrite-canary";

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use ferrite_core::{
     cache::{CacheOptions, ResponseCache},
     tenant::{TenantConfig, Tenants},
-    Core, Limits, LoadOptions,
+    Core, Limits, LoadOptions, ModelControl, Startup,
 };
 
 #[derive(Parser)]
@@ -34,6 +34,21 @@ struct ServeArgs {
     /// Model repository: <dir>/<model>/config.toml and <dir>/<model>/<version>/model.onnx.
     #[arg(long, env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
     model_repository: PathBuf,
+    /// How the served models may change: `none` (as loaded at start), `poll` (the repository is
+    /// watched and changed models reloaded), `explicit` (the repository API loads and unloads).
+    #[arg(long, env = "FERRITE_MODEL_CONTROL_MODE", value_enum, default_value_t = ControlMode::None)]
+    model_control_mode: ControlMode,
+    /// With --model-control-mode poll: seconds between scans of the repository.
+    #[arg(long, env = "FERRITE_REPOSITORY_POLL_SECS", default_value_t = 15.0)]
+    repository_poll_secs: f64,
+    /// With --model-control-mode explicit: models to load at start (repeat it, or `*` for all);
+    /// by default none.
+    #[arg(long = "load-model", env = "FERRITE_LOAD_MODEL", value_delimiter = ',')]
+    load_model: Vec<String>,
+    /// Where model configs come from besides config.toml: `etcd://host:port/prefix` reads
+    /// `<prefix>/models/<name>` keys (TOML, as config.toml) and applies each change whole.
+    #[arg(long, env = "FERRITE_CONFIG_SOURCE")]
+    config_source: Option<String>,
     /// Address to listen on.
     #[arg(long, env = "FERRITE_HOST", default_value = "127.0.0.1")]
     host: std::net::IpAddr,
@@ -145,6 +160,13 @@ struct ServeArgs {
     log_format: LogFormat,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ControlMode {
+    None,
+    Poll,
+    Explicit,
+}
+
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum LogFormat {
     Text,
@@ -205,9 +227,33 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let mut core = tokio::task::spawn_blocking(move || Core::load(&repo, &options, limits)).await??;
+    let startup = match args.model_control_mode {
+        ControlMode::Explicit if !args.load_model.iter().any(|m| m == "*") => Startup::Only(args.load_model.clone()),
+        _ => Startup::All,
+    };
+    let control = match args.model_control_mode {
+        ControlMode::None => ModelControl::None,
+        ControlMode::Poll => ModelControl::Poll,
+        ControlMode::Explicit => ModelControl::Explicit,
+    };
+    let mut core = tokio::task::spawn_blocking(move || Core::open(&repo, &options, limits, startup))
+        .await??
+        .with_model_control(control);
     if let Some(t) = tenants {
         core = core.with_tenants(t);
+    }
+    if control == ModelControl::Poll {
+        let interval = Duration::from_secs_f64(args.repository_poll_secs.max(0.1));
+        let core = core.clone();
+        // Changes must hold still this long before they are loaded (half-written files do not).
+        let debounce = interval.min(Duration::from_secs(1)) / 2;
+        std::thread::Builder::new().name("ferrite-poll".into()).spawn(move || loop {
+            std::thread::sleep(interval);
+            core.poll(debounce);
+        })?;
+    }
+    if let Some(source) = &args.config_source {
+        ferrite_server::config_source::start(core.clone(), source).await?;
     }
     let cfg = ServeConfig {
         host: args.host,
@@ -242,7 +288,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());
-    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, %metrics, models = core.models().count(), "listening");
+    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, %metrics, models = core.models().len(), "listening");
     serve::run(core, bound, &cfg, shutdown_signal()).await;
     Ok(())
 }

@@ -95,14 +95,9 @@ pub async fn run(
     let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            health_service,
-            grpc::interceptor(cfg.auth.clone().filter(|a| !a.allow_health), crate::auth::Scope::Infer),
-        ))
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            grpc::service(core.clone(), &cfg.grpc),
-            grpc::interceptor(cfg.auth.clone(), crate::auth::Scope::Infer),
-        ))
+        .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
+        .add_service(health_service)
+        .add_service(grpc::service(core.clone(), &cfg.grpc))
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(bound.grpc).with_nodelay(Some(true)),
             stopped(stop_rx.clone()),

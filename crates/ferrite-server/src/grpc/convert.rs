@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use ferrite_core::{
-    config::TensorSpec, stats::StatsSnapshot, tensor::parse_header, DataType, Error, InferRequest, InferResponse,
-    Model, Tensor, TensorData,
+    config::TensorSpec, config::VersionPolicy, stats::StatsSnapshot, tensor::parse_header, DataType, Error,
+    InferRequest, InferResponse, Model, Tensor, TensorData,
 };
 
 use super::pb::{
@@ -73,6 +73,7 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
             Some(ParameterChoice::BoolParam(false))
         ),
         tenant: None,
+        canary: Default::default(),
     })
 }
 
@@ -162,7 +163,8 @@ fn batch_dim(m: &Model) -> Option<i64> {
     (m.spec.batch.max_batch_size > 0).then_some(-1)
 }
 
-pub fn metadata(m: &Model) -> pb::ModelMetadataResponse {
+/// `versions`: every version of the model served now.
+pub fn metadata(m: &Model, versions: &[u64]) -> pb::ModelMetadataResponse {
     let tensors = |specs: &[TensorSpec]| {
         specs
             .iter()
@@ -175,7 +177,7 @@ pub fn metadata(m: &Model) -> pb::ModelMetadataResponse {
     };
     pb::ModelMetadataResponse {
         name: m.spec.name.clone(),
-        versions: vec![m.spec.version.to_string()],
+        versions: versions.iter().map(u64::to_string).collect(),
         platform: m.spec.platform.to_string(),
         inputs: tensors(&m.spec.inputs),
         outputs: tensors(&m.spec.outputs),
@@ -209,9 +211,19 @@ pub fn config(m: &Model) -> pb::ModelConfig {
         platform: spec.platform.to_string(),
         backend: spec.backend.to_string(),
         version_policy: Some(pb::ModelVersionPolicy {
-            policy_choice: Some(pb::model_version_policy::PolicyChoice::Latest(pb::model_version_policy::Latest {
-                num_versions: 1,
-            })),
+            policy_choice: Some(match &spec.version_policy {
+                VersionPolicy::Latest(n) => {
+                    pb::model_version_policy::PolicyChoice::Latest(pb::model_version_policy::Latest {
+                        num_versions: u32::try_from(*n).unwrap_or(u32::MAX),
+                    })
+                }
+                VersionPolicy::All => pb::model_version_policy::PolicyChoice::All(pb::model_version_policy::All {}),
+                VersionPolicy::Specific(v) => {
+                    pb::model_version_policy::PolicyChoice::Specific(pb::model_version_policy::Specific {
+                        versions: v.iter().map(|&v| v as i64).collect(),
+                    })
+                }
+            }),
         }),
         max_batch_size: i32::try_from(b.max_batch_size).unwrap_or(i32::MAX),
         input: spec

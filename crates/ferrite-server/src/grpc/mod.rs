@@ -29,6 +29,13 @@ pub struct GrpcLimits {
     pub max_encoding_message_size: usize,
 }
 
+/// Per-call facts from the metadata that every request of the call carries.
+#[derive(Debug, Clone)]
+struct CallMeta {
+    tenant: Option<String>,
+    canary: ferrite_core::CanaryRoute,
+}
+
 #[derive(Clone)]
 pub struct Service {
     core: Core,
@@ -41,23 +48,68 @@ pub fn service(core: Core, limits: &GrpcLimits) -> GrpcInferenceServiceServer<Se
         .max_encoding_message_size(limits.max_encoding_message_size)
 }
 
-/// Checks the `authorization` metadata of every call against `scope` (when auth is on).
-pub fn interceptor(
+/// Requires a bearer token with the call's scope on every gRPC call (when auth is on):
+/// repository calls need `admin`, `grpc.health.v1` nothing when health is left open, everything
+/// else `infer`. A layer over the whole server, so it sees each call's method path.
+#[derive(Clone)]
+pub struct AuthLayer {
+    pub auth: Option<Arc<crate::auth::Auth>>,
+}
+
+impl<S> tower_layer::Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> AuthService<S> {
+        AuthService { inner, auth: self.auth.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct AuthService<S> {
+    inner: S,
     auth: Option<Arc<crate::auth::Auth>>,
-    scope: crate::auth::Scope,
-) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
-    move |req: Request<()>| {
-        let Some(auth) = &auth else { return Ok(req) };
-        let header = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
-        match auth.check(header, scope) {
-            Ok(()) => Ok(req),
-            Err(crate::auth::Denied::Unauthenticated) => {
-                Err(Status::unauthenticated("a valid bearer token is required"))
-            }
-            Err(crate::auth::Denied::Forbidden) => {
-                Err(Status::permission_denied("the token lacks the scope this call needs"))
+}
+
+impl<S, B, R> tower_service::Service<http::Request<B>> for AuthService<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    R: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        use crate::auth::{Denied, Scope};
+        if let Some(auth) = &self.auth {
+            let path = req.uri().path();
+            let scope = if path.starts_with("/grpc.health.v1.Health/") && auth.allow_health {
+                None
+            } else if path.starts_with("/inference.GRPCInferenceService/Repository") {
+                Some(Scope::Admin)
+            } else {
+                Some(Scope::Infer)
+            };
+            if let Some(scope) = scope {
+                let header = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+                let refused = match auth.check(header, scope) {
+                    Ok(()) => None,
+                    Err(Denied::Unauthenticated) => Some(Status::unauthenticated("a valid bearer token is required")),
+                    Err(Denied::Forbidden) => {
+                        Some(Status::permission_denied("the token lacks the scope this call needs"))
+                    }
+                };
+                if let Some(status) = refused {
+                    return Box::pin(std::future::ready(Ok(status.into_http())));
+                }
             }
         }
+        Box::pin(self.inner.call(req))
     }
 }
 
@@ -95,14 +147,22 @@ pub fn grpc_timeout_us(metadata: &MetadataMap) -> Option<u64> {
 }
 
 impl Service {
-    fn model(&self, name: &str, version: &str) -> Result<&Arc<Model>, Status> {
+    fn model(&self, name: &str, version: &str) -> Result<Arc<Model>, Status> {
         self.core.model(name, Some(version)).map_err(status)
     }
 
-    /// The tenant a call names in its `--tenant-header` metadata, when tenants are configured.
-    fn tenant(&self, metadata: &tonic::metadata::MetadataMap) -> Option<String> {
-        let key = &self.core.tenants()?.header;
-        metadata.get(key.as_str()).and_then(|v| v.to_str().ok()).map(str::to_string)
+    /// What a call's metadata says about its requests: the tenant (its `--tenant-header` key, when
+    /// tenants are configured) and the `x-ferrite-canary` routing.
+    fn call_meta(&self, metadata: &MetadataMap) -> Result<CallMeta, Status> {
+        let tenant =
+            self.core.tenants().and_then(|t| metadata.get(t.header.as_str())?.to_str().ok().map(str::to_string));
+        let canary = match metadata.get(crate::CANARY_HEADER).map(|v| v.to_str().unwrap_or("?")) {
+            None => ferrite_core::CanaryRoute::Auto,
+            Some(v) => ferrite_core::CanaryRoute::parse(v).ok_or_else(|| {
+                Status::invalid_argument(format!("{}: expected always, never or auto", crate::CANARY_HEADER))
+            })?,
+        };
+        Ok(CallMeta { tenant, canary })
     }
 
     /// One inference, shared by the unary and streaming calls.
@@ -110,11 +170,12 @@ impl Service {
         &self,
         req: pb::ModelInferRequest,
         deadline_us: Option<u64>,
-        tenant: Option<String>,
+        meta: CallMeta,
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let mut core_req = convert::to_core(req, self.core.limits().max_elements)?;
-        core_req.tenant = tenant;
+        core_req.tenant = meta.tenant;
+        core_req.canary = meta.canary;
         if let Some(d) = deadline_us {
             core_req.timeout_us = Some(core_req.timeout_us.filter(|&t| t > 0 && t < d).unwrap_or(d));
         }
@@ -160,18 +221,19 @@ impl GrpcInferenceService for Service {
         r: Request<pb::ModelMetadataRequest>,
     ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
         let r = r.into_inner();
-        Ok(Response::new(convert::metadata(self.model(&r.name, &r.version)?)))
+        let m = self.model(&r.name, &r.version)?;
+        Ok(Response::new(convert::metadata(&m, &self.core.versions(&r.name))))
     }
 
     async fn model_infer(&self, r: Request<pb::ModelInferRequest>) -> Result<Response<pb::ModelInferResponse>, Status> {
         use tracing::Instrument;
         let deadline = grpc_timeout_us(r.metadata());
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
-        let tenant = self.tenant(r.metadata());
+        let meta = self.call_meta(r.metadata())?;
         let req = r.into_inner();
         let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
-        self.infer(req, deadline, tenant).instrument(span).await.map(Response::new).map_err(status)
+        self.infer(req, deadline, meta).instrument(span).await.map(Response::new).map_err(status)
     }
 
     type ModelStreamInferStream = InferStream;
@@ -181,7 +243,7 @@ impl GrpcInferenceService for Service {
         r: Request<Streaming<pb::ModelInferRequest>>,
     ) -> Result<Response<InferStream>, Status> {
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
-        let tenant = self.tenant(r.metadata());
+        let meta = self.call_meta(r.metadata())?;
         let mut incoming = r.into_inner();
         let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
@@ -197,14 +259,14 @@ impl GrpcInferenceService for Service {
                         break;
                     }
                 };
-                let (tx, svc, tenant) = (tx.clone(), svc.clone(), tenant.clone());
+                let (tx, svc, meta) = (tx.clone(), svc.clone(), meta.clone());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
                         let (id, model_name) = (msg.id.clone(), msg.model_name.clone());
                         // One bad request answers with an error message; the stream goes on.
                         let out = tokio::select! {
-                            r = svc.infer(msg, None, tenant) => match r {
+                            r = svc.infer(msg, None, meta) => match r {
                                 Ok(resp) => pb::ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
                                 Err(e) => pb::ModelStreamInferResponse {
                                     error_message: e.to_string(),
@@ -229,7 +291,7 @@ impl GrpcInferenceService for Service {
         r: Request<pb::ModelConfigRequest>,
     ) -> Result<Response<pb::ModelConfigResponse>, Status> {
         let r = r.into_inner();
-        let config = convert::config(self.model(&r.name, &r.version)?);
+        let config = convert::config(self.model(&r.name, &r.version)?.as_ref());
         Ok(Response::new(pb::ModelConfigResponse { config: Some(config) }))
     }
 
@@ -238,11 +300,68 @@ impl GrpcInferenceService for Service {
         r: Request<pb::ModelStatisticsRequest>,
     ) -> Result<Response<pb::ModelStatisticsResponse>, Status> {
         let r = r.into_inner();
-        let models: Vec<&Arc<Model>> =
-            if r.name.is_empty() { self.core.models().collect() } else { vec![self.model(&r.name, &r.version)?] };
+        let models: Vec<Arc<Model>> =
+            if r.name.is_empty() { self.core.models() } else { vec![self.model(&r.name, &r.version)?] };
         let model_stats =
             models.into_iter().map(|m| convert::statistics(&m.stats.snapshot(&m.spec.name, m.spec.version))).collect();
         Ok(Response::new(pb::ModelStatisticsResponse { model_stats }))
+    }
+
+    async fn repository_index(
+        &self,
+        r: Request<pb::RepositoryIndexRequest>,
+    ) -> Result<Response<pb::RepositoryIndexResponse>, Status> {
+        let ready_only = r.into_inner().ready;
+        let models = self
+            .core
+            .index()
+            .into_iter()
+            .filter(|e| !ready_only || e.state == ferrite_core::registry::State::Ready)
+            .map(|e| pb::repository_index_response::ModelIndex {
+                name: e.name,
+                version: e.version.map(|v| v.to_string()).unwrap_or_default(),
+                state: e.state.as_str().into(),
+                reason: e.reason,
+            })
+            .collect();
+        Ok(Response::new(pb::RepositoryIndexResponse { models }))
+    }
+
+    async fn repository_model_load(
+        &self,
+        r: Request<pb::RepositoryModelLoadRequest>,
+    ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
+        let r = r.into_inner();
+        refuse_load_parameters(r.parameters.keys())?;
+        let core = self.core.clone();
+        run_blocking(move || core.load_model(&r.model_name)).await?;
+        Ok(Response::new(pb::RepositoryModelLoadResponse {}))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        r: Request<pb::RepositoryModelUnloadRequest>,
+    ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
+        let r = r.into_inner();
+        let core = self.core.clone();
+        run_blocking(move || core.unload_model(&r.model_name)).await?;
+        Ok(Response::new(pb::RepositoryModelUnloadResponse {}))
+    }
+}
+
+/// Loads block while models load; off the async threads.
+async fn run_blocking(f: impl FnOnce() -> Result<(), Error> + Send + 'static) -> Result<(), Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(status)
+}
+
+/// Triton's load takes a config or files in its parameters; Ferrite loads only what the repository
+/// holds, so such a request is refused rather than half-honoured.
+pub fn refuse_load_parameters<'a>(mut names: impl Iterator<Item = &'a String>) -> Result<(), Status> {
+    match names.next() {
+        None => Ok(()),
+        Some(n) => Err(status(Error::Unsupported(format!(
+            "load parameter '{n}' is not supported: models load from the repository as it is"
+        )))),
     }
 }
 

@@ -124,6 +124,7 @@ pub fn parse(
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,
         tenant: None,
+        canary: Default::default(),
     };
     Ok((req, binary_outputs))
 }

@@ -13,7 +13,7 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferrite_core::{Core, Model};
+use ferrite_core::{config::VersionPolicy, Core, Model};
 
 use crate::auth::{Auth, Denied, Scope};
 use serde::Deserialize;
@@ -105,7 +105,8 @@ pub fn metrics_app(core: Core) -> Router {
 }
 
 /// Requires a bearer token with the route's scope on every route of `router`: `/metrics` needs
-/// `metrics`, health needs nothing when `allow_health`, everything else `infer`.
+/// `metrics`, the repository API `admin`, health nothing when `allow_health`, everything else
+/// `infer`.
 pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
     router.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
         let auth = auth.clone();
@@ -113,6 +114,8 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
             let path = req.uri().path();
             let scope = if path == "/metrics" {
                 Scope::Metrics
+            } else if path.starts_with("/v2/repository") {
+                Scope::Admin
             } else if path.starts_with("/v2/health/") && auth.allow_health {
                 return next.run(req).await;
             } else {
@@ -153,6 +156,10 @@ pub fn app(core: Core, limits: &HttpLimits) -> Router {
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
         .route("/v2/health/ready", get(server_ready))
         .route("/v2/models/stats", get(all_stats))
+        .route("/v2/repository/index", post(repository_index))
+        .route("/v2/repository/models/{model}/load", post(repository_load))
+        .route("/v2/repository/models/{model}/unload", post(repository_unload))
+        .route("/v2/repository/models/{model}/promote", post(repository_promote))
         .nest("/v2/models/{model}", model_routes.clone())
         .nest("/v2/models/{model}/versions/{version}", model_routes)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
@@ -168,7 +175,7 @@ struct ModelPath {
 }
 
 impl AppState {
-    fn model(&self, p: &ModelPath) -> Result<&Arc<Model>, ApiError> {
+    fn model(&self, p: &ModelPath) -> Result<Arc<Model>, ApiError> {
         Ok(self.core.model(&p.model, p.version.as_deref())?)
     }
 }
@@ -208,12 +215,12 @@ async fn model_metadata(State(s): State<AppState>, Path(p): Path<ModelPath>) -> 
     let tensors = |specs: &[ferrite_core::config::TensorSpec]| {
         specs
             .iter()
-            .map(|t| json!({"name": t.name, "datatype": t.datatype.as_str(), "shape": full_shape(m, &t.dims)}))
+            .map(|t| json!({"name": t.name, "datatype": t.datatype.as_str(), "shape": full_shape(&m, &t.dims)}))
             .collect::<Vec<_>>()
     };
     Ok(Json(json!({
         "name": m.spec.name,
-        "versions": [m.spec.version.to_string()],
+        "versions": s.core.versions(&p.model).iter().map(u64::to_string).collect::<Vec<_>>(),
         "platform": m.spec.platform,
         "inputs": tensors(&m.spec.inputs),
         "outputs": tensors(&m.spec.outputs),
@@ -237,7 +244,11 @@ async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Re
         "input": tensors(&spec.inputs),
         "output": tensors(&spec.outputs),
         "instance_group": [{"name": spec.name, "kind": "KIND_CPU", "count": spec.instance_count}],
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": match &spec.version_policy {
+            VersionPolicy::Latest(n) => json!({"latest": {"num_versions": n}}),
+            VersionPolicy::All => json!({"all": {}}),
+            VersionPolicy::Specific(v) => json!({"specific": {"versions": v}}),
+        },
         "parameters": {"threads": {"string_value": spec.threads.to_string()}},
     });
     if spec.batch.dynamic {
@@ -271,7 +282,7 @@ async fn model_stats(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Res
 }
 
 async fn all_stats(State(s): State<AppState>) -> Json<Value> {
-    let stats: Vec<_> = s.core.models().map(|m| m.stats.snapshot(&m.spec.name, m.spec.version)).collect();
+    let stats: Vec<_> = s.core.models().iter().map(|m| m.stats.snapshot(&m.spec.name, m.spec.version)).collect();
     Json(stats_body(&s.core, stats))
 }
 
@@ -282,6 +293,76 @@ fn stats_body(core: &Core, model_stats: Vec<ferrite_core::stats::StatsSnapshot>)
         body["cache"] = json!(c.snapshot());
     }
     body
+}
+
+/// `POST /v2/repository/index`: `[{"name", "version", "state", "reason"}]`, `{"ready": true}`
+/// for the ready ones only.
+async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    #[derive(Deserialize, Default)]
+    struct IndexRequest {
+        #[serde(default)]
+        ready: bool,
+    }
+    let req: IndexRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        IndexRequest::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid index request: {e}")))?
+    };
+    let rows: Vec<Value> = s
+        .core
+        .index()
+        .into_iter()
+        .filter(|e| !req.ready || e.state == ferrite_core::registry::State::Ready)
+        .map(|e| {
+            let mut row = json!({"name": e.name, "state": e.state.as_str(), "reason": e.reason});
+            if let Some(v) = e.version {
+                row["version"] = json!(v.to_string());
+            }
+            row
+        })
+        .collect();
+    Ok(Json(Value::Array(rows)))
+}
+
+/// A load or unload request body: Triton's `parameters` (config, files) are refused; models load
+/// from the repository as it is.
+fn check_load_body(body: &Bytes) -> Result<(), ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(());
+    }
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))?;
+    let names = v.get("parameters").and_then(Value::as_object).map(|p| p.keys().cloned().collect::<Vec<_>>());
+    crate::grpc::refuse_load_parameters(names.unwrap_or_default().iter())
+        .map_err(|st| ApiError::new(StatusCode::NOT_IMPLEMENTED, st.message()))
+}
+
+async fn blocking(f: impl FnOnce() -> ferrite_core::Result<()> + Send + 'static) -> Result<Json<Value>, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    Ok(Json(json!({})))
+}
+
+async fn repository_load(
+    State(s): State<AppState>,
+    Path(model): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    check_load_body(&body)?;
+    blocking(move || s.core.load_model(&model)).await
+}
+
+async fn repository_unload(
+    State(s): State<AppState>,
+    Path(model): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    check_load_body(&body)?;
+    blocking(move || s.core.unload_model(&model)).await
+}
+
+async fn repository_promote(State(s): State<AppState>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+    blocking(move || s.core.promote_canary(&model)).await
 }
 
 /// The header of Triton's binary tensor extension: how many body bytes are JSON.
@@ -330,6 +411,11 @@ async fn infer_inner(
     let mut req = req;
     if let Some(t) = s.core.tenants() {
         req.tenant = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_string);
+    }
+    if let Some(v) = headers.get(crate::CANARY_HEADER) {
+        req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
+            ApiError::bad_request(format!("{}: expected always, never or auto", crate::CANARY_HEADER))
+        })?;
     }
     let resp = s.core.infer(req).await?;
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");

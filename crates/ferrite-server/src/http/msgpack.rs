@@ -78,6 +78,7 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,
         tenant: None,
+        canary: Default::default(),
     })
 }
 

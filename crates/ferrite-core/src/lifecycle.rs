@@ -1,0 +1,141 @@
+//! Building what a model should serve now: its config (from `config.toml`, or from the external
+//! config source), the versions its policy selects, each one loaded and validated beside the
+//! running ones, and its canary. Versions whose files and config did not change are kept as they
+//! are; a version that fails to load or validate leaves the running one (if any) in service and
+//! a note for the repository index.
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use crate::{
+    canary::Canary,
+    config::ModelConfig,
+    registry::{Notes, Served},
+    repository::{parse_config, OnDisk, Repository},
+    Error, Model, Result,
+};
+
+/// What `name` should serve, built beside `current`. `None` when nothing can serve.
+pub(crate) fn build(
+    repo: &Repository,
+    name: &str,
+    config_text: Option<&str>,
+    current: Option<&Arc<Served>>,
+) -> (Option<Arc<Served>>, Notes) {
+    let mut notes = Notes::default();
+    let planned = (|| -> Result<(ModelConfig, String, Vec<OnDisk>)> {
+        let text = match config_text {
+            Some(t) => t.to_string(),
+            None => repo.config_text(name)?,
+        };
+        let config = parse_config(&text)?;
+        let disk = repo.versions(name)?;
+        if disk.is_empty() {
+            return Err(Error::invalid("no version directory (a positive integer) holds a model.onnx"));
+        }
+        Ok((config, text, disk))
+    })();
+    let (config, text, disk) = match planned {
+        Ok(p) => p,
+        Err(e) => {
+            failed(name, None, &e);
+            notes.model = Some(match current {
+                Some(_) => format!("reload failed: {e}; the previous load keeps serving"),
+                None => e.to_string(),
+            });
+            return (current.cloned(), notes);
+        }
+    };
+    let policy = config.version_policy.as_ref().and_then(|p| p.resolve().ok()).unwrap_or_default();
+    let candidate = config.canary.as_ref().map(|c| c.version);
+    // The policy picks the stable versions; a canary's candidate is served on top of them.
+    let stable_on_disk: Vec<u64> = disk.iter().map(|d| d.version).filter(|v| Some(*v) != candidate).collect();
+    let mut wanted = policy.select(&stable_on_disk);
+    if let Some(c) = candidate {
+        if disk.iter().any(|d| d.version == c) {
+            wanted.push(c);
+        } else {
+            notes.model = Some(format!("canary version {c} has no model.onnx"));
+        }
+    }
+    let config_hash = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+    let mut versions = BTreeMap::new();
+    for v in wanted {
+        let Some(d) = disk.iter().find(|d| d.version == v) else { continue };
+        let fingerprint =
+            xxhash_rust::xxh3::xxh3_64(&[config_hash.to_le_bytes(), d.fingerprint.to_le_bytes()].concat());
+        let old = current.and_then(|c| c.versions.get(&v));
+        if let Some(old) = old.filter(|m| m.fingerprint == fingerprint) {
+            versions.insert(v, old.clone());
+            continue;
+        }
+        match repo.load_version(name, d, &config, fingerprint).and_then(|m| validate(m, old.map(|o| o.as_ref()))) {
+            Ok(m) => {
+                tracing::info!(model = %name, version = v, replaced = old.is_some(), "model version ready");
+                versions.insert(v, Arc::new(m));
+            }
+            Err(e) => {
+                failed(name, Some(v), &e);
+                match old {
+                    Some(old) => {
+                        notes.versions.insert(v, format!("reload failed: {e}; the previous load keeps serving"));
+                        versions.insert(v, old.clone());
+                    }
+                    None => {
+                        notes.versions.insert(v, e.to_string());
+                    }
+                }
+            }
+        }
+    }
+    if versions.is_empty() {
+        let why: Vec<String> = notes.versions.iter().map(|(v, e)| format!("version {v}: {e}")).collect();
+        notes.model.get_or_insert_with(|| format!("no version could be loaded ({})", why.join("; ")));
+        return (None, notes);
+    }
+    let canary = config.canary.as_ref().filter(|c| versions.contains_key(&c.version)).and_then(|c| {
+        let stable = versions.keys().rev().copied().find(|&v| v != c.version);
+        if stable.is_none() {
+            notes.model = Some(format!("canary version {} has no stable version to run beside", c.version));
+        }
+        let stable = stable?;
+        // The same canary over the same two loads keeps its window and state.
+        let same = current.and_then(|s| s.canary.as_ref()).filter(|old| {
+            old.config == *c
+                && old.stable == stable
+                && current.is_some_and(|s| {
+                    [c.version, stable].iter().all(|v| match (s.versions.get(v), versions.get(v)) {
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    })
+                })
+        });
+        Some(same.cloned().unwrap_or_else(|| Arc::new(Canary::new(c.clone(), stable))))
+    });
+    (Some(Arc::new(Served { name: name.to_string(), versions, canary })), notes)
+}
+
+/// A replacement for a served version must keep its interface (publish a new version to change
+/// it), and every new load must answer a warm-up request.
+fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
+    if let Some(old) = old {
+        let sig = |m: &Model| {
+            let t =
+                |v: &[crate::config::TensorSpec]| v.iter().map(|t| (t.name.clone(), t.datatype)).collect::<Vec<_>>();
+            (t(&m.spec.inputs), t(&m.spec.outputs))
+        };
+        if sig(&model) != sig(old) {
+            return Err(Error::invalid(format!(
+                "the new files change the inputs or outputs of version {} (publish a new version instead)",
+                old.spec.version
+            )));
+        }
+    }
+    model.warm_up().map_err(|e| Error::invalid(format!("warm-up inference failed: {e}")))?;
+    Ok(model)
+}
+
+fn failed(name: &str, version: Option<u64>, e: &Error) {
+    let v = version.map(|v| v.to_string()).unwrap_or_default();
+    tracing::error!(model = %name, version = %v, error = %e, "model load failed");
+    crate::metrics::global().model_load_failures.with_label_values(&[name]).inc();
+}
