@@ -149,9 +149,80 @@ def slow():
     save(graph, os.path.join(ROOT, "tests", "models", "slow", "1", "model.onnx"))
 
 
+def ramp_weight(nodes, consts, name, n):
+    """Appends nodes computing an [n, n] weight sin(0.37 i) * 1.5 / sqrt(n) into `name` (no initializer
+    of that size in the file)."""
+    consts += [
+        numpy_helper.from_array(np.array(0, np.float32), f"{name}_start"),
+        numpy_helper.from_array(np.array(n * n, np.float32), f"{name}_limit"),
+        numpy_helper.from_array(np.array(1, np.float32), f"{name}_one"),
+        numpy_helper.from_array(np.array(0.37, np.float32), f"{name}_step"),
+        numpy_helper.from_array(np.array([n, n], np.int64), f"{name}_shape"),
+        numpy_helper.from_array(np.array(1.5 / np.sqrt(n), np.float32), f"{name}_gain"),
+    ]
+    nodes += [
+        helper.make_node("Range", [f"{name}_start", f"{name}_limit", f"{name}_one"], [f"{name}_ramp"]),
+        helper.make_node("Mul", [f"{name}_ramp", f"{name}_step"], [f"{name}_angles"]),
+        helper.make_node("Sin", [f"{name}_angles"], [f"{name}_wave"]),
+        helper.make_node("Reshape", [f"{name}_wave", f"{name}_shape"], [f"{name}_unscaled"]),
+        helper.make_node("Mul", [f"{name}_unscaled", f"{name}_gain"], [name]),
+    ]
+
+
+def scale(path, k, variant="good", input_name="x"):
+    """The lifecycle tests' model: x FP32 [N,4] -> y = k x FP32 [N,4]. Variants for canary and reload
+    tests: "nan" answers NaN wherever x < 0 (y = kx + 0 sqrt(x)); "slow" adds milliseconds of work
+    per row that do not change y; the input may be renamed (an interface change)."""
+    consts = [numpy_helper.from_array(np.array(k, np.float32), "k")]
+    nodes = [helper.make_node("Mul", [input_name, "k"], ["kx"])]
+    if variant == "nan":
+        consts.append(numpy_helper.from_array(np.array(0, np.float32), "zero"))
+        nodes += [
+            helper.make_node("Sqrt", [input_name], ["root"]),
+            helper.make_node("Mul", ["root", "zero"], ["nan_or_zero"]),
+            helper.make_node("Add", ["kx", "nan_or_zero"], ["y"]),
+        ]
+    elif variant == "slow":
+        ramp_weight(nodes, consts, "w", 512)
+        consts += [numpy_helper.from_array(np.array([1, 128], np.int64), "reps"),
+                   numpy_helper.from_array(np.array([1], np.int64), "axes"),
+                   numpy_helper.from_array(np.array(0, np.float32), "zero")]
+        nodes.append(helper.make_node("Tile", [input_name, "reps"], ["h0"]))
+        for i in range(400):
+            nodes += [helper.make_node("MatMul", [f"h{i}", "w"], [f"m{i}"]),
+                      helper.make_node("Tanh", [f"m{i}"], [f"h{i + 1}"])]
+        nodes += [
+            helper.make_node("ReduceSum", ["h400", "axes"], ["s"], keepdims=1),
+            helper.make_node("Mul", ["s", "zero"], ["nothing"]),
+            helper.make_node("Add", ["kx", "nothing"], ["y"]),
+        ]
+    else:
+        nodes[-1] = helper.make_node("Mul", [input_name, "k"], ["y"])
+    graph = helper.make_graph(
+        nodes,
+        "scale",
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        consts,
+    )
+    save(graph, path)
+
+
+def scales():
+    base = os.path.join(ROOT, "tests", "models", "scale")
+    for k in (1, 2, 3):
+        scale(os.path.join(base, str(k), "model.onnx"), float(k))
+    variants = os.path.join(ROOT, "tests", "models", "scale_variants")
+    scale(os.path.join(variants, "times5.onnx"), 5.0)
+    scale(os.path.join(variants, "nan.onnx"), 2.0, "nan")
+    scale(os.path.join(variants, "slow.onnx"), 2.0, "slow")
+    scale(os.path.join(variants, "renamed.onnx"), 2.0, input_name="z")
+
+
 if __name__ == "__main__":
     mlp()
     mixed()
     identity()
     fixed()
     slow()
+    scales()

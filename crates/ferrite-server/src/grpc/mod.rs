@@ -343,6 +343,7 @@ impl GrpcInferenceService for Service {
         r: Request<pb::RepositoryModelUnloadRequest>,
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
         let r = r.into_inner();
+        refuse_load_parameters(r.parameters.keys().filter(|n| *n != "unload_dependents"))?;
         let core = self.core.clone();
         run_blocking(move || core.unload_model(&r.model_name)).await?;
         Ok(Response::new(pb::RepositoryModelUnloadResponse {}))

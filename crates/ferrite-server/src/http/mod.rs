@@ -325,14 +325,14 @@ async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json
 }
 
 /// A load or unload request body: Triton's `parameters` (config, files) are refused; models load
-/// from the repository as it is.
+/// from the repository as it is. `unload_dependents` is accepted (there are no ensembles).
 fn check_load_body(body: &Bytes) -> Result<(), ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(());
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))?;
     let names = v.get("parameters").and_then(Value::as_object).map(|p| p.keys().cloned().collect::<Vec<_>>());
-    crate::grpc::refuse_load_parameters(names.unwrap_or_default().iter())
+    crate::grpc::refuse_load_parameters(names.unwrap_or_default().iter().filter(|n| *n != "unload_dependents"))
         .map_err(|st| ApiError::new(StatusCode::NOT_IMPLEMENTED, st.message()))
 }
 
