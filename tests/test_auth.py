@@ -80,6 +80,31 @@ def test_every_http_route_needs_the_right_token(secured):
     assert INFER not in s.logs() and WRONG not in s.logs()
 
 
+REPOSITORY_ROUTES = [("POST", "/v2/repository/index", 200), ("POST", "/v2/repository/models/mlp/load", 501),
+                     ("POST", "/v2/repository/models/mlp/unload", 501), ("POST", "/v2/repository/models/mlp/promote", 501)]
+
+
+def test_the_repository_api_needs_the_admin_scope(secured):
+    s = secured()
+    base = f"http://{s.url}"
+    for method, path, reached in REPOSITORY_ROUTES:
+        assert http(method, base + path) == 401, path
+        assert http(method, base + path, WRONG) == 401, path
+        assert http(method, base + path, INFER) == 403, path
+        assert http(method, base + path, METRICS) == 403, path
+        # With the admin scope the handler answers (load and unload need explicit mode: 501).
+        assert http(method, base + path, ADMIN) == reached, path
+    c = grpcclient.InferenceServerClient(s.grpc_url)
+    for token, code in ((None, "UNAUTHENTICATED"), (WRONG, "UNAUTHENTICATED"), (INFER, "PERMISSION_DENIED")):
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        for call in (lambda: c.get_model_repository_index(headers=headers),
+                     lambda: c.load_model("mlp", headers=headers), lambda: c.unload_model("mlp", headers=headers)):
+            with pytest.raises(InferenceServerException) as e:
+                call()
+            assert e.value.status() == f"StatusCode.{code}"
+    assert c.get_model_repository_index(headers={"authorization": f"Bearer {ADMIN}"}, as_json=True)["models"]
+
+
 def test_health_may_be_left_open(secured):
     s = secured("--auth-allow-health")
     for method, path in HEALTH:

@@ -111,14 +111,32 @@ impl Core {
 
     /// Opens the repository at `root` and loads the models `startup` names.
     pub fn open(root: &Path, options: &LoadOptions, limits: Limits, startup: Startup) -> Result<Core> {
+        Core::open_with_configs(root, options, limits, startup, None)
+    }
+
+    /// As `open`, with model configs from an external source (`revision`, configs by model name)
+    /// in place of those models' `config.toml` from the first load on.
+    pub fn open_with_configs(
+        root: &Path,
+        options: &LoadOptions,
+        limits: Limits,
+        startup: Startup,
+        configs: Option<(i64, BTreeMap<String, String>)>,
+    ) -> Result<Core> {
         let repository = Repository::open(root, options.clone())?;
         let names = match startup {
             Startup::All => repository.names(),
             Startup::Only(names) => names,
         };
         let core = Core::new(Registry::default(), Some(repository), limits, options.cache.clone());
-        core.inner.lifecycle.lock().unwrap_or_else(|e| e.into_inner()).wanted.extend(names.iter().cloned());
-        core.reload(&names);
+        let revision = configs.as_ref().map(|c| c.0);
+        {
+            let mut lc = core.lifecycle();
+            lc.wanted.extend(names.iter().cloned());
+            lc.configs = configs.map(|c| c.1).unwrap_or_default();
+            let repo = core.inner.repository.as_ref().expect("opened above");
+            core.rebuild(repo, &mut lc, &names, revision);
+        }
         Ok(core)
     }
 
@@ -258,12 +276,6 @@ impl Core {
 
     /// Rebuilds `names` from disk (and the external configs) beside what serves, then swaps the
     /// result in at once. Blocks while models load; requests are served meanwhile.
-    fn reload(&self, names: &[String]) {
-        let Some(repo) = &self.inner.repository else { return };
-        let mut lc = self.lifecycle();
-        self.rebuild(repo, &mut lc, names, None);
-    }
-
     fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String], revision: Option<i64>) {
         if !self.is_ready() {
             return;
@@ -453,16 +465,22 @@ impl Core {
             };
             return Err(model.refuse(e));
         }
-        let Some((canary, side)) = canary else { return model.infer(req, &self.inner.limits).await };
         let start = Instant::now();
         let result = model.infer(req, &self.inner.limits).await;
-        let failed = match &result {
-            Ok(r) => canary::has_nan(&r.outputs),
-            Err(e) => matches!(e, Error::Internal(_) | Error::DeadlineExceeded(_)),
-        };
-        if let Some(reason) = canary.record(side, failed, start.elapsed()) {
-            tracing::warn!(model = %model.spec.name, version = canary.config.version, %reason, "canary withdrawn");
-            metrics::global().canary_rollbacks.with_label_values(&[model.spec.name.as_str()]).inc();
+        if let Some((canary, side)) = canary {
+            let failed = match &result {
+                Ok(r) => canary::has_nan(&r.outputs),
+                Err(e) => matches!(e, Error::Internal(_) | Error::DeadlineExceeded(_)),
+            };
+            if let Some(reason) = canary.record(side, failed, start.elapsed()) {
+                tracing::warn!(model = %model.spec.name, version = canary.config.version, %reason, "canary withdrawn");
+                metrics::global().canary_rollbacks.with_label_values(&[model.spec.name.as_str()]).inc();
+            }
+        }
+        // The last request of a replaced or unloaded model frees it (worker threads joined,
+        // session released) on a thread of its own, not on the caller's.
+        if Arc::strong_count(&model) == 1 {
+            let _ = std::thread::Builder::new().name("ferrite-free".into()).spawn(move || drop(model));
         }
         result
     }

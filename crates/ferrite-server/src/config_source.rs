@@ -42,36 +42,55 @@ fn range_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
-/// Reads the configs once (failing start-up if etcd cannot be read), applies them, and keeps
-/// them in step with etcd from then on.
-pub async fn start(core: Core, source: &str) -> anyhow::Result<()> {
-    let (endpoint, prefix) = parse(source)?;
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())?
-        .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(10))
-        .connect_lazy();
-    let watcher = Watcher { core, channel, prefix: format!("{prefix}models/") };
-    let first =
-        watcher.read().await.map_err(|e| anyhow::anyhow!("--config-source {source}: cannot read the configs: {e}"))?;
-    let mut applied = watcher.apply(first).await;
-    tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(200);
-        loop {
-            match watcher.follow(&mut applied).await {
-                Ok(()) => backoff = Duration::from_millis(200),
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "config source unreachable; serving the last configs");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
+/// A connection to the config source, with the configs read at start-up.
+pub struct Source {
+    watcher: Watcher,
+    first: Snapshot,
+}
+
+impl Source {
+    /// Connects and reads the configs once; start-up fails if etcd cannot be read.
+    pub async fn connect(source: &str) -> anyhow::Result<Source> {
+        let (endpoint, prefix) = parse(source)?;
+        let channel = tonic::transport::Endpoint::from_shared(endpoint)?
+            .connect_timeout(Duration::from_secs(3))
+            .timeout(Duration::from_secs(10))
+            .connect_lazy();
+        let watcher = Watcher { channel, prefix: format!("{prefix}models/") };
+        let first = watcher
+            .read()
+            .await
+            .map_err(|e| anyhow::anyhow!("--config-source {source}: cannot read the configs: {e}"))?;
+        Ok(Source { watcher, first })
+    }
+
+    /// The configs read at start-up: the revision, and each model's config text.
+    pub fn initial(&self) -> (i64, BTreeMap<String, String>) {
+        (self.first.revision, self.first.texts())
+    }
+
+    /// Keeps `core`'s configs in step with etcd from now on (`core` was opened with `initial`).
+    pub fn follow(self, core: Core) {
+        let Source { watcher, first } = self;
+        let mut applied = first.configs;
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(200);
+            loop {
+                match watcher.follow(&core, &mut applied).await {
+                    Ok(()) => backoff = Duration::from_millis(200),
+                    Err(e) => {
+                        let retry_in_ms = backoff.as_millis() as u64;
+                        tracing::warn!(error = %e, retry_in_ms, "config source unreachable; serving the last configs");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(10));
+                    }
                 }
             }
-        }
-    });
-    Ok(())
+        });
+    }
 }
 
 struct Watcher {
-    core: Core,
     channel: tonic::transport::Channel,
     /// `<prefix>models/`
     prefix: String,
@@ -81,6 +100,12 @@ struct Watcher {
 struct Snapshot {
     revision: i64,
     configs: BTreeMap<String, (i64, String)>,
+}
+
+impl Snapshot {
+    fn texts(&self) -> BTreeMap<String, String> {
+        self.configs.iter().map(|(k, (_, v))| (k.clone(), v.clone())).collect()
+    }
 }
 
 impl Watcher {
@@ -103,10 +128,10 @@ impl Watcher {
         Ok(Snapshot { revision: resp.header.map_or(0, |h| h.revision), configs })
     }
 
-    /// Applies `snap` (when it differs from what was applied) and returns what is applied now.
-    async fn apply(&self, snap: Snapshot) -> BTreeMap<String, (i64, String)> {
-        let core = self.core.clone();
-        let configs: BTreeMap<String, String> = snap.configs.iter().map(|(k, (_, v))| (k.clone(), v.clone())).collect();
+    /// Applies `snap` to `core` and returns what is applied now.
+    async fn apply(&self, core: &Core, snap: Snapshot) -> BTreeMap<String, (i64, String)> {
+        let core = core.clone();
+        let configs = snap.texts();
         let revision = snap.revision;
         // Loading models blocks; keep it off the async threads.
         let _ = tokio::task::spawn_blocking(move || core.apply_configs(revision, configs)).await;
@@ -114,12 +139,12 @@ impl Watcher {
     }
 
     /// Watches the prefix from the applied state on; returns when the watch ends.
-    async fn follow(&self, applied: &mut BTreeMap<String, (i64, String)>) -> Result<(), tonic::Status> {
+    async fn follow(&self, core: &Core, applied: &mut BTreeMap<String, (i64, String)>) -> Result<(), tonic::Status> {
         // Catch up first: changes made while the watch was down.
         let snap = self.read().await?;
         let start = snap.revision + 1;
         if snap.configs != *applied {
-            *applied = self.apply(snap).await;
+            *applied = self.apply(core, snap).await;
         }
         let key = self.prefix.as_bytes().to_vec();
         let create = pb::WatchRequest {
@@ -146,7 +171,7 @@ impl Watcher {
             // that revision so the change is applied whole.
             let snap = self.read().await?;
             if snap.configs != *applied {
-                *applied = self.apply(snap).await;
+                *applied = self.apply(core, snap).await;
             }
         }
         drop(tx);

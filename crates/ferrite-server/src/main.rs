@@ -236,9 +236,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ControlMode::Poll => ModelControl::Poll,
         ControlMode::Explicit => ModelControl::Explicit,
     };
-    let mut core = tokio::task::spawn_blocking(move || Core::open(&repo, &options, limits, startup))
-        .await??
-        .with_model_control(control);
+    // Configs from etcd are read before the first load, so models load once, with them.
+    let source = match &args.config_source {
+        Some(s) => Some(ferrite_server::config_source::Source::connect(s).await?),
+        None => None,
+    };
+    let initial = source.as_ref().map(|s| s.initial());
+    let mut core =
+        tokio::task::spawn_blocking(move || Core::open_with_configs(&repo, &options, limits, startup, initial))
+            .await??
+            .with_model_control(control);
     if let Some(t) = tenants {
         core = core.with_tenants(t);
     }
@@ -252,8 +259,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             core.poll(debounce);
         })?;
     }
-    if let Some(source) = &args.config_source {
-        ferrite_server::config_source::start(core.clone(), source).await?;
+    if let Some(source) = source {
+        source.follow(core.clone());
     }
     let cfg = ServeConfig {
         host: args.host,
