@@ -115,40 +115,6 @@ def fixed():
     save(graph, os.path.join(ROOT, "tests", "models", "fixed", "1", "model.onnx"))
 
 
-def slow():
-    """Deliberately costly per row (a few ms on one core), for load, overload and shutdown tests:
-    x FP32 [N,512] -> 1000 times (MatMul by one 512x512 weight, then Tanh) -> y FP32 [N,512].
-    The weight is computed in the graph (sin of a ramp, constant-folded at load), so the file stays small."""
-    consts = [
-        numpy_helper.from_array(np.array(0, np.float32), "start"),
-        numpy_helper.from_array(np.array(512 * 512, np.float32), "limit"),
-        numpy_helper.from_array(np.array(0.37, np.float32), "step"),
-        numpy_helper.from_array(np.array([512, 512], np.int64), "square"),
-        numpy_helper.from_array(np.array(1.5 / np.sqrt(512), np.float32), "gain"),
-    ]
-    nodes = [
-        helper.make_node("Range", ["start", "limit", "one"], ["ramp"]),
-        helper.make_node("Mul", ["ramp", "step"], ["angles"]),
-        helper.make_node("Sin", ["angles"], ["wave"]),
-        helper.make_node("Reshape", ["wave", "square"], ["unscaled"]),
-        helper.make_node("Mul", ["unscaled", "gain"], ["w"]),
-    ]
-    consts.append(numpy_helper.from_array(np.array(1, np.float32), "one"))
-    prev = "x"
-    for i in range(1000):
-        nodes.append(helper.make_node("MatMul", [prev, "w"], [f"m{i}"]))
-        prev = "y" if i == 999 else f"t{i}"
-        nodes.append(helper.make_node("Tanh", [f"m{i}"], [prev]))
-    graph = helper.make_graph(
-        nodes,
-        "slow",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 512])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 512])],
-        consts,
-    )
-    save(graph, os.path.join(ROOT, "tests", "models", "slow", "1", "model.onnx"))
-
-
 def ramp_weight(nodes, consts, name, n):
     """Appends nodes computing an [n, n] weight sin(0.37 i) * 1.5 / sqrt(n) into `name` (no initializer
     of that size in the file)."""
@@ -167,6 +133,27 @@ def ramp_weight(nodes, consts, name, n):
         helper.make_node("Reshape", [f"{name}_wave", f"{name}_shape"], [f"{name}_unscaled"]),
         helper.make_node("Mul", [f"{name}_unscaled", f"{name}_gain"], [name]),
     ]
+
+
+def slow():
+    """Deliberately costly per row (a few ms on one core), for load, overload and shutdown tests:
+    x FP32 [N,512] -> 1000 times (MatMul by one 512x512 weight, then Tanh) -> y FP32 [N,512].
+    The weight is computed in the graph (constant-folded at load), so the file stays small."""
+    nodes, consts = [], []
+    ramp_weight(nodes, consts, "w", 512)
+    prev = "x"
+    for i in range(1000):
+        nodes.append(helper.make_node("MatMul", [prev, "w"], [f"m{i}"]))
+        prev = "y" if i == 999 else f"t{i}"
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [prev]))
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 512])],
+        consts,
+    )
+    save(graph, os.path.join(ROOT, "tests", "models", "slow", "1", "model.onnx"))
 
 
 def scale(path, k, variant="good", input_name="x"):
