@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import time
 
@@ -53,7 +54,7 @@ def main():
         (repo / "mlp" / "1").mkdir(parents=True, exist_ok=True)
         link = repo / "mlp" / "1" / "model.onnx"
         if not link.exists():
-            link.symlink_to(ROOT / "models/mlp/1/model.onnx")
+            shutil.copy(ROOT / "models/mlp/1/model.onnx", link)
         (repo / "mlp" / "config.toml").write_text("[cache]\nenabled = true\n" if cached else "")
         repos[name] = repo
 

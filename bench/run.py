@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import struct
 import subprocess
@@ -149,7 +150,7 @@ def main():
     repo = WORK / "repo"
     if not (repo / "mlp").exists():
         (repo / "mlp" / "1").mkdir(parents=True)
-        (repo / "mlp" / "1" / "model.onnx").symlink_to(ROOT / "models/mlp/1/model.onnx")
+        shutil.copy(ROOT / "models/mlp/1/model.onnx", repo / "mlp" / "1" / "model.onnx")
 
     infer = "/v2/models/mlp/infer"
     json_load = lambda base, _: oha_load(base + infer, body, args.clients, ["Content-Type: application/json"])
@@ -184,7 +185,7 @@ def main():
             (cfg / "mlp" / "1").mkdir(parents=True, exist_ok=True)
             link = cfg / "mlp" / "1" / "model.onnx"
             if not link.exists():
-                link.symlink_to(ROOT / "models/mlp/1/model.onnx")
+                shutil.copy(ROOT / "models/mlp/1/model.onnx", link)
             (cfg / "mlp" / "config.toml").write_text(f"[dynamic_batching]\nmax_queue_delay_microseconds = {delay}\n")
             for clients in (args.clients, 1):
                 load = lambda base, _, c=clients: oha_load(base + infer, body, c, ["Content-Type: application/json"])
