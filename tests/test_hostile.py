@@ -127,6 +127,7 @@ def test_memory_stays_flat_over_100_repeats(hardened):
     for _ in range(100):
         round_()
     after = rss_kib(hardened.proc.pid)
+    print(f"\nRSS over 100 rounds of {len(CASES)} hostile requests: {before} KiB -> {after} KiB")
     assert after - before < 32 * 1024, f"RSS grew from {before} KiB to {after} KiB"
     assert send(hardened, "POST", MLP, JSON, mlp_body())[0] == 200
 
