@@ -376,8 +376,7 @@ impl Core {
 
     /// One round of repository polling: models whose files or config changed (and stayed the
     /// same for `debounce`, so half-written files are not picked up) are rebuilt; new model
-    /// directories are loaded and removed ones unloaded. `all` makes every model on disk wanted
-    /// (poll mode).
+    /// directories are loaded and removed ones unloaded.
     pub fn poll(&self, debounce: Duration) {
         let Some(repo) = &self.inner.repository else { return };
         let changed = |lc: &mut Lifecycle| {
