@@ -114,14 +114,14 @@ impl Core {
         Core::open_with_configs(root, options, limits, startup, None)
     }
 
-    /// As `open`, with model configs from an external source (`revision`, configs by model name)
-    /// in place of those models' `config.toml` from the first load on.
+    /// As `open`, with model configs from an external source (by model name) in place of those
+    /// models' `config.toml` from the first load on.
     pub fn open_with_configs(
         root: &Path,
         options: &LoadOptions,
         limits: Limits,
         startup: Startup,
-        configs: Option<(i64, BTreeMap<String, String>)>,
+        configs: Option<BTreeMap<String, String>>,
     ) -> Result<Core> {
         let repository = Repository::open(root, options.clone())?;
         let names = match startup {
@@ -129,13 +129,12 @@ impl Core {
             Startup::Only(names) => names,
         };
         let core = Core::new(Registry::default(), Some(repository), limits, options.cache.clone());
-        let revision = configs.as_ref().map(|c| c.0);
         {
             let mut lc = core.lifecycle();
             lc.wanted.extend(names.iter().cloned());
-            lc.configs = configs.map(|c| c.1).unwrap_or_default();
+            lc.configs = configs.unwrap_or_default();
             let repo = core.inner.repository.as_ref().expect("opened above");
-            core.rebuild(repo, &mut lc, &names, revision);
+            core.rebuild(repo, &mut lc, &names);
         }
         Ok(core)
     }
@@ -276,7 +275,7 @@ impl Core {
 
     /// Rebuilds `names` from disk (and the external configs) beside what serves, then swaps the
     /// result in at once. Blocks while models load; requests are served meanwhile.
-    fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String], revision: Option<i64>) {
+    fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String]) {
         if !self.is_ready() {
             return;
         }
@@ -300,9 +299,6 @@ impl Core {
             }
             lc.applied.insert(name.clone(), signature);
         }
-        if revision.is_some() {
-            next.config_revision = revision;
-        }
         self.inner.registry.store(Arc::new(next));
     }
 
@@ -325,7 +321,7 @@ impl Core {
         repo.versions(name)?;
         let mut lc = self.lifecycle();
         lc.wanted.insert(name.to_string());
-        self.rebuild(repo, &mut lc, &[name.to_string()], None);
+        self.rebuild(repo, &mut lc, &[name.to_string()]);
         let r = self.inner.registry.load();
         match r.notes.get(name) {
             None => Ok(()),
@@ -406,7 +402,7 @@ impl Core {
             second.iter().filter(|(n, sig)| first.get(*n) == Some(sig)).map(|(n, _)| n.clone()).collect();
         if !settled.is_empty() {
             tracing::info!(models = ?settled, "repository changed; reloading");
-            self.rebuild(repo, &mut lc, &settled, None);
+            self.rebuild(repo, &mut lc, &settled);
         }
     }
 
@@ -426,7 +422,7 @@ impl Core {
         lc.configs = configs;
         let changed: Vec<String> = changed.into_iter().collect::<BTreeSet<_>>().into_iter().collect();
         tracing::info!(revision, models = ?changed, "config change");
-        self.rebuild(repo, &mut lc, &changed, Some(revision));
+        self.rebuild(repo, &mut lc, &changed);
     }
 
     /// True while new requests are accepted.

@@ -88,8 +88,6 @@ pub struct Notes {
 pub struct Registry {
     pub models: BTreeMap<String, Arc<Served>>,
     pub notes: BTreeMap<String, Notes>,
-    /// The revision of the external config (etcd) this registry was built from, if any.
-    pub config_revision: Option<i64>,
 }
 
 impl Registry {

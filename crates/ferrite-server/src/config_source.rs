@@ -64,9 +64,10 @@ impl Source {
         Ok(Source { watcher, first })
     }
 
-    /// The configs read at start-up: the revision, and each model's config text.
-    pub fn initial(&self) -> (i64, BTreeMap<String, String>) {
-        (self.first.revision, self.first.texts())
+    /// The configs read at start-up: each model's config text.
+    pub fn initial(&self) -> BTreeMap<String, String> {
+        tracing::info!(revision = self.first.revision, models = self.first.configs.len(), "configs read from etcd");
+        self.first.texts()
     }
 
     /// Keeps `core`'s configs in step with etcd from now on (`core` was opened with `initial`).
