@@ -444,3 +444,57 @@ async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
     }
     out
 }
+
+/// A repository holding the `scale` test model at the given versions.
+fn scale_repo(versions: &[u64]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for v in versions {
+        let dst = dir.path().join("scale").join(v.to_string());
+        std::fs::create_dir_all(&dst).unwrap();
+        std::fs::copy(root().join(format!("tests/models/scale/{v}/model.onnx")), dst.join("model.onnx")).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn reloads_keep_what_did_not_change_and_what_failed_to_replace() {
+    let dir = scale_repo(&[1, 2]);
+    let p = dir.path().join("scale");
+    std::fs::write(p.join("config.toml"), "[version_policy]\nall = true\n").unwrap();
+    let core = load(dir.path());
+    let v1 = core.model("scale", Some("1")).unwrap();
+    let v2 = core.model("scale", Some("2")).unwrap();
+    // Nothing changed: the same loads serve on.
+    core.poll(Duration::ZERO);
+    assert!(Arc::ptr_eq(&v1, &core.model("scale", Some("1")).unwrap()));
+    // Version 2's file replaced: only version 2 is reloaded.
+    std::fs::copy(root().join("tests/models/scale_variants/times5.onnx"), p.join("2/model.onnx.new")).unwrap();
+    std::fs::rename(p.join("2/model.onnx.new"), p.join("2/model.onnx")).unwrap();
+    core.poll(Duration::ZERO);
+    assert!(Arc::ptr_eq(&v1, &core.model("scale", Some("1")).unwrap()));
+    let v2b = core.model("scale", Some("2")).unwrap();
+    assert!(!Arc::ptr_eq(&v2, &v2b));
+    // A truncated file: refused, the previous load keeps serving, and the index says why.
+    let bytes = std::fs::read(root().join("tests/models/scale/1/model.onnx")).unwrap();
+    std::fs::write(p.join("2/model.onnx"), &bytes[..bytes.len() / 2]).unwrap();
+    core.poll(Duration::ZERO);
+    assert!(Arc::ptr_eq(&v2b, &core.model("scale", Some("2")).unwrap()));
+    let row = core.index().into_iter().find(|r| r.version == Some(2)).unwrap();
+    assert_eq!(row.state, ferrite_core::registry::State::Ready);
+    assert!(row.reason.contains("reload failed"), "{row:?}");
+    // The old load stays alive while someone holds it, though the registry moved on.
+    std::fs::write(p.join("config.toml"), "[version_policy]\nspecific = [2]\n").unwrap();
+    core.poll(Duration::ZERO);
+    assert!(matches!(core.model("scale", Some("1")), Err(Error::NotFound(_))));
+    assert_eq!(v1.spec.version, 1);
+}
+
+#[test]
+fn a_symlink_out_of_the_repository_is_refused() {
+    let outside = scale_repo(&[1]);
+    let dir = repo(&[("mixed", None)]);
+    std::os::unix::fs::symlink(outside.path().join("scale"), dir.path().join("scale")).unwrap();
+    let core = load(dir.path());
+    assert!(core.failed()["scale"].contains("outside the model repository"), "{:?}", core.failed());
+    assert!(core.model("mixed", None).is_ok());
+}
