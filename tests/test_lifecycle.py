@@ -223,6 +223,13 @@ def test_repository_api_over_http_and_grpc_needs_admin(admin_server, tmp_path):
     assert h.is_model_ready("mlp", headers=ih)
     g.unload_model("mlp", headers=ah)
     assert not h.is_model_ready("mlp", headers=ih)
+    # A model that is not ready: 503 with Retry-After, as for a full queue.
+    conn = http.client.HTTPConnection(s.url, timeout=30)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+    conn.request("POST", "/v2/models/mlp/infer", body, ih)
+    r = conn.getresponse()
+    assert r.status == 503 and r.getheader("Retry-After") and b"unloaded" in r.read()
+    conn.close()
     g.load_model("mlp", headers=ah)
     assert g.is_model_ready("mlp", headers={"authorization": f"Bearer {INFER}"})
     idx = g.get_model_repository_index(headers=ah, as_json=True)["models"]

@@ -439,7 +439,10 @@ impl Core {
             match (req.model_version.as_deref().filter(|v| !v.is_empty()), registry.models.get(&req.model_name)) {
                 (None, Some(served)) => {
                     let (m, side) = served.route(req.id.as_deref(), req.canary).ok_or_else(|| {
-                        Error::unavailable(format!("model '{}' has no version ready", req.model_name), None)
+                        Error::unavailable(
+                            format!("model '{}' has no version ready", req.model_name),
+                            Some(queue::RETRY_AFTER),
+                        )
                     })?;
                     (m, side.and_then(|side| Some((served.canary.clone()?, side))))
                 }

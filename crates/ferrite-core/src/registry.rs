@@ -95,15 +95,17 @@ impl Registry {
     pub fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
         let Some(served) = self.models.get(name) else {
             return Err(match self.notes.get(name).and_then(|n| n.model.as_ref()) {
-                Some(why) => Error::unavailable(format!("model '{name}' is not available: {why}"), None),
+                Some(why) => Error::unavailable(
+                    format!("model '{name}' is not available: {why}"),
+                    Some(crate::queue::RETRY_AFTER),
+                ),
                 None => Error::NotFound(format!("unknown model '{name}'")),
             });
         };
         match version.filter(|v| !v.is_empty()) {
-            None => served
-                .default_version()
-                .cloned()
-                .ok_or_else(|| Error::unavailable(format!("model '{name}' has no version ready"), None)),
+            None => served.default_version().cloned().ok_or_else(|| {
+                Error::unavailable(format!("model '{name}' has no version ready"), Some(crate::queue::RETRY_AFTER))
+            }),
             Some(v) => v
                 .parse::<u64>()
                 .ok()
