@@ -94,6 +94,17 @@ pub enum Startup {
     Only(Vec<String>),
 }
 
+/// Refuses repository-API parameters other than `unload_dependents` (accepted: there are no
+/// ensembles to unload with a model).
+fn refuse_parameters<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    match names.into_iter().find(|n| *n != "unload_dependents") {
+        None => Ok(()),
+        Some(n) => Err(Error::Unsupported(format!(
+            "parameter '{n}' is not supported: models load from the repository as it is"
+        ))),
+    }
+}
+
 /// Holds one place under `max_concurrent_requests` while a request is in the engine.
 struct Admitted<'c>(&'c std::sync::atomic::AtomicUsize);
 
@@ -285,9 +296,9 @@ impl Core {
             if !lc.wanted.contains(name) {
                 continue;
             }
-            let signature = self.signature(repo, lc, name);
-            let config = lc.configs.get(name).map(String::as_str);
-            let (served, notes) = lifecycle::build(repo, name, config, current.models.get(name));
+            let inputs = lifecycle::Inputs::read(repo, name, lc.configs.get(name).map(String::as_str));
+            let signature = inputs.signature();
+            let (served, notes) = lifecycle::build(repo, name, inputs, current.models.get(name));
             match served {
                 Some(s) => next.models.insert(name.clone(), s),
                 None => next.models.remove(name),
@@ -302,18 +313,13 @@ impl Core {
         self.inner.registry.store(Arc::new(next));
     }
 
-    /// What a model's serving depends on: its config text and its version files.
-    fn signature(&self, repo: &Repository, lc: &Lifecycle, name: &str) -> u64 {
-        let config = lc.configs.get(name).cloned().unwrap_or_else(|| repo.config_text(name).unwrap_or_default());
-        let files: Vec<(u64, u64)> =
-            repo.versions(name).unwrap_or_default().iter().map(|d| (d.version, d.fingerprint)).collect();
-        xxhash_rust::xxh3::xxh3_64(format!("{config}\u{0}{files:?}").as_bytes())
-    }
-
     /// Loads (or reloads) `name` from the repository, as the repository API's `load` does. Fails
     /// with the reason when anything did not load; what served before keeps serving then.
-    pub fn load_model(&self, name: &str) -> Result<()> {
+    /// `parameters` are the names of the request's load parameters (Triton's config and file
+    /// overrides): any is refused, since models load from the repository as it is.
+    pub fn load_model<'a>(&self, name: &str, parameters: impl IntoIterator<Item = &'a str>) -> Result<()> {
         self.require_explicit()?;
+        refuse_parameters(parameters)?;
         let repo = self.repository()?;
         if !repository::is_model_name(name) {
             return Err(Error::invalid(format!("'{name}' is not a valid model name")));
@@ -333,9 +339,10 @@ impl Core {
         }
     }
 
-    /// Stops serving `name`; its requests in flight finish on it.
-    pub fn unload_model(&self, name: &str) -> Result<()> {
+    /// Stops serving `name`; its requests in flight finish on it. `parameters` as for `load_model`.
+    pub fn unload_model<'a>(&self, name: &str, parameters: impl IntoIterator<Item = &'a str>) -> Result<()> {
         self.require_explicit()?;
+        refuse_parameters(parameters)?;
         self.unload(name)
     }
 
@@ -383,7 +390,9 @@ impl Core {
                 .wanted
                 .iter()
                 .filter(|n| on_disk.contains(n))
-                .map(|n| (n.clone(), self.signature(repo, lc, n)))
+                .map(|n| {
+                    (n.clone(), lifecycle::Inputs::read(repo, n, lc.configs.get(n).map(String::as_str)).signature())
+                })
                 .filter(|(n, sig)| lc.applied.get(n) != Some(sig))
                 .collect();
             (gone, moved)
@@ -434,21 +443,12 @@ impl Core {
         if !self.is_ready() {
             return Err(Error::unavailable("server is shutting down", Some(queue::RETRY_AFTER)));
         }
-        let registry = self.inner.registry.load();
-        let (model, canary) =
-            match (req.model_version.as_deref().filter(|v| !v.is_empty()), registry.models.get(&req.model_name)) {
-                (None, Some(served)) => {
-                    let (m, side) = served.route(req.id.as_deref(), req.canary).ok_or_else(|| {
-                        Error::unavailable(
-                            format!("model '{}' has no version ready", req.model_name),
-                            Some(queue::RETRY_AFTER),
-                        )
-                    })?;
-                    (m, side.and_then(|side| Some((served.canary.clone()?, side))))
-                }
-                (version, _) => (registry.model(&req.model_name, version)?, None),
-            };
-        drop(registry);
+        let (model, canary) = self.inner.registry.load().route(
+            &req.model_name,
+            req.model_version.as_deref(),
+            req.id.as_deref(),
+            req.canary,
+        )?;
         let _tenant = match &self.inner.tenants {
             Some(t) => Some(t.admit(req.tenant.as_deref(), Instant::now()).map_err(|e| model.refuse(e))?),
             None => None,

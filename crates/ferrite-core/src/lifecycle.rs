@@ -14,21 +14,42 @@ use crate::{
     Error, Model, Result,
 };
 
-/// What `name` should serve, built beside `current`. `None` when nothing can serve.
+/// What a model's serving depends on, as read from the repository (and the external config):
+/// its config text and its version files. A model is rebuilt when this changes.
+pub(crate) struct Inputs {
+    text: Result<String>,
+    disk: Result<Vec<OnDisk>>,
+}
+
+impl Inputs {
+    pub(crate) fn read(repo: &Repository, name: &str, config_text: Option<&str>) -> Inputs {
+        let text = match config_text {
+            Some(t) => Ok(t.to_string()),
+            None => repo.config_text(name),
+        };
+        Inputs { text, disk: repo.versions(name) }
+    }
+
+    pub(crate) fn signature(&self) -> u64 {
+        let text = self.text.as_deref().unwrap_or_default();
+        let files: Vec<(u64, u64)> =
+            self.disk.as_deref().unwrap_or_default().iter().map(|d| (d.version, d.fingerprint)).collect();
+        xxhash_rust::xxh3::xxh3_64(format!("{text}\u{0}{files:?}").as_bytes())
+    }
+}
+
+/// What `name` should serve given `inputs`, built beside `current`. `None` when nothing can serve.
 pub(crate) fn build(
     repo: &Repository,
     name: &str,
-    config_text: Option<&str>,
+    inputs: Inputs,
     current: Option<&Arc<Served>>,
 ) -> (Option<Arc<Served>>, Notes) {
     let mut notes = Notes::default();
     let planned = (|| -> Result<(ModelConfig, String, Vec<OnDisk>)> {
-        let text = match config_text {
-            Some(t) => t.to_string(),
-            None => repo.config_text(name)?,
-        };
+        let text = inputs.text?;
         let config = parse_config(&text)?;
-        let disk = repo.versions(name)?;
+        let disk = inputs.disk?;
         if disk.is_empty() {
             return Err(Error::invalid("no version directory (a positive integer) holds a model.onnx"));
         }

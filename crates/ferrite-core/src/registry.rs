@@ -36,18 +36,21 @@ impl Served {
         self.versions.iter().rev().find(|(v, _)| Some(**v) != candidate).map(|(_, m)| m)
     }
 
-    /// The model an unversioned request goes to, and the canary side when a canary chose it.
-    pub fn route(&self, id: Option<&str>, asked: CanaryRoute) -> Option<(Arc<Model>, Option<Side>)> {
+    /// The model an unversioned request goes to, and the canary and side when a canary chose it.
+    fn route(&self, id: Option<&str>, asked: CanaryRoute) -> Option<Routed> {
         if let Some(c) = &self.canary {
             let side = c.route(id, asked);
             let v = if side == Side::Candidate { c.config.version } else { c.stable };
             if let Some(m) = self.versions.get(&v) {
-                return Some((m.clone(), Some(side)));
+                return Some((m.clone(), Some((c.clone(), side))));
             }
         }
         self.default_version().map(|m| (m.clone(), None))
     }
 }
+
+/// Where a request goes: the model, and the canary whose window records its outcome, if any.
+pub type Routed = (Arc<Model>, Option<(Arc<Canary>, Side)>);
 
 /// The state of a model version in the repository index (Triton's names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +96,12 @@ pub struct Registry {
 impl Registry {
     /// The model `name` at `version` (`None` or empty: the default version).
     pub fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
+        self.route(name, version, None, CanaryRoute::Never).map(|(m, _)| m)
+    }
+
+    /// The model a request for `name` goes to: `version` when it names one, else the canary's
+    /// choice (by request `id` and the `x-ferrite-canary` wish), else the default version.
+    pub fn route(&self, name: &str, version: Option<&str>, id: Option<&str>, asked: CanaryRoute) -> Result<Routed> {
         let Some(served) = self.models.get(name) else {
             return Err(match self.notes.get(name).and_then(|n| n.model.as_ref()) {
                 Some(why) => Error::unavailable(
@@ -103,14 +112,14 @@ impl Registry {
             });
         };
         match version.filter(|v| !v.is_empty()) {
-            None => served.default_version().cloned().ok_or_else(|| {
+            None => served.route(id, asked).ok_or_else(|| {
                 Error::unavailable(format!("model '{name}' has no version ready"), Some(crate::queue::RETRY_AFTER))
             }),
             Some(v) => v
                 .parse::<u64>()
                 .ok()
                 .and_then(|v| served.versions.get(&v))
-                .cloned()
+                .map(|m| (m.clone(), None))
                 .ok_or_else(|| Error::NotFound(format!("model '{name}' has no version '{v}' ready"))),
         }
     }

@@ -332,9 +332,8 @@ impl GrpcInferenceService for Service {
         r: Request<pb::RepositoryModelLoadRequest>,
     ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
         let r = r.into_inner();
-        refuse_load_parameters(r.parameters.keys())?;
         let core = self.core.clone();
-        run_blocking(move || core.load_model(&r.model_name)).await?;
+        run_blocking(move || core.load_model(&r.model_name, r.parameters.keys().map(String::as_str))).await?;
         Ok(Response::new(pb::RepositoryModelLoadResponse {}))
     }
 
@@ -343,9 +342,8 @@ impl GrpcInferenceService for Service {
         r: Request<pb::RepositoryModelUnloadRequest>,
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
         let r = r.into_inner();
-        refuse_load_parameters(r.parameters.keys().filter(|n| *n != "unload_dependents"))?;
         let core = self.core.clone();
-        run_blocking(move || core.unload_model(&r.model_name)).await?;
+        run_blocking(move || core.unload_model(&r.model_name, r.parameters.keys().map(String::as_str))).await?;
         Ok(Response::new(pb::RepositoryModelUnloadResponse {}))
     }
 }
@@ -353,17 +351,6 @@ impl GrpcInferenceService for Service {
 /// Loads block while models load; off the async threads.
 async fn run_blocking(f: impl FnOnce() -> Result<(), Error> + Send + 'static) -> Result<(), Status> {
     tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(status)
-}
-
-/// Triton's load takes a config or files in its parameters; Ferrite loads only what the repository
-/// holds, so such a request is refused rather than half-honoured.
-pub fn refuse_load_parameters<'a>(mut names: impl Iterator<Item = &'a String>) -> Result<(), Status> {
-    match names.next() {
-        None => Ok(()),
-        Some(n) => Err(status(Error::Unsupported(format!(
-            "load parameter '{n}' is not supported: models load from the repository as it is"
-        )))),
-    }
 }
 
 /// How often HTTP/2 pings keep idle gRPC connections honest.

@@ -324,16 +324,13 @@ async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json
     Ok(Json(Value::Array(rows)))
 }
 
-/// A load or unload request body: Triton's `parameters` (config, files) are refused; models load
-/// from the repository as it is. `unload_dependents` is accepted (there are no ensembles).
-fn check_load_body(body: &Bytes) -> Result<(), ApiError> {
+/// The parameter names of a load or unload request body (`{"parameters": {...}}`, or none).
+fn parameter_names(body: &Bytes) -> Result<Vec<String>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))?;
-    let names = v.get("parameters").and_then(Value::as_object).map(|p| p.keys().cloned().collect::<Vec<_>>());
-    crate::grpc::refuse_load_parameters(names.unwrap_or_default().iter().filter(|n| *n != "unload_dependents"))
-        .map_err(|st| ApiError::new(StatusCode::NOT_IMPLEMENTED, st.message()))
+    Ok(v.get("parameters").and_then(Value::as_object).map(|p| p.keys().cloned().collect()).unwrap_or_default())
 }
 
 async fn blocking(f: impl FnOnce() -> ferrite_core::Result<()> + Send + 'static) -> Result<Json<Value>, ApiError> {
@@ -348,8 +345,8 @@ async fn repository_load(
     Path(model): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    check_load_body(&body)?;
-    blocking(move || s.core.load_model(&model)).await
+    let names = parameter_names(&body)?;
+    blocking(move || s.core.load_model(&model, names.iter().map(String::as_str))).await
 }
 
 async fn repository_unload(
@@ -357,8 +354,8 @@ async fn repository_unload(
     Path(model): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    check_load_body(&body)?;
-    blocking(move || s.core.unload_model(&model)).await
+    let names = parameter_names(&body)?;
+    blocking(move || s.core.unload_model(&model, names.iter().map(String::as_str))).await
 }
 
 async fn repository_promote(State(s): State<AppState>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
