@@ -77,6 +77,28 @@ def test_engine_loads_a_repository_and_serves_it():
         assert c.get_inference_statistics("mixed")["model_stats"][0]["inference_count"] == 2
 
 
+def test_serve_takes_the_binarys_security_options(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    engine = ferrite.Engine(ROOT / "models")
+    # Listening beyond loopback with no token is refused unless said outright.
+    with pytest.raises(ferrite.InvalidInput, match="allow_unauthenticated"):
+        ferrite.serve(engine, host="0.0.0.0", http_port=0, grpc_port=0)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-token-of-sixteen-chars infer\n")
+    with pytest.raises(ferrite.InvalidInput, match="tls_key"):
+        ferrite.serve(engine, http_port=0, grpc_port=0, tls_cert=tokens)
+    with ferrite.serve(engine, host="0.0.0.0", http_port=0, grpc_port=0, auth_token_file=tokens) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v2/models/mlp"
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(url, timeout=5)
+        assert denied.value.code == 401
+        req = urllib.request.Request(url, headers={"Authorization": "Bearer a-token-of-sixteen-chars"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+
+
 def test_inputs_are_read_in_place(mlp):
     x = np.ones((2, 512), np.float32)
     (name, ptr), = mlp._native._input_pointers({"input": x})

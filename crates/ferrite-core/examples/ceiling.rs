@@ -6,12 +6,13 @@
 use std::time::{Duration, Instant};
 
 use ferrite_core::{
-    backend::{Backend, BatchInput},
-    onnx::{OnnxBackend, OnnxOptions},
+    engine::backend::{Backend, BatchInput},
+    engine::onnx::{OnnxBackend, OnnxOptions},
     DataType, Tensor,
 };
 
 fn main() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("usage: ceiling MODEL.onnx [SECONDS_PER_SIZE]");
     let secs: f64 = args.next().map_or(3.0, |s| s.parse().expect("seconds"));
@@ -25,7 +26,7 @@ fn main() {
         let x = Tensor::from_le(&input.name, DataType::Fp32, vec![batch, width], &vec![0.5f32; batch * width]);
         let mut shape = vec![batch];
         shape.extend(input.dims[1..].iter().map(|&d| d.max(1) as usize));
-        let run = |instance: &mut Box<dyn ferrite_core::backend::Instance>| {
+        let run = |instance: &mut Box<dyn ferrite_core::engine::backend::Instance>| {
             let inputs = [BatchInput {
                 name: &input.name,
                 datatype: DataType::Fp32,

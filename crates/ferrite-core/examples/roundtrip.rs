@@ -6,13 +6,14 @@
 use std::time::Instant;
 
 use ferrite_core::{
-    backend::{Backend, BatchInput},
-    onnx::{OnnxBackend, OnnxOptions},
-    repository::load_with,
+    control::repository::load_with,
+    engine::backend::{Backend, BatchInput},
+    engine::onnx::{OnnxBackend, OnnxOptions},
     Core, DataType, InferRequest, Limits, LoadOptions, Tensor,
 };
 
 fn main() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: roundtrip MODEL_DIR"));
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
     let options = LoadOptions { threads: 1, spinning: false, cache: None };

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use ferrite_core::{
-    backend::{Backend, BatchInput},
-    config::TensorSpec,
-    onnx::{OnnxBackend, OnnxOptions},
+    engine::backend::{Backend, BatchInput},
+    engine::onnx::{OnnxBackend, OnnxOptions},
+    engine::spec::TensorSpec,
     DataType, Error, Tensor, TensorData,
 };
 
@@ -52,7 +52,7 @@ fn sample(dt: DataType) -> TensorData {
         DataType::Fp64 => Tensor::from_le("", dt, vec![6], &[-1.5f64, 0.0, 1.0, f64::MAX, 1e-300, f64::INFINITY]),
         DataType::Bytes => {
             let words = ["", "a", "bc", "déjà", "ferrite", "x y"];
-            return TensorData::Bytes(words.iter().map(|w| Bytes::copy_from_slice(w.as_bytes())).collect());
+            return TensorData::Strings(words.iter().map(|w| Bytes::copy_from_slice(w.as_bytes())).collect());
         }
     };
     t.data
@@ -129,7 +129,7 @@ fn bad_bytes_are_refused_not_panicked(load: Loader) {
     let data: Vec<TensorData> = DataType::ALL.iter().map(|&dt| sample(dt)).collect();
     let mut bad = data.clone();
     let i = DataType::ALL.iter().position(|&d| d == DataType::Bytes).unwrap();
-    bad[i] = TensorData::Bytes(vec![Bytes::from_static(&[0xff, 0xfe]); 6]);
+    bad[i] = TensorData::Strings(vec![Bytes::from_static(&[0xff, 0xfe]); 6]);
     let names: Vec<String> = DataType::ALL.iter().map(|dt| format!("{}_in", dt.as_str().to_lowercase())).collect();
     let inputs: Vec<_> =
         DataType::ALL.iter().enumerate().map(|(i, &dt)| (names[i].as_str(), dt, vec![2, 3], vec![&bad[i]])).collect();
@@ -146,11 +146,13 @@ fn suite(load: Loader) {
 
 #[test]
 fn onnxruntime_backend_conforms() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     suite(|path| Box::new(OnnxBackend::load(path, OnnxOptions { intra_threads: 1, spinning: false }).unwrap()));
 }
 
 #[test]
 fn onnxruntime_refuses_a_file_that_is_not_onnx() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = std::env::temp_dir().join(format!("ferrite-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.onnx");

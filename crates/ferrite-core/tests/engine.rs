@@ -8,10 +8,16 @@ use std::{
 };
 
 use ferrite_core::{
-    backend::{Backend, BatchInput, Instance},
-    config::{ModelConfig, ModelSpec, TensorSpec},
+    control::config::ModelConfig,
+    engine::backend::{Backend, BatchInput, Instance},
+    engine::spec::{ModelSpec, TensorSpec},
     Core, DataType, Error, InferRequest, Limits, LoadOptions, Model, Tensor,
 };
+
+/// Loads ONNX Runtime as the binary does at start-up (the test's `python3` has the wheel).
+fn runtime() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -36,6 +42,7 @@ fn repo(models: &[(&str, Option<&str>)]) -> tempfile::TempDir {
 }
 
 fn load(dir: &Path) -> Core {
+    runtime();
     Core::load(dir, &LoadOptions { threads: 1, spinning: false, cache: None }, Limits::default()).unwrap()
 }
 
@@ -283,12 +290,12 @@ impl Instance for StuckInstance {
         let _ = self.0.lock().unwrap().recv_timeout(Duration::from_secs(30));
         let i = &inputs[0];
         let data = i.parts.iter().fold(Vec::new(), |mut acc, p| {
-            if let ferrite_core::TensorData::Raw(b) = p {
+            if let ferrite_core::TensorData::Fixed(b) = p {
                 acc.extend_from_slice(b);
             }
             acc
         });
-        Ok(vec![Tensor::new("x", i.datatype, i.shape.clone(), ferrite_core::TensorData::Raw(data.into()))])
+        Ok(vec![Tensor::new("x", i.datatype, i.shape.clone(), ferrite_core::TensorData::Fixed(data.into()))])
     }
 }
 
@@ -480,7 +487,7 @@ fn reloads_keep_what_did_not_change_and_what_failed_to_replace() {
     core.poll(Duration::ZERO);
     assert!(Arc::ptr_eq(&v2b, &core.model("scale", Some("2")).unwrap()));
     let row = core.index().into_iter().find(|r| r.version == Some(2)).unwrap();
-    assert_eq!(row.state, ferrite_core::registry::State::Ready);
+    assert_eq!(row.state, ferrite_core::control::registry::State::Ready);
     assert!(row.reason.contains("reload failed"), "{row:?}");
     // The old load stays alive while someone holds it, though the registry moved on.
     std::fs::write(p.join("config.toml"), "[version_policy]\nspecific = [2]\n").unwrap();

@@ -1,7 +1,7 @@
 //! NumPy arrays to core tensors and back, without copying fixed-size data.
 
 use bytes::Bytes;
-use ferrite_core::{config::ModelSpec, DataType, Tensor, TensorData};
+use ferrite_core::{engine::spec::ModelSpec, DataType, Tensor, TensorData};
 use numpy::{
     ndarray::{ArrayView, IxDyn},
     npyffi, Element, PyArray, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
@@ -130,7 +130,7 @@ fn input(
     } else {
         Bytes::from_owner(ArrayOwner { _array: arr.clone().into_any().unbind(), ptr, len })
     };
-    Ok(Tensor::new(name, dt, shape, TensorData::Raw(data)))
+    Ok(Tensor::new(name, dt, shape, TensorData::Fixed(data)))
 }
 
 fn is_bf16(arr: &Bound<'_, PyUntypedArray>) -> bool {
@@ -151,14 +151,14 @@ fn bytes_input(name: &str, arr: &Bound<'_, PyUntypedArray>, shape: Vec<usize>) -
             return Err(PyTypeError::new_err(format!("input '{name}': BYTES elements must be bytes or str")));
         }
     }
-    Ok(Tensor::new(name, DataType::Bytes, shape, TensorData::Bytes(items)))
+    Ok(Tensor::new(name, DataType::Bytes, shape, TensorData::Strings(items)))
 }
 
 /// The address the engine reads an input from (the debug hook behind the zero-copy test).
 pub fn data_pointer(t: &Tensor) -> usize {
     match &t.data {
-        TensorData::Raw(b) => b.as_ptr() as usize,
-        TensorData::Bytes(_) => 0,
+        TensorData::Fixed(b) => b.as_ptr() as usize,
+        TensorData::Strings(_) => 0,
     }
 }
 
@@ -204,12 +204,12 @@ pub fn outputs(py: Python<'_>, tensors: Vec<Tensor>) -> PyResult<Bound<'_, PyDic
     for t in tensors {
         let shape = t.shape.clone();
         let value = match t.data {
-            TensorData::Bytes(items) => {
+            TensorData::Strings(items) => {
                 let list = PyList::new(py, items.iter().map(|b| PyBytes::new(py, b)))?;
                 let np = py.import("numpy")?;
                 np.call_method1("array", (list, "object"))?.call_method1("reshape", (shape,))?
             }
-            TensorData::Raw(data) => match t.datatype {
+            TensorData::Fixed(data) => match t.datatype {
                 DataType::Bool => view::<bool>(py, &shape, data)?,
                 DataType::Uint8 => view::<u8>(py, &shape, data)?,
                 DataType::Uint16 => view::<u16>(py, &shape, data)?,

@@ -3,6 +3,8 @@
 //! NumPy arrays that keep the Rust buffer alive, and map the core's errors once.
 
 mod convert;
+#[cfg(feature = "serve")]
+mod serving;
 
 use std::{
     path::PathBuf,
@@ -11,15 +13,11 @@ use std::{
 };
 
 use ferrite_core::{
-    config::{ModelConfig, ModelSpec},
-    repository, Core, Error, InferRequest, Limits, LoadOptions, Tensor,
+    control::{config::ModelConfig, repository},
+    engine::spec::ModelSpec,
+    Core, Error, InferRequest, Limits, LoadOptions, Tensor,
 };
-use pyo3::{
-    create_exception,
-    exceptions::{PyException, PyRuntimeError},
-    prelude::*,
-    types::PyDict,
-};
+use pyo3::{create_exception, exceptions::PyException, prelude::*, types::PyDict};
 
 create_exception!(_native, FerriteError, PyException, "Base class of every Ferrite error.");
 create_exception!(_native, InvalidInput, FerriteError, "The request does not fit the model.");
@@ -57,43 +55,10 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-static TELEMETRY: Mutex<Option<ferrite_server::telemetry::Telemetry>> = Mutex::new(None);
-
-/// Exports spans over OTLP/gRPC (`endpoint`, default `OTEL_EXPORTER_OTLP_ENDPOINT`) and writes
-/// logs at `log` to stderr. Once per process.
-#[pyfunction]
-#[pyo3(signature = (endpoint=None, *, sample_rate=1.0, log="warn"))]
-fn init_tracing(endpoint: Option<String>, sample_rate: f64, log: &str) -> PyResult<()> {
-    use ferrite_server::telemetry;
-    let mut slot = TELEMETRY.lock().unwrap_or_else(|e| e.into_inner());
-    if slot.is_some() {
-        return Ok(());
-    }
-    let cfg = telemetry::TelemetryConfig {
-        log_filter: log.to_string(),
-        json_logs: false,
-        otlp_endpoint: endpoint,
-        sample_rate,
-    };
-    let _context = runtime().enter();
-    *slot = Some(telemetry::init(&cfg).map_err(InvalidInput::new_err)?);
-    Ok(())
-}
-
-/// Flushes and stops span export (call before exit to send what is buffered).
-#[pyfunction]
-fn shutdown_tracing(py: Python<'_>) {
-    let t = TELEMETRY.lock().unwrap_or_else(|e| e.into_inner()).take();
-    py.detach(move || {
-        let _context = runtime().enter();
-        drop(t);
-    });
-}
-
 /// Loads ONNX Runtime from `path` (the `onnxruntime` package's library, found by the Python side).
 #[pyfunction]
 fn init_runtime(path: PathBuf) -> PyResult<String> {
-    ferrite_core::onnx::init_runtime(Some(&path)).map(|p| p.display().to_string()).map_err(py_err)
+    ferrite_core::engine::onnx::init_runtime(Some(&path)).map(|p| p.display().to_string()).map_err(py_err)
 }
 
 /// A model repository loaded in-process: every model of `<repository>/<name>/<version>/model.onnx`.
@@ -167,9 +132,13 @@ struct Model {
 
 impl Model {
     fn span(&self, traceparent: Option<&str>) -> tracing::Span {
-        use ferrite_server::telemetry;
-        let parent = traceparent.map(|tp| telemetry::from_traceparent(tp, None)).unwrap_or_default();
-        telemetry::request_span("python", &self.name, parent)
+        #[cfg(feature = "serve")]
+        return serving::request_span(&self.name, traceparent);
+        #[cfg(not(feature = "serve"))]
+        return {
+            let _ = traceparent;
+            tracing::Span::none()
+        };
     }
 
     fn model(&self) -> PyResult<Arc<ferrite_core::Model>> {
@@ -247,14 +216,8 @@ impl Model {
     {
         let model = self.model()?;
         let spec: &ModelSpec = &model.spec;
-        let batch = spec.batch.max_batch_size > 0;
-        let tensors = |ts: &[ferrite_core::config::TensorSpec]| {
-            ts.iter()
-                .map(|t| {
-                    let shape = batch.then_some(-1).into_iter().chain(t.dims.iter().copied()).collect();
-                    (t.name.clone(), t.datatype.as_str().to_string(), shape)
-                })
-                .collect()
+        let tensors = |ts: &[ferrite_core::engine::spec::TensorSpec]| {
+            ts.iter().map(|t| (t.name.clone(), t.datatype.as_str().to_string(), spec.wire_shape(t))).collect()
         };
         Ok((
             spec.name.clone(),
@@ -459,104 +422,16 @@ impl Completer {
     }
 }
 
-/// A running HTTP + gRPC server over an engine's models.
-#[pyclass(frozen, module = "ferrite._native")]
-struct Server {
-    #[pyo3(get)]
-    http_port: u16,
-    #[pyo3(get)]
-    grpc_port: u16,
-    stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-#[pymethods]
-impl Server {
-    /// Shuts down (readiness off, queued work drained) and waits for the server thread.
-    fn stop(&self, py: Python<'_>) {
-        if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            py.detach(|| {
-                let _ = t.join();
-            });
-        }
-    }
-}
-
-/// Starts HTTP and gRPC servers on `engine`'s models in a background thread.
-#[pyfunction]
-#[pyo3(signature = (engine, *, host="127.0.0.1", http_port=8000, grpc_port=8001, max_body_bytes=67108864, exit_timeout=30.0))]
-fn serve(
-    py: Python<'_>,
-    engine: &Engine,
-    host: &str,
-    http_port: u16,
-    grpc_port: u16,
-    max_body_bytes: usize,
-    exit_timeout: f64,
-) -> PyResult<Server> {
-    use ferrite_server::{grpc::GrpcLimits, http::HttpLimits, serve as srv};
-    let cfg = srv::ServeConfig {
-        host: host.parse().map_err(|e| InvalidInput::new_err(format!("host '{host}': {e}")))?,
-        http_port,
-        grpc_port,
-        http: HttpLimits::new(max_body_bytes),
-        grpc: GrpcLimits { max_decoding_message_size: max_body_bytes, max_encoding_message_size: max_body_bytes },
-        grpc_max_concurrent_streams: 1024,
-        exit_timeout: Duration::from_secs_f64(exit_timeout.max(0.0)),
-        metrics_port: None,
-        metrics_on_http: true,
-        auth: None,
-        tls: None,
-    };
-    let core = engine.core.clone();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
-    let thread = std::thread::Builder::new()
-        .name("ferrite-serve".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = bound_tx.send(Err(e.to_string()));
-                    return;
-                }
-            };
-            rt.block_on(async move {
-                let bound = match srv::bind(&cfg).await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        let _ = bound_tx.send(Err(e.to_string()));
-                        return;
-                    }
-                };
-                let _ = bound_tx.send(Ok((bound.http_addr.port(), bound.grpc_addr.port())));
-                srv::run(core, bound, &cfg, async move {
-                    let _ = stop_rx.await;
-                })
-                .await;
-            });
-        })
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    let ports = py.detach(move || bound_rx.recv()).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    let (http_port, grpc_port) = ports.map_err(Unavailable::new_err)?;
-    Ok(Server { http_port, grpc_port, stop: Mutex::new(Some(stop_tx)), thread: Mutex::new(Some(thread)) })
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(init_runtime, m)?)?;
-    m.add_function(wrap_pyfunction!(serve, m)?)?;
-    m.add_function(wrap_pyfunction!(init_tracing, m)?)?;
-    m.add_function(wrap_pyfunction!(shutdown_tracing, m)?)?;
+    #[cfg(feature = "serve")]
+    serving::register(m)?;
     m.add_class::<Engine>()?;
     m.add_class::<Model>()?;
     m.add_class::<Completer>()?;
     m.add_class::<Pending>()?;
-    m.add_class::<Server>()?;
     m.add_class::<convert::OutputBuffer>()?;
     m.add("FerriteError", py.get_type::<FerriteError>())?;
     m.add("InvalidInput", py.get_type::<InvalidInput>())?;

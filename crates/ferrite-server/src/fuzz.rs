@@ -171,13 +171,17 @@ fn grpc(data: &[u8]) {
 }
 
 fn config(data: &[u8]) {
-    use ferrite_core::{config::*, DataType};
+    use ferrite_core::{
+        control::config::ModelConfig,
+        engine::spec::{ModelSpec, TensorSpec},
+        DataType,
+    };
     let Ok(text) = std::str::from_utf8(data) else { return };
     let io = [TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 4] }];
     if let Ok(cfg) = toml::from_str::<ModelConfig>(text) {
         let _ = ModelSpec::resolve("m", 1, &cfg, &io, &io, 1);
     }
-    let _ = ferrite_core::tenant::TenantConfig::parse(text);
+    let _ = ferrite_core::admission::tenant::TenantConfig::parse(text);
 }
 
 #[test]

@@ -11,10 +11,11 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{Parser, Subcommand};
 use ferrite_core::{
-    cache::{CacheOptions, ResponseCache},
-    tenant::{TenantConfig, Tenants},
+    admission::tenant::{TenantConfig, Tenants},
+    cache::{CacheOptions, ResponseCache, SharedTier},
     Core, Limits, LoadOptions, ModelControl, Startup,
 };
+use ferrite_redis::RedisTier;
 
 #[derive(Parser)]
 #[command(name = "ferrite", version, about = "Real-time inference server for ONNX models (KServe V2 protocol)")]
@@ -175,7 +176,8 @@ enum LogFormat {
 
 fn main() {
     let Command::Serve(args) = Cli::parse().command;
-    if let Err(e) = ferrite_core::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
+    // ONNX Runtime is found and loaded once, here, before any model loads.
+    if let Err(e) = ferrite_core::engine::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
         eprintln!("ferrite: {e}");
         std::process::exit(2);
     }
@@ -203,13 +205,23 @@ fn main() {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let cache = ResponseCache::new(&CacheOptions {
-        local_bytes: args.cache_local_bytes,
-        ttl: Duration::from_secs(args.cache_ttl.max(1)),
-        redis_url: args.cache_redis_url.clone(),
-        redis_timeout: Duration::from_millis(args.cache_redis_timeout_ms.max(1)),
-        max_value_bytes: args.cache_max_value_bytes,
-    })?;
+    let shared_timeout = Duration::from_millis(args.cache_redis_timeout_ms.max(1));
+    let redis = match &args.cache_redis_url {
+        // Writes are off the request path; they may take a little longer than lookups.
+        Some(url) => {
+            Some(RedisTier::start(url, shared_timeout * 4).map_err(anyhow::Error::msg)? as Arc<dyn SharedTier>)
+        }
+        None => None,
+    };
+    let cache = ResponseCache::new(
+        &CacheOptions {
+            local_bytes: args.cache_local_bytes,
+            ttl: Duration::from_secs(args.cache_ttl.max(1)),
+            shared_timeout,
+            max_value_bytes: args.cache_max_value_bytes,
+        },
+        redis,
+    );
     let mut options = LoadOptions { spinning: args.spin, cache: Some(Arc::new(cache)), ..LoadOptions::default() };
     if let Some(t) = args.threads {
         options.threads = t.max(1);

@@ -32,6 +32,7 @@ struct Server {
 }
 
 fn server(max_body_bytes: usize) -> Server {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = repository();
     let core =
         Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false, cache: None }, Limits::default()).unwrap();

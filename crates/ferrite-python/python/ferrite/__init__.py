@@ -316,9 +316,22 @@ def serve(
     grpc_port: int = 8001,
     max_body_bytes: int = 64 << 20,
     exit_timeout: float = 30.0,
+    auth_token_file: "Optional[os.PathLike[str] | str]" = None,
+    auth_allow_health: bool = False,
+    tls_cert: "Optional[os.PathLike[str] | str]" = None,
+    tls_key: "Optional[os.PathLike[str] | str]" = None,
+    tls_client_ca: "Optional[os.PathLike[str] | str]" = None,
+    allow_unauthenticated: bool = False,
 ) -> Server:
     """Serves `engine`'s models over HTTP and gRPC (KServe V2) from a background thread, sharing
-    their batchers with in-process calls. Port 0 picks a free port (see `Server.http_port`)."""
+    their batchers with in-process calls. Port 0 picks a free port (see `Server.http_port`).
+
+    The security options are the `ferrite` binary's: bearer tokens from `auth_token_file` (the
+    `--auth-token-file` format), TLS from `tls_cert`/`tls_key` (mutual with `tls_client_ca`). A
+    `host` other than loopback needs a token file, or `allow_unauthenticated=True` said outright."""
+    def path(p: "Optional[os.PathLike[str] | str]") -> Optional[str]:
+        return None if p is None else os.fspath(p)
+
     return Server(
         _native.serve(
             engine._native,
@@ -327,5 +340,11 @@ def serve(
             grpc_port=grpc_port,
             max_body_bytes=max_body_bytes,
             exit_timeout=exit_timeout,
+            auth_token_file=path(auth_token_file),
+            auth_allow_health=auth_allow_health,
+            tls_cert=path(tls_cert),
+            tls_key=path(tls_key),
+            tls_client_ca=path(tls_client_ca),
+            allow_unauthenticated=allow_unauthenticated,
         )
     )

@@ -118,4 +118,10 @@ def serve(
     grpc_port: int = 8001,
     max_body_bytes: int = 67108864,
     exit_timeout: float = 30.0,
+    auth_token_file: Optional[str] = None,
+    auth_allow_health: bool = False,
+    tls_cert: Optional[str] = None,
+    tls_key: Optional[str] = None,
+    tls_client_ca: Optional[str] = None,
+    allow_unauthenticated: bool = False,
 ) -> Server: ...

@@ -4,21 +4,29 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use ferrite_core::{
-    config::TensorSpec, config::VersionPolicy, stats::StatsSnapshot, tensor::parse_header, DataType, Error,
-    InferRequest, InferResponse, Model, Tensor, TensorData,
+    control::config::VersionPolicy,
+    engine::spec::TensorSpec,
+    engine::tensor::parse_header,
+    telemetry::stats::StatsSnapshot,
+    wire::{Param, RequestParams},
+    DataType, Error, InferRequest, InferResponse, Model, Tensor, TensorData,
 };
 
 use super::pb::{
     self, infer_parameter::ParameterChoice, model_infer_request::InferInputTensor, InferParameter, InferTensorContents,
 };
 
-fn param_u64(params: &HashMap<String, InferParameter>, key: &str) -> Result<Option<u64>, Error> {
-    match params.get(key).and_then(|p| p.parameter_choice.as_ref()) {
-        None => Ok(None),
-        Some(ParameterChoice::Uint64Param(v)) => Ok(Some(*v)),
-        Some(ParameterChoice::Int64Param(v)) if *v >= 0 => Ok(Some(*v as u64)),
-        Some(_) => Err(Error::invalid(format!("parameter '{key}' must be a non-negative integer"))),
-    }
+/// The request parameters the core honours, read as every front-end reads them.
+fn request_params(params: &HashMap<String, InferParameter>) -> Result<RequestParams, Error> {
+    RequestParams::parse(|key| {
+        params.get(key).and_then(|p| p.parameter_choice.as_ref()).map(|c| match c {
+            ParameterChoice::BoolParam(b) => Param::Bool(*b),
+            ParameterChoice::Int64Param(v) => Param::Int(*v),
+            ParameterChoice::Uint64Param(v) => Param::Uint(*v),
+            ParameterChoice::DoubleParam(v) => Param::Double(*v),
+            ParameterChoice::StringParam(s) => Param::Str(s),
+        })
+    })
 }
 
 /// Whether the client asked for Triton's final-response flag (perf_analyzer does on streams).
@@ -30,7 +38,7 @@ pub fn wants_final_response(req: &pb::ModelInferRequest) -> bool {
 }
 
 pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferRequest, Error> {
-    ferrite_core::tensor::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
+    ferrite_core::engine::tensor::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
     let raw = req.raw_input_contents;
     if !raw.is_empty() {
         if raw.len() != req.inputs.len() {
@@ -56,22 +64,16 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
             input(i, r, max_elements)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let priority = param_u64(&req.parameters, "priority")?
-        .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
-        .transpose()?
-        .unwrap_or(0);
+    let params = request_params(&req.parameters)?;
     Ok(InferRequest {
         model_name: req.model_name,
         model_version: Some(req.model_version).filter(|v| !v.is_empty()),
         id: Some(req.id).filter(|v| !v.is_empty()),
         inputs,
         outputs: if req.outputs.is_empty() { None } else { Some(req.outputs.into_iter().map(|o| o.name).collect()) },
-        priority,
-        timeout_us: param_u64(&req.parameters, "timeout")?,
-        skip_cache: matches!(
-            req.parameters.get("cache").and_then(|p| p.parameter_choice.as_ref()),
-            Some(ParameterChoice::BoolParam(false))
-        ),
+        priority: params.priority,
+        timeout_us: params.timeout_us,
+        skip_cache: params.skip_cache,
         tenant: None,
         canary: Default::default(),
     })
@@ -102,12 +104,12 @@ fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Resu
                 .map_err(|_| Error::invalid(format!("input '{name}': a value is out of range for {dt}")))?;
             out.extend_from_slice(&to(v));
         }
-        Ok(TensorData::Raw(out.into()))
+        Ok(TensorData::Fixed(out.into()))
     }
     let (given, data) = match dt {
         DataType::Bool => (
             c.bool_contents.len(),
-            TensorData::Raw(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<_>>().into()),
+            TensorData::Fixed(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<_>>().into()),
         ),
         DataType::Int8 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i8::to_le_bytes)?),
         DataType::Int16 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i16::to_le_bytes)?),
@@ -119,7 +121,7 @@ fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Resu
         DataType::Uint64 => (c.uint64_contents.len(), pack(name, dt, &c.uint64_contents, u64::to_le_bytes)?),
         DataType::Fp32 => (c.fp32_contents.len(), pack(name, dt, &c.fp32_contents, f32::to_le_bytes)?),
         DataType::Fp64 => (c.fp64_contents.len(), pack(name, dt, &c.fp64_contents, f64::to_le_bytes)?),
-        DataType::Bytes => (c.bytes_contents.len(), TensorData::Bytes(c.bytes_contents)),
+        DataType::Bytes => (c.bytes_contents.len(), TensorData::Strings(c.bytes_contents)),
         DataType::Fp16 | DataType::Bf16 => {
             return Err(Error::invalid(format!("input '{name}': {dt} has no typed contents; send raw_input_contents")))
         }
@@ -159,10 +161,6 @@ pub fn from_core(resp: InferResponse, final_flag: bool) -> pb::ModelInferRespons
     }
 }
 
-fn batch_dim(m: &Model) -> Option<i64> {
-    (m.spec.batch.max_batch_size > 0).then_some(-1)
-}
-
 /// `versions`: every version of the model served now.
 pub fn metadata(m: &Model, versions: &[u64]) -> pb::ModelMetadataResponse {
     let tensors = |specs: &[TensorSpec]| {
@@ -171,7 +169,7 @@ pub fn metadata(m: &Model, versions: &[u64]) -> pb::ModelMetadataResponse {
             .map(|t| pb::model_metadata_response::TensorMetadata {
                 name: t.name.clone(),
                 datatype: t.datatype.as_str().to_string(),
-                shape: batch_dim(m).into_iter().chain(t.dims.iter().copied()).collect(),
+                shape: m.spec.wire_shape(t),
             })
             .collect()
     };
@@ -270,12 +268,12 @@ pub fn config(m: &Model) -> pb::ModelConfig {
     }
 }
 
-fn queue_policy(q: &ferrite_core::config::QueuePolicy) -> pb::ModelQueuePolicy {
+fn queue_policy(q: &ferrite_core::engine::spec::QueuePolicy) -> pb::ModelQueuePolicy {
     use pb::model_queue_policy::TimeoutAction;
     pb::ModelQueuePolicy {
         timeout_action: match q.timeout_action {
-            ferrite_core::config::TimeoutAction::Reject => TimeoutAction::Reject,
-            ferrite_core::config::TimeoutAction::Delay => TimeoutAction::Delay,
+            ferrite_core::engine::spec::TimeoutAction::Reject => TimeoutAction::Reject,
+            ferrite_core::engine::spec::TimeoutAction::Delay => TimeoutAction::Delay,
         } as i32,
         default_timeout_microseconds: q.default_timeout_us,
         allow_timeout_override: q.allow_timeout_override,
@@ -283,7 +281,7 @@ fn queue_policy(q: &ferrite_core::config::QueuePolicy) -> pb::ModelQueuePolicy {
     }
 }
 
-fn duration(d: ferrite_core::stats::Duration2) -> Option<pb::StatisticDuration> {
+fn duration(d: ferrite_core::telemetry::stats::StatDuration) -> Option<pb::StatisticDuration> {
     Some(pb::StatisticDuration { count: d.count, ns: d.ns })
 }
 

@@ -316,7 +316,7 @@ impl GrpcInferenceService for Service {
             .core
             .index()
             .into_iter()
-            .filter(|e| !ready_only || e.state == ferrite_core::registry::State::Ready)
+            .filter(|e| !ready_only || e.state == ferrite_core::control::registry::State::Ready)
             .map(|e| pb::repository_index_response::ModelIndex {
                 name: e.name,
                 version: e.version.map(|v| v.to_string()).unwrap_or_default(),

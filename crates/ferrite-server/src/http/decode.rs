@@ -4,7 +4,10 @@
 use std::{collections::HashMap, fmt};
 
 use bytes::Bytes;
-use ferrite_core::{DataType, Error, TensorData};
+use ferrite_core::{
+    wire::{Param as WireParam, RequestParams},
+    DataType, Error, TensorData,
+};
 use serde::{
     de::{DeserializeSeed, SeqAccess, Visitor},
     Deserialize, Deserializer,
@@ -39,23 +42,16 @@ pub fn param_bool(params: &Params, key: &str) -> Result<Option<bool>, Error> {
     }
 }
 
-/// The request parameters the core honours: `priority`, `timeout` (µs) and `cache` (false skips
-/// the response cache).
-pub struct RequestParams {
-    pub priority: u32,
-    pub timeout_us: Option<u64>,
-    pub skip_cache: bool,
-}
-
+/// The request parameters the core honours, read as every front-end reads them.
 pub fn request_params(params: &Params) -> Result<RequestParams, Error> {
-    let priority = param_u64(params, "priority")?
-        .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
-        .transpose()?
-        .unwrap_or(0);
-    Ok(RequestParams {
-        priority,
-        timeout_us: param_u64(params, "timeout")?,
-        skip_cache: param_bool(params, "cache")? == Some(false),
+    RequestParams::parse(|key| {
+        params.get(key).map(|p| match p {
+            Param::Bool(b) => WireParam::Bool(*b),
+            Param::U64(v) => WireParam::Uint(*v),
+            Param::I64(v) => WireParam::Int(*v),
+            Param::F64(v) => WireParam::Double(*v),
+            Param::Str(s) => WireParam::Str(s),
+        })
     })
 }
 
@@ -107,8 +103,8 @@ impl Sink {
 
     pub fn finish(self) -> TensorData {
         match self.datatype {
-            DataType::Bytes => TensorData::Bytes(self.strings),
-            _ => TensorData::Raw(self.raw.into()),
+            DataType::Bytes => TensorData::Strings(self.strings),
+            _ => TensorData::Fixed(self.raw.into()),
         }
     }
 

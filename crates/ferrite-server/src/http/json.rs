@@ -11,7 +11,7 @@ use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
 use super::decode::{param_bool, param_u64, request_params, Params, Sink};
-use ferrite_core::tensor::{check_tensor_counts, parse_header};
+use ferrite_core::engine::tensor::{check_tensor_counts, parse_header};
 
 #[derive(Deserialize)]
 pub struct JsonRequest<'a> {
@@ -221,7 +221,7 @@ fn push_float(out: &mut String, f: f64, single: bool) {
 
 fn push_data(out: &mut String, t: &Tensor) {
     let raw = match &t.data {
-        TensorData::Bytes(items) => {
+        TensorData::Strings(items) => {
             for (i, b) in items.iter().enumerate() {
                 if i > 0 {
                     out.push(',');
@@ -230,7 +230,7 @@ fn push_data(out: &mut String, t: &Tensor) {
             }
             return;
         }
-        TensorData::Raw(b) => b,
+        TensorData::Fixed(b) => b,
     };
     let Some(size) = t.datatype.size() else {
         return;
@@ -281,7 +281,7 @@ mod tests {
         let body = Bytes::from_static(b"\x01\x00\x02\x00\x02\x00\x00\x00hi");
         let (req, bin) = parse("m", None, json, Some(body.clone()), 100).unwrap();
         assert_eq!(req.inputs[0], Tensor::from_le("a", DataType::Int16, vec![2], &[1i16, 2]));
-        assert_eq!(req.inputs[1].data, TensorData::Bytes(vec![Bytes::from_static(b"hi")]));
+        assert_eq!(req.inputs[1].data, TensorData::Strings(vec![Bytes::from_static(b"hi")]));
         assert!(bin.is_binary("y") && !bin.is_binary("z"));
         let err = parse("m", None, json, Some(body.slice(..9)), 100).unwrap_err().to_string();
         assert!(err.contains("'s'") && err.contains("exceeds"), "{err}");

@@ -13,7 +13,7 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferrite_core::{config::VersionPolicy, Core, Model};
+use ferrite_core::{control::config::VersionPolicy, Core, Model};
 
 use crate::auth::{Auth, Denied, Scope};
 use serde::Deserialize;
@@ -139,7 +139,7 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    let body = ferrite_core::metrics::render(&s.core);
+    let body = ferrite_core::telemetry::metrics::render(&s.core);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
@@ -204,18 +204,12 @@ async fn model_ready(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Sta
     }
 }
 
-/// Shape as clients see it: -1 for the batch dim when the model batches.
-fn full_shape(m: &Model, dims: &[i64]) -> Vec<i64> {
-    let batch = (m.spec.batch.max_batch_size > 0).then_some(-1);
-    batch.into_iter().chain(dims.iter().copied()).collect()
-}
-
 async fn model_metadata(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
     let m = s.model(&p)?;
-    let tensors = |specs: &[ferrite_core::config::TensorSpec]| {
+    let tensors = |specs: &[ferrite_core::engine::spec::TensorSpec]| {
         specs
             .iter()
-            .map(|t| json!({"name": t.name, "datatype": t.datatype.as_str(), "shape": full_shape(&m, &t.dims)}))
+            .map(|t| json!({"name": t.name, "datatype": t.datatype.as_str(), "shape": m.spec.wire_shape(t)}))
             .collect::<Vec<_>>()
     };
     Ok(Json(json!({
@@ -230,7 +224,7 @@ async fn model_metadata(State(s): State<AppState>, Path(p): Path<ModelPath>) -> 
 async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
     let m = s.model(&p)?;
     let spec = &m.spec;
-    let tensors = |specs: &[ferrite_core::config::TensorSpec]| {
+    let tensors = |specs: &[ferrite_core::engine::spec::TensorSpec]| {
         specs
             .iter()
             .map(|t| json!({"name": t.name, "data_type": t.datatype.config_name(), "dims": t.dims}))
@@ -267,7 +261,7 @@ async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Re
     Ok(Json(config))
 }
 
-fn queue_policy(q: &ferrite_core::config::QueuePolicy) -> Value {
+fn queue_policy(q: &ferrite_core::engine::spec::QueuePolicy) -> Value {
     json!({
         "max_queue_size": q.max_queue_size,
         "default_timeout_microseconds": q.default_timeout_us,
@@ -287,7 +281,7 @@ async fn all_stats(State(s): State<AppState>) -> Json<Value> {
 }
 
 /// Triton's statistics object, plus the response cache's state under `cache` when there is one.
-fn stats_body(core: &Core, model_stats: Vec<ferrite_core::stats::StatsSnapshot>) -> Value {
+fn stats_body(core: &Core, model_stats: Vec<ferrite_core::telemetry::stats::StatsSnapshot>) -> Value {
     let mut body = json!({ "model_stats": model_stats });
     if let Some(c) = core.cache() {
         body["cache"] = json!(c.snapshot());
@@ -312,7 +306,7 @@ async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json
         .core
         .index()
         .into_iter()
-        .filter(|e| !req.ready || e.state == ferrite_core::registry::State::Ready)
+        .filter(|e| !req.ready || e.state == ferrite_core::control::registry::State::Ready)
         .map(|e| {
             let mut row = json!({"name": e.name, "state": e.state.as_str(), "reason": e.reason});
             if let Some(v) = e.version {

@@ -16,7 +16,7 @@ use serde::{
 };
 
 use super::decode::{request_params, Params, Sink};
-use ferrite_core::tensor::parse_header;
+use ferrite_core::engine::tensor::parse_header;
 
 pub const CONTENT_TYPE: &str = "application/msgpack";
 
@@ -49,7 +49,10 @@ fn bad(e: impl fmt::Display) -> Error {
 
 pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: usize) -> Result<InferRequest, Error> {
     let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
-    ferrite_core::tensor::check_tensor_counts(header.inputs.len(), header.outputs.as_ref().map_or(0, Vec::len))?;
+    ferrite_core::engine::tensor::check_tensor_counts(
+        header.inputs.len(),
+        header.outputs.as_ref().map_or(0, Vec::len),
+    )?;
     let mut sinks = Vec::with_capacity(header.inputs.len());
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {
@@ -221,8 +224,8 @@ pub fn write_response(resp: &InferResponse) -> Vec<u8> {
             datatype: t.datatype.as_str(),
             shape: &t.shape,
             data: match &t.data {
-                TensorData::Raw(b) => OutputData::Raw(serde_bytes::Bytes::new(b)),
-                TensorData::Bytes(items) => {
+                TensorData::Fixed(b) => OutputData::Raw(serde_bytes::Bytes::new(b)),
+                TensorData::Strings(items) => {
                     OutputData::Items(items.iter().map(|b| serde_bytes::Bytes::new(b)).collect())
                 }
             },

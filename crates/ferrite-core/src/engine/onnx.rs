@@ -4,6 +4,7 @@ use std::{
     path::{Path, PathBuf},
     process::Command,
     sync::{Mutex, OnceLock},
+    time::{Duration, Instant},
 };
 
 use ort::{
@@ -14,8 +15,11 @@ use ort::{
 };
 
 use crate::{
-    backend::{Backend, BatchInput, Instance},
-    config::TensorSpec,
+    engine::{
+        backend::{Backend, BatchInput, Instance},
+        spec::TensorSpec,
+        tensor::aligned_bytes,
+    },
     DataType, Error, Result, Tensor, TensorData,
 };
 
@@ -51,15 +55,19 @@ pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
     libs.pop()
 }
 
-/// Loads ONNX Runtime once per process and returns the library's path. Later calls return the
-/// first outcome.
+/// Finds (see `find_library`) and loads ONNX Runtime once per process, and returns the library's
+/// path. Called at start-up; later calls return the first outcome.
 pub fn init_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
     runtime(explicit).map(|(path, _)| path.clone())
 }
 
-/// The process's ONNX Runtime environment, loaded by the default search if `init_runtime` was not called.
+/// The process's ONNX Runtime environment. The binary and the Python package load the library
+/// once at start-up (`init_runtime`); model loading never searches for it.
 fn environment() -> Result<&'static (PathBuf, Environment)> {
-    runtime(None)
+    match RUNTIME.get() {
+        Some(r) => r.as_ref().map_err(|e| Error::Internal(e.clone())),
+        None => Err(Error::Internal(format!("ONNX Runtime was not loaded at start-up. {INSTALL_HINT}"))),
+    }
 }
 
 fn runtime(explicit: Option<&Path>) -> Result<&'static (PathBuf, Environment)> {
@@ -168,13 +176,14 @@ impl Backend for OnnxBackend {
             None => open(&self.path, &self.options)?,
         };
         let output_names = self.outputs.iter().map(|o| o.name.clone()).collect();
-        Ok(Box::new(OnnxInstance { session, output_names }))
+        Ok(Box::new(OnnxInstance { session, output_names, input_time: Duration::ZERO }))
     }
 }
 
 struct OnnxInstance {
     session: Session,
     output_names: Vec<String>,
+    input_time: Duration,
 }
 
 /// Writes the parts of `input` into one ONNX Runtime tensor: the only copy on the way in.
@@ -182,7 +191,7 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
     if input.datatype == DataType::Bytes {
         let mut strings = Vec::new();
         for part in &input.parts {
-            let TensorData::Bytes(items) = part else {
+            let TensorData::Strings(items) = part else {
                 return Err(Error::internal("BYTES input with raw data"));
             };
             for b in items {
@@ -195,7 +204,7 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
         return Ok(t.into_dyn().into());
     }
     let mut t = DynTensor::new(&Allocator::default(), to_ort(input.datatype), input.shape.clone()).map_err(ort_err)?;
-    let total: usize = input.parts.iter().map(|p| if let TensorData::Raw(b) = p { b.len() } else { 0 }).sum();
+    let total: usize = input.parts.iter().map(|p| if let TensorData::Fixed(b) = p { b.len() } else { 0 }).sum();
     let expected = t.size().unwrap_or(0);
     if total != expected {
         return Err(Error::internal(format!("input '{}': {total} bytes for a {expected}-byte tensor", input.name)));
@@ -203,7 +212,7 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
     let dst = t.data_ptr_mut().cast::<u8>();
     let mut off = 0;
     for part in &input.parts {
-        if let TensorData::Raw(b) = part {
+        if let TensorData::Fixed(b) = part {
             // SAFETY: `dst` holds `expected` bytes (checked above) and the parts add up to it.
             unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), dst.add(off), b.len()) };
             off += b.len();
@@ -213,9 +222,15 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
 }
 
 impl Instance for OnnxInstance {
+    fn input_time(&self) -> Duration {
+        self.input_time
+    }
+
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
+        let copying = Instant::now();
         let values: Vec<(String, SessionInputValue<'static>)> =
             inputs.iter().map(|i| Ok((i.name.to_string(), input_value(i)?))).collect::<Result<_>>()?;
+        self.input_time = copying.elapsed();
         let mut outputs = self.session.run(values).map_err(ort_err)?;
         let mut result = Vec::with_capacity(self.output_names.len());
         for name in &self.output_names {
@@ -228,7 +243,7 @@ impl Instance for OnnxInstance {
             let shape: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
             let data = if datatype == DataType::Bytes {
                 let (_, strings) = tensor.try_extract_strings().map_err(ort_err)?;
-                TensorData::Bytes(strings.into_iter().map(|s| s.into_bytes().into()).collect())
+                TensorData::Strings(strings.into_iter().map(|s| s.into_bytes().into()).collect())
             } else {
                 let len = tensor.size().unwrap_or(0);
                 let ptr = tensor.data_ptr().cast::<u8>();
@@ -239,7 +254,7 @@ impl Instance for OnnxInstance {
                     unsafe { std::slice::from_raw_parts(ptr, len) }
                 };
                 // The one copy on the way out, into memory that typed views can read in place.
-                TensorData::Raw(crate::tensor::aligned_bytes(src))
+                TensorData::Fixed(aligned_bytes(src))
             };
             result.push(Tensor { name: name.clone(), datatype, shape, data });
         }

@@ -161,7 +161,7 @@ impl Tenants {
             Ok(()) => Ok(TenantPass { tenants: self.clone(), key: key.to_string() }),
             Err((limit, retry)) => {
                 let label = if listed.is_some() { name } else { "other" };
-                crate::metrics::global().tenant_refusals.with_label_values(&[label, limit]).inc();
+                crate::telemetry::metrics::global().tenant_refusals.with_label_values(&[label, limit]).inc();
                 Err(Error::Overloaded {
                     message: format!("tenant '{name}' is over its {limit} limit"),
                     retry_after: Some(retry.max(Duration::from_secs(1))),

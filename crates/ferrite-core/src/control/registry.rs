@@ -6,7 +6,8 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use crate::{
-    canary::{Canary, CanaryRoute, CanaryState, Side},
+    control::canary::{Canary, CanaryRoute, CanaryState, Side},
+    engine::queue::RETRY_AFTER,
     Error, Model, Result,
 };
 
@@ -104,17 +105,14 @@ impl Registry {
     pub fn route(&self, name: &str, version: Option<&str>, id: Option<&str>, asked: CanaryRoute) -> Result<Routed> {
         let Some(served) = self.models.get(name) else {
             return Err(match self.notes.get(name).and_then(|n| n.model.as_ref()) {
-                Some(why) => Error::unavailable(
-                    format!("model '{name}' is not available: {why}"),
-                    Some(crate::queue::RETRY_AFTER),
-                ),
+                Some(why) => Error::unavailable(format!("model '{name}' is not available: {why}"), Some(RETRY_AFTER)),
                 None => Error::NotFound(format!("unknown model '{name}'")),
             });
         };
         match version.filter(|v| !v.is_empty()) {
-            None => served.route(id, asked).ok_or_else(|| {
-                Error::unavailable(format!("model '{name}' has no version ready"), Some(crate::queue::RETRY_AFTER))
-            }),
+            None => served
+                .route(id, asked)
+                .ok_or_else(|| Error::unavailable(format!("model '{name}' has no version ready"), Some(RETRY_AFTER))),
             Some(v) => v
                 .parse::<u64>()
                 .ok()
@@ -122,6 +120,17 @@ impl Registry {
                 .map(|m| (m.clone(), None))
                 .ok_or_else(|| Error::NotFound(format!("model '{name}' has no version '{v}' ready"))),
         }
+    }
+
+    /// Models that are not served, with the reason.
+    pub fn failed(&self) -> BTreeMap<String, String> {
+        self.notes
+            .iter()
+            .filter(|(name, _)| !self.models.contains_key(*name))
+            .filter_map(|(name, n)| {
+                Some((name.clone(), n.model.clone().or_else(|| n.versions.values().next().cloned())?))
+            })
+            .collect()
     }
 
     /// Every served model version.
@@ -169,5 +178,13 @@ impl Registry {
             }
         }
         rows
+    }
+}
+
+/// Lets go of a request's model. The last request of a replaced or unloaded model frees it
+/// (worker threads joined, session released) on a thread of its own, not on the caller's.
+pub(crate) fn release(model: Arc<Model>) {
+    if Arc::strong_count(&model) == 1 {
+        let _ = std::thread::Builder::new().name("ferrite-free".into()).spawn(move || drop(model));
     }
 }

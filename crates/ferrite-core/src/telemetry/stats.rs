@@ -27,14 +27,14 @@ impl Counter {
         self.ns.fetch_add(d.as_nanos() as u64, Relaxed);
     }
 
-    pub fn snapshot(&self) -> Duration2 {
-        Duration2 { count: self.count.load(Relaxed), ns: self.ns.load(Relaxed) }
+    pub fn snapshot(&self) -> StatDuration {
+        StatDuration { count: self.count.load(Relaxed), ns: self.ns.load(Relaxed) }
     }
 }
 
 /// A count and the total nanoseconds spent (Triton's `StatisticDuration`).
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
-pub struct Duration2 {
+pub struct StatDuration {
     pub count: u64,
     pub ns: u64,
 }
@@ -55,27 +55,27 @@ pub struct ModelStats {
     /// Batches run.
     pub execution_count: AtomicU64,
     last_inference_ms: AtomicU64,
-    batches: Mutex<BTreeMap<usize, (Duration2, Duration2, Duration2)>>,
+    batches: Mutex<BTreeMap<usize, (StatDuration, StatDuration, StatDuration)>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct InferenceStats {
-    pub success: Duration2,
-    pub fail: Duration2,
-    pub queue: Duration2,
-    pub compute_input: Duration2,
-    pub compute_infer: Duration2,
-    pub compute_output: Duration2,
-    pub cache_hit: Duration2,
-    pub cache_miss: Duration2,
+    pub success: StatDuration,
+    pub fail: StatDuration,
+    pub queue: StatDuration,
+    pub compute_input: StatDuration,
+    pub compute_infer: StatDuration,
+    pub compute_output: StatDuration,
+    pub cache_hit: StatDuration,
+    pub cache_miss: StatDuration,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct BatchStats {
     pub batch_size: usize,
-    pub compute_input: Duration2,
-    pub compute_infer: Duration2,
-    pub compute_output: Duration2,
+    pub compute_input: StatDuration,
+    pub compute_infer: StatDuration,
+    pub compute_output: StatDuration,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -7,10 +7,10 @@ use std::{
 
 use crate::{
     cache::ResponseCache,
-    config::{ModelConfig, ModelSpec},
-    model::Model,
-    onnx::{OnnxBackend, OnnxOptions},
-    Backend, Error, Result,
+    control::config::ModelConfig,
+    engine::onnx::{OnnxBackend, OnnxOptions},
+    engine::spec::ModelSpec,
+    Backend, Error, Model, Result,
 };
 
 /// How models are loaded when their config does not say.
@@ -201,7 +201,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let cache = options.cache.clone().filter(|_| spec.cache);
     let mut model = Model::start(spec, &backend)?;
     model.cache = cache;
-    crate::metrics::global()
+    crate::telemetry::metrics::global()
         .model_load_duration
         .with_label_values(&[name, version.to_string().as_str()])
         .set(started.elapsed().as_secs_f64());

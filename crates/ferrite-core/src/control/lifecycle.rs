@@ -7,27 +7,29 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use crate::{
-    canary::Canary,
-    config::ModelConfig,
-    registry::{Notes, Served},
-    repository::{parse_config, OnDisk, Repository},
+    control::{
+        canary::Canary,
+        config::ModelConfig,
+        registry::{Notes, Served},
+        repository::{parse_config, OnDisk, Repository},
+    },
     Error, Model, Result,
 };
 
 /// What a model's serving depends on, as read from the repository (and the external config):
 /// its config text and its version files. A model is rebuilt when this changes.
-pub(crate) struct Inputs {
+pub(crate) struct Sources {
     text: Result<String>,
     disk: Result<Vec<OnDisk>>,
 }
 
-impl Inputs {
-    pub(crate) fn read(repo: &Repository, name: &str, config_text: Option<&str>) -> Inputs {
+impl Sources {
+    pub(crate) fn read(repo: &Repository, name: &str, config_text: Option<&str>) -> Sources {
         let text = match config_text {
             Some(t) => Ok(t.to_string()),
             None => repo.config_text(name),
         };
-        Inputs { text, disk: repo.versions(name) }
+        Sources { text, disk: repo.versions(name) }
     }
 
     pub(crate) fn signature(&self) -> u64 {
@@ -38,18 +40,18 @@ impl Inputs {
     }
 }
 
-/// What `name` should serve given `inputs`, built beside `current`. `None` when nothing can serve.
+/// What `name` should serve given `sources`, built beside `current`. `None` when nothing can serve.
 pub(crate) fn build(
     repo: &Repository,
     name: &str,
-    inputs: Inputs,
+    sources: Sources,
     current: Option<&Arc<Served>>,
 ) -> (Option<Arc<Served>>, Notes) {
     let mut notes = Notes::default();
     let planned = (|| -> Result<(ModelConfig, String, Vec<OnDisk>)> {
-        let text = inputs.text?;
+        let text = sources.text?;
         let config = parse_config(&text)?;
-        let disk = inputs.disk?;
+        let disk = sources.disk?;
         if disk.is_empty() {
             return Err(Error::invalid("no version directory (a positive integer) holds a model.onnx"));
         }
@@ -119,18 +121,7 @@ pub(crate) fn build(
             notes.model = Some(format!("canary version {} has no stable version to run beside", c.version));
         }
         let stable = stable?;
-        // The same canary over the same two loads keeps its window and state.
-        let same = current.and_then(|s| s.canary.as_ref()).filter(|old| {
-            old.config == *c
-                && old.stable == stable
-                && current.is_some_and(|s| {
-                    [c.version, stable].iter().all(|v| match (s.versions.get(v), versions.get(v)) {
-                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                        _ => false,
-                    })
-                })
-        });
-        Some(same.cloned().unwrap_or_else(|| Arc::new(Canary::new(c.clone(), stable))))
+        Some(Canary::carry_over(current.map(|s| s.as_ref()), c, stable, &versions))
     });
     (Some(Arc::new(Served { name: name.to_string(), versions, canary })), notes)
 }
@@ -140,8 +131,9 @@ pub(crate) fn build(
 fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
     if let Some(old) = old {
         let sig = |m: &Model| {
-            let t =
-                |v: &[crate::config::TensorSpec]| v.iter().map(|t| (t.name.clone(), t.datatype)).collect::<Vec<_>>();
+            let t = |v: &[crate::engine::spec::TensorSpec]| {
+                v.iter().map(|t| (t.name.clone(), t.datatype)).collect::<Vec<_>>()
+            };
             (t(&m.spec.inputs), t(&m.spec.outputs))
         };
         if sig(&model) != sig(old) {
@@ -158,5 +150,5 @@ fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
 fn failed(name: &str, version: Option<u64>, e: &Error) {
     let v = version.map(|v| v.to_string()).unwrap_or_default();
     tracing::error!(model = %name, version = %v, error = %e, "model load failed");
-    crate::metrics::global().model_load_failures.with_label_values(&[name]).inc();
+    crate::telemetry::metrics::global().model_load_failures.with_label_values(&[name]).inc();
 }

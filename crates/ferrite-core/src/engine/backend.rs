@@ -4,7 +4,9 @@
 //! that runs batches (one ONNX Runtime session each). Nothing here is async: instances live on the
 //! batcher's own OS threads.
 
-use crate::{config::TensorSpec, DataType, Result, Tensor, TensorData};
+use std::time::Duration;
+
+use crate::{engine::spec::TensorSpec, DataType, Result, Tensor, TensorData};
 
 /// One model input for one run: the concatenation along dim 0 of `parts` (one per request), with
 /// `shape` the shape of the whole. A single part is the common case and is not copied twice.
@@ -28,4 +30,10 @@ pub trait Backend: Send + Sync {
 pub trait Instance: Send {
     /// Runs one batch; `inputs` are in the order of `Backend::inputs`. Returns every output.
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>>;
+
+    /// How long the last `run` spent writing its inputs into the engine's own buffers (Triton's
+    /// `compute_input`); the rest of the run counts as inference.
+    fn input_time(&self) -> Duration {
+        Duration::ZERO
+    }
 }

@@ -10,31 +10,18 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::{
-    batcher::Batcher,
+    admission::Limits,
     cache::{self, ResponseCache},
-    config::{ModelSpec, TimeoutAction},
-    metrics,
-    queue::Pending,
-    stats::ModelStats,
-    tensor::element_count,
+    control::canary::CanaryRoute,
+    engine::{
+        batcher::Batcher,
+        queue::Pending,
+        spec::{ModelSpec, TimeoutAction},
+        tensor::element_count,
+    },
+    telemetry::{metrics, stats::ModelStats},
     Backend, Error, Result, Tensor,
 };
-
-/// Caps on what one request may make the server hold.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// Elements in all the input tensors of one request together.
-    pub max_elements: usize,
-    /// Requests in the engine at once (queued, running or in a cache lookup); past it, new ones
-    /// are refused with `Overloaded`. 0: no limit.
-    pub max_concurrent_requests: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits { max_elements: 1 << 23, max_concurrent_requests: 0 }
-    }
-}
 
 /// A request as the front-ends hand it to the core.
 #[derive(Debug, Clone, Default)]
@@ -55,7 +42,7 @@ pub struct InferRequest {
     /// Who sent it, for per-tenant limits (from the `--tenant-header` header).
     pub tenant: Option<String>,
     /// The `x-ferrite-canary` header: how an unversioned request may be routed to a canary.
-    pub canary: crate::CanaryRoute,
+    pub canary: CanaryRoute,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -131,7 +118,7 @@ impl Model {
     /// put in service. Not counted in the statistics of real traffic.
     pub fn warm_up(&self) -> Result<()> {
         use crate::DataType as D;
-        let batched = self.spec.batch.max_batch_size > 0;
+        let batched = self.spec.batched();
         let inputs = self
             .spec
             .inputs
@@ -148,7 +135,7 @@ impl Model {
                         s.name.clone(),
                         D::Bytes,
                         shape,
-                        crate::TensorData::Bytes(vec![bytes::Bytes::from_static(b"a"); n]),
+                        crate::TensorData::Strings(vec![bytes::Bytes::from_static(b"a"); n]),
                     ),
                     D::Fp16 => Tensor::from_le(&s.name, D::Fp16, shape, &vec![half::f16::from_f32(0.5); n]),
                     D::Bf16 => Tensor::from_le(&s.name, D::Bf16, shape, &vec![half::bf16::from_f32(0.5); n]),
@@ -159,7 +146,7 @@ impl Model {
                         let width = other.size().unwrap_or(1);
                         let mut one = vec![0u8; width];
                         one[0] = 1;
-                        Tensor::new(s.name.clone(), other, shape, crate::TensorData::Raw(one.repeat(n).into()))
+                        Tensor::new(s.name.clone(), other, shape, crate::TensorData::Fixed(one.repeat(n).into()))
                     }
                 }
             })
@@ -184,7 +171,7 @@ impl Model {
     }
 
     /// Counts a request refused before it reached this model (admission), and returns its error.
-    pub fn refuse(&self, e: Error) -> Error {
+    pub fn record_refusal(&self, e: Error) -> Error {
         self.stats.fail.add(Duration::ZERO);
         self.record("failure", metrics::reason(&e), Duration::ZERO);
         e
@@ -262,7 +249,7 @@ impl Model {
     /// Puts inputs in model order and checks each against the spec before anything is queued.
     fn check_inputs(&self, given: Vec<Tensor>, limits: &Limits) -> Result<(Vec<Tensor>, usize)> {
         let spec = &self.spec;
-        let batched = spec.batch.max_batch_size > 0;
+        let batched = spec.batched();
         let mut slots: Vec<Option<Tensor>> = vec![None; spec.inputs.len()];
         let mut elements = 0usize;
         for t in given {
@@ -283,8 +270,7 @@ impl Model {
                     t.name, s.datatype, t.datatype
                 )));
             }
-            let expected: Vec<i64> =
-                if batched { [-1].iter().chain(&s.dims).copied().collect() } else { s.dims.clone() };
+            let expected = spec.wire_shape(s);
             let fits =
                 t.shape.len() == expected.len() && t.shape.iter().zip(&expected).all(|(&d, &e)| e < 0 || d as i64 == e);
             if !fits {

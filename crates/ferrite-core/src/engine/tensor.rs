@@ -4,12 +4,14 @@ use bytes::Bytes;
 
 use crate::{DataType, Error, Result};
 
+/// A tensor's elements. (`bytes::Bytes` is the shared buffer type; `DataType::Bytes` is the V2
+/// BYTES datatype, whose elements are the `Strings` here.)
 #[derive(Debug, Clone, PartialEq)]
 pub enum TensorData {
     /// Fixed-size elements, little-endian, row-major, no padding (BOOL is one byte).
-    Raw(Bytes),
-    /// One entry per BYTES element.
-    Bytes(Vec<Bytes>),
+    Fixed(Bytes),
+    /// One buffer per element of a BYTES tensor (arbitrary bytes, not necessarily UTF-8).
+    Strings(Vec<Bytes>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -98,7 +100,7 @@ impl TensorData {
                     raw.len()
                 )));
             }
-            return Ok(TensorData::Raw(raw));
+            return Ok(TensorData::Fixed(raw));
         }
         let mut items = Vec::with_capacity(count.min(raw.len() / 4));
         let mut at = 0;
@@ -127,22 +129,22 @@ impl TensorData {
                 items.len()
             )));
         }
-        Ok(TensorData::Bytes(items))
+        Ok(TensorData::Strings(items))
     }
 
     /// The length of `to_wire()`, without building it.
     pub fn wire_len(&self) -> usize {
         match self {
-            TensorData::Raw(b) => b.len(),
-            TensorData::Bytes(items) => items.iter().map(|b| b.len() + 4).sum(),
+            TensorData::Fixed(b) => b.len(),
+            TensorData::Strings(items) => items.iter().map(|b| b.len() + 4).sum(),
         }
     }
 
     /// The raw wire form (see `from_wire`); fixed-size data is shared, not copied.
     pub fn to_wire(&self) -> Bytes {
         match self {
-            TensorData::Raw(b) => b.clone(),
-            TensorData::Bytes(items) => {
+            TensorData::Fixed(b) => b.clone(),
+            TensorData::Strings(items) => {
                 let mut out = Vec::with_capacity(self.wire_len());
                 for b in items {
                     out.extend_from_slice(&(b.len() as u32).to_le_bytes());
@@ -165,7 +167,7 @@ impl Tensor {
         for v in values {
             v.put_le(&mut buf);
         }
-        Tensor::new(name, datatype, shape, TensorData::Raw(buf.into()))
+        Tensor::new(name, datatype, shape, TensorData::Fixed(buf.into()))
     }
 
     pub fn element_count(&self) -> usize {
@@ -176,9 +178,9 @@ impl Tensor {
     pub fn check_size(&self) -> Result<()> {
         let n = self.element_count();
         match (&self.data, self.datatype.size()) {
-            (TensorData::Raw(b), Some(size)) if b.len() == n * size => Ok(()),
-            (TensorData::Bytes(v), None) if v.len() == n => Ok(()),
-            (TensorData::Raw(b), Some(size)) => Err(Error::invalid(format!(
+            (TensorData::Fixed(b), Some(size)) if b.len() == n * size => Ok(()),
+            (TensorData::Strings(v), None) if v.len() == n => Ok(()),
+            (TensorData::Fixed(b), Some(size)) => Err(Error::invalid(format!(
                 "input '{}': shape {:?} of {} needs {} bytes, got {}",
                 self.name,
                 self.shape,
@@ -186,7 +188,7 @@ impl Tensor {
                 n * size,
                 b.len()
             ))),
-            (TensorData::Bytes(v), None) => Err(Error::invalid(format!(
+            (TensorData::Strings(v), None) => Err(Error::invalid(format!(
                 "input '{}': shape {:?} needs {} BYTES elements, got {}",
                 self.name,
                 self.shape,
@@ -206,11 +208,11 @@ impl Tensor {
             *d0 = rows;
         }
         let data = match &self.data {
-            TensorData::Raw(b) => {
+            TensorData::Fixed(b) => {
                 let row_bytes = b.len() / total;
-                TensorData::Raw(b.slice(start * row_bytes..(start + rows) * row_bytes))
+                TensorData::Fixed(b.slice(start * row_bytes..(start + rows) * row_bytes))
             }
-            TensorData::Bytes(v) => TensorData::Bytes(v[start * per_row..(start + rows) * per_row].to_vec()),
+            TensorData::Strings(v) => TensorData::Strings(v[start * per_row..(start + rows) * per_row].to_vec()),
         };
         Tensor { name: self.name.clone(), datatype: self.datatype, shape, data }
     }
@@ -266,18 +268,18 @@ mod tests {
             "s",
             DataType::Bytes,
             vec![2, 1],
-            TensorData::Bytes(vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")]),
+            TensorData::Strings(vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")]),
         );
-        assert_eq!(s.rows(1, 1).data, TensorData::Bytes(vec![Bytes::from_static(b"b")]));
+        assert_eq!(s.rows(1, 1).data, TensorData::Strings(vec![Bytes::from_static(b"b")]));
     }
 
     #[test]
     fn wire_form_round_trips_and_checks_every_length() {
         let items = vec![Bytes::from_static(b"ab"), Bytes::new(), Bytes::from_static(b"xyz")];
-        let wire = TensorData::Bytes(items.clone()).to_wire();
-        assert_eq!(TensorData::Bytes(items.clone()).wire_len(), wire.len());
+        let wire = TensorData::Strings(items.clone()).to_wire();
+        assert_eq!(TensorData::Strings(items.clone()).wire_len(), wire.len());
         assert_eq!(&wire[..], b"\x02\0\0\0ab\0\0\0\0\x03\0\0\0xyz");
-        assert_eq!(TensorData::from_wire("s", DataType::Bytes, 3, wire.clone()).unwrap(), TensorData::Bytes(items));
+        assert_eq!(TensorData::from_wire("s", DataType::Bytes, 3, wire.clone()).unwrap(), TensorData::Strings(items));
         for (count, raw, needle) in [
             (3, wire.slice(..wire.len() - 1), "runs past"),
             (2, wire.clone(), "more than 2"),

@@ -10,7 +10,7 @@ use std::{
 use tokio::sync::oneshot;
 
 use crate::{
-    config::{BatchPolicy, QueuePolicy, TimeoutAction},
+    engine::spec::{BatchPolicy, QueuePolicy, TimeoutAction},
     Error, Result, Tensor,
 };
 

@@ -6,7 +6,7 @@
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},
     sync::{
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
     thread::JoinHandle,
@@ -14,10 +14,13 @@ use std::{
 };
 
 use crate::{
-    backend::{BatchInput, Instance},
-    config::{BatchPolicy, ModelSpec, TimeoutAction},
-    queue::{Decision, Pending, Queue},
-    stats::ModelStats,
+    admission::deadline::BatchTime,
+    engine::{
+        backend::{BatchInput, Instance},
+        queue::{Decision, Pending, Queue, RETRY_AFTER},
+        spec::{BatchPolicy, ModelSpec, TimeoutAction},
+    },
+    telemetry::{metrics::ModelMetrics, stats::ModelStats},
     Backend, Error, Result, Tensor,
 };
 
@@ -35,12 +38,12 @@ struct Shared {
     idle: Condvar,
     closed: std::sync::atomic::AtomicBool,
     running: AtomicUsize,
-    /// Moving average of one batch's run time, for refusing requests whose deadline cannot be met.
-    batch_ns: AtomicU64,
+    /// One batch's recent run time, for refusing requests whose deadline cannot be met.
+    batch_time: BatchTime,
     policy: BatchPolicy,
     spec: ModelSpec,
     stats: Arc<ModelStats>,
-    metrics: crate::metrics::ModelMetrics,
+    metrics: ModelMetrics,
 }
 
 impl Shared {
@@ -61,7 +64,7 @@ impl Batcher {
         let shared = Arc::new(Shared {
             submitted: Default::default(),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
-            batch_ns: AtomicU64::new(0),
+            batch_time: BatchTime::default(),
             wake: Condvar::new(),
             idle: Condvar::new(),
             closed: Default::default(),
@@ -69,7 +72,7 @@ impl Batcher {
             policy: spec.batch.clone(),
             spec: spec.clone(),
             stats,
-            metrics: crate::metrics::ModelMetrics::new(&spec.name, spec.version),
+            metrics: ModelMetrics::new(&spec.name, spec.version),
         });
         let workers = instances
             .into_iter()
@@ -89,7 +92,7 @@ impl Batcher {
     /// cannot be met given the work ahead of it (rather than letting it wait and then fail).
     pub fn submit(&self, p: Pending) -> Result<()> {
         if self.shared.closed.load(Ordering::Acquire) {
-            return Err(Error::unavailable("model is shutting down", Some(crate::queue::RETRY_AFTER)));
+            return Err(Error::unavailable("model is shutting down", Some(RETRY_AFTER)));
         }
         let mut q = self.shared.lock();
         if let Some(deadline) = p.deadline.filter(|_| self.rejects_late(p.level)) {
@@ -119,18 +122,13 @@ impl Batcher {
     /// batches queued ahead of it shared among the instances, plus its own, at the recent
     /// average batch time. `None` before the first batch has run.
     fn estimate_wait(&self, q: &Queue, level: usize) -> Option<Duration> {
-        let per_batch = self.shared.batch_ns.load(Ordering::Relaxed);
-        if per_batch == 0 {
-            return None;
-        }
         let policy = &self.shared.policy;
         let batches_ahead = if policy.dynamic {
             q.rows_ahead(level).div_ceil(policy.max_batch_size.max(1))
         } else {
             q.requests_ahead(level)
         };
-        let rounds = (batches_ahead / self.shared.spec.instance_count.max(1)) as u64 + 1;
-        Some(Duration::from_nanos(per_batch.saturating_mul(rounds)))
+        self.shared.batch_time.wait(batches_ahead, self.shared.spec.instance_count)
     }
 
     pub fn queued(&self) -> usize {
@@ -250,7 +248,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
 fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let start = Instant::now();
     let spec = &shared.spec;
-    let batched = spec.batch.max_batch_size > 0;
+    let batched = spec.batched();
     let rows: usize = batch.iter().map(|p| p.rows).sum();
     let requests = batch.len();
     let m = &shared.metrics;
@@ -320,12 +318,13 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
     };
-    let took = (done - ran).as_nanos() as u64;
-    let avg = shared.batch_ns.load(Ordering::Relaxed);
-    shared.batch_ns.store(if avg == 0 { took } else { (avg * 7 + took) / 8 }, Ordering::Relaxed);
+    shared.batch_time.record(done - ran);
     // Statistics first, so a client that reads them after its answer sees its own batch.
     if counted {
-        shared.stats.record_batch(rows, requests, ran - start, done - ran, done.elapsed());
+        // Input: the copy into the engine's buffers; inference: the rest of the run; output:
+        // splitting the outputs per request.
+        let input = instance.input_time().min(done - ran);
+        shared.stats.record_batch(rows, requests, input, done - ran - input, done.elapsed());
         m.executions.inc();
         m.inferences.inc_by(rows as u64);
         m.batch_size.observe(rows as f64);

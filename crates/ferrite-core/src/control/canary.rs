@@ -17,17 +17,17 @@
 //! model (backend errors, timeouts) and answers holding NaN; a client's bad input is not counted.
 
 use std::{
-    collections::VecDeque,
+    collections::{BTreeMap, VecDeque},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Mutex,
+        Arc, Mutex,
     },
     time::{Duration, Instant},
 };
 
 use serde::Deserialize;
 
-use crate::{Error, Result};
+use crate::{control::registry::Served, Error, Model, Result};
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -251,6 +251,41 @@ impl Canary {
         Some(reason)
     }
 
+    /// Records the outcome of a request this canary routed: failures of the model (an internal
+    /// error, a missed deadline, NaN outputs) and its latency. Withdraws the candidate, logs and
+    /// counts it when the comparison says so.
+    pub fn observe(&self, model: &str, side: Side, result: &Result<crate::InferResponse>, latency: Duration) {
+        let failed = match result {
+            Ok(r) => has_nan(&r.outputs),
+            Err(e) => matches!(e, Error::Internal(_) | Error::DeadlineExceeded(_)),
+        };
+        if let Some(reason) = self.record(side, failed, latency) {
+            tracing::warn!(model, version = self.config.version, %reason, "canary withdrawn");
+            crate::telemetry::metrics::global().canary_rollbacks.with_label_values(&[model]).inc();
+        }
+    }
+
+    /// The canary for `config` beside `stable` in a rebuilt model: the one `current` holds when
+    /// it is the same canary over the same two loads (it keeps its window and state), else new.
+    pub(crate) fn carry_over(
+        current: Option<&Served>,
+        config: &CanaryConfig,
+        stable: u64,
+        versions: &BTreeMap<u64, Arc<Model>>,
+    ) -> Arc<Canary> {
+        let same = current.and_then(|s| s.canary.as_ref()).filter(|old| {
+            old.config == *config
+                && old.stable == stable
+                && current.is_some_and(|s| {
+                    [config.version, stable].iter().all(|v| match (s.versions.get(v), versions.get(v)) {
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    })
+                })
+        });
+        same.cloned().unwrap_or_else(|| Arc::new(Canary::new(config.clone(), stable)))
+    }
+
     /// Makes the candidate the default version.
     pub fn promote(&self) {
         self.lock().state = CanaryState::Promoted;
@@ -262,7 +297,7 @@ impl Canary {
 pub fn has_nan(outputs: &[crate::Tensor]) -> bool {
     use crate::{DataType, TensorData};
     outputs.iter().any(|t| {
-        let TensorData::Raw(b) = &t.data else { return false };
+        let TensorData::Fixed(b) = &t.data else { return false };
         match t.datatype {
             DataType::Fp32 => b.chunks_exact(4).any(|c| f32::from_le_bytes(c.try_into().unwrap()).is_nan()),
             DataType::Fp64 => b.chunks_exact(8).any(|c| f64::from_le_bytes(c.try_into().unwrap()).is_nan()),

@@ -1,0 +1,336 @@
+//! The response cache. Tier 1 is in-process (moka: bounded in bytes, TTL, TinyLFU admission).
+//! Tier 2 is a [`SharedTier`] (Redis, provided by the server), shared between processes, and
+//! never a point of failure: a lookup waits at most `shared_timeout` and then counts as a miss,
+//! repeated errors open a circuit breaker that skips the tier for a while, and writes are queued
+//! by the tier after the answer (dropped when its queue is full).
+
+mod key;
+mod shared;
+mod value;
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering::Relaxed},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use serde::Serialize;
+
+pub use key::{key, Key};
+pub use shared::{Breaker, SharedTier, TierFuture};
+pub use value::{decode, encode};
+
+use crate::{telemetry::metrics, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct CacheOptions {
+    /// Budget of the in-process tier, in bytes of tensor data.
+    pub local_bytes: u64,
+    /// How long an entry lives, in both tiers.
+    pub ttl: Duration,
+    /// The longest a request waits on the shared tier before treating it as a miss.
+    pub shared_timeout: Duration,
+    /// Responses larger than this are not cached.
+    pub max_value_bytes: usize,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            local_bytes: 256 << 20,
+            ttl: Duration::from_secs(300),
+            shared_timeout: Duration::from_millis(5),
+            max_value_bytes: 1 << 20,
+        }
+    }
+}
+
+type Value = Arc<Vec<Tensor>>;
+
+fn weight(outputs: &[Tensor]) -> usize {
+    outputs.iter().map(|t| t.name.len() + 64 + t.data.wire_len()).sum()
+}
+
+/// Counters, for statistics and metrics.
+#[derive(Debug, Default, Serialize, Clone)]
+pub struct CacheSnapshot {
+    pub local_entries: u64,
+    pub local_bytes: u64,
+    pub local_budget_bytes: u64,
+    /// "off", "ok" or "degraded" (not connected, or the breaker is open).
+    pub redis: &'static str,
+    pub redis_hits: u64,
+    pub redis_misses: u64,
+    pub redis_errors: u64,
+    pub redis_timeouts: u64,
+    pub redis_writes_dropped: u64,
+}
+
+pub struct ResponseCache {
+    local: moka::sync::Cache<Key, Value>,
+    budget: u64,
+    max_value_bytes: usize,
+    ttl: Duration,
+    shared: Option<Shared>,
+}
+
+/// The shared tier with what guards it.
+struct Shared {
+    tier: Arc<dyn SharedTier>,
+    breaker: Breaker,
+    timeout: Duration,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    errors: AtomicU64,
+    timeouts: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl std::fmt::Debug for ResponseCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseCache").field("budget", &self.budget).finish_non_exhaustive()
+    }
+}
+
+fn shared_key(key: Key) -> String {
+    format!("ferrite:{key:032x}")
+}
+
+impl ResponseCache {
+    /// Creates the cache, with `shared` as its second tier when given.
+    pub fn new(options: &CacheOptions, shared: Option<Arc<dyn SharedTier>>) -> ResponseCache {
+        let local = moka::sync::Cache::builder()
+            .max_capacity(options.local_bytes)
+            .weigher(|_k: &Key, v: &Value| u32::try_from(weight(v)).unwrap_or(u32::MAX))
+            .time_to_live(options.ttl)
+            .build();
+        let shared = shared.map(|tier| Shared {
+            tier,
+            breaker: Breaker::new(5, Duration::from_secs(1)),
+            timeout: options.shared_timeout,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        });
+        ResponseCache {
+            local,
+            budget: options.local_bytes,
+            max_value_bytes: options.max_value_bytes,
+            ttl: options.ttl,
+            shared,
+        }
+    }
+
+    /// Tier 1, then tier 2 (bounded by the shared tier's timeout). A tier-2 hit is promoted to tier 1.
+    pub async fn get(&self, key: Key) -> Option<Value> {
+        if let Some(v) = self.local.get(&key) {
+            return Some(v);
+        }
+        let v = Arc::new(self.shared.as_ref()?.get(key).await?);
+        self.local.insert(key, v.clone());
+        Some(v)
+    }
+
+    /// Stores a response in tier 1 now and queues it for tier 2.
+    pub fn put(&self, key: Key, outputs: &[Tensor]) {
+        if weight(outputs) > self.max_value_bytes {
+            return;
+        }
+        self.local.insert(key, Arc::new(outputs.to_vec()));
+        if let Some(s) = &self.shared {
+            if !s.tier.put(shared_key(key), encode(outputs), self.ttl) {
+                s.dropped.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    pub fn snapshot(&self) -> CacheSnapshot {
+        self.local.run_pending_tasks();
+        let mut s = CacheSnapshot {
+            local_entries: self.local.entry_count(),
+            local_bytes: self.local.weighted_size(),
+            local_budget_bytes: self.budget,
+            redis: "off",
+            ..Default::default()
+        };
+        if let Some(r) = &self.shared {
+            s.redis = if r.tier.connected() && !r.breaker.is_open(Instant::now()) { "ok" } else { "degraded" };
+            s.redis_hits = r.hits.load(Relaxed);
+            s.redis_misses = r.misses.load(Relaxed);
+            s.redis_errors = r.errors.load(Relaxed) + r.tier.write_errors();
+            s.redis_timeouts = r.timeouts.load(Relaxed);
+            s.redis_writes_dropped = r.dropped.load(Relaxed);
+        }
+        s
+    }
+}
+
+impl Shared {
+    /// One lookup, if connected and the breaker lets it through; an error, a timeout or a value
+    /// that does not decode counts as a miss.
+    async fn get(&self, key: Key) -> Option<Vec<Tensor>> {
+        if !self.tier.connected() || !self.breaker.allow(Instant::now()) {
+            return None;
+        }
+        let found = match tokio::time::timeout(self.timeout, self.tier.get(&shared_key(key))).await {
+            Ok(Ok(v)) => {
+                self.breaker.success();
+                v
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "shared cache error");
+                self.failed();
+                return None;
+            }
+            Err(_) => {
+                self.timeouts.fetch_add(1, Relaxed);
+                self.failed();
+                return None;
+            }
+        };
+        match found.map(|v| decode(Bytes::from(v))) {
+            Some(Ok(tensors)) => {
+                self.hits.fetch_add(1, Relaxed);
+                Some(tensors)
+            }
+            Some(Err(_)) => {
+                self.errors.fetch_add(1, Relaxed);
+                None
+            }
+            None => {
+                self.misses.fetch_add(1, Relaxed);
+                None
+            }
+        }
+    }
+
+    fn failed(&self) {
+        metrics::global().redis_errors.inc();
+        self.errors.fetch_add(1, Relaxed);
+        self.breaker.failure(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DataType, TensorData};
+    use bytes::Bytes;
+
+    fn t(name: &str, v: &[f32]) -> Tensor {
+        Tensor::from_le(name, DataType::Fp32, vec![1, v.len()], v)
+    }
+
+    #[test]
+    fn keys_differ_for_every_part_of_the_request() {
+        let base = key("m", 1, &[t("x", &[1.0, 2.0])], None);
+        assert_eq!(base, key("m", 1, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key("n", 1, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key("m", 2, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key("m", 1, &[t("y", &[1.0, 2.0])], None));
+        assert_ne!(base, key("m", 1, &[t("x", &[1.0, 2.5])], None));
+        assert_ne!(base, key("m", 1, &[t("x", &[1.0, 2.0])], Some(&[0])));
+        assert_ne!(key("m", 1, &[t("x", &[1.0, 2.0])], Some(&[0])), key("m", 1, &[t("x", &[1.0, 2.0])], Some(&[1])));
+        let mut reshaped = t("x", &[1.0, 2.0]);
+        reshaped.shape = vec![2, 1];
+        assert_ne!(base, key("m", 1, &[reshaped], None));
+        let s = |items: &[&'static [u8]]| {
+            Tensor::new(
+                "s",
+                DataType::Bytes,
+                vec![items.len()],
+                TensorData::Strings(items.iter().map(|b| Bytes::from_static(b)).collect()),
+            )
+        };
+        assert_ne!(key("m", 1, &[s(&[b"ab", b"c"])], None), key("m", 1, &[s(&[b"a", b"bc"])], None));
+    }
+
+    #[test]
+    fn values_round_trip_and_corruption_is_an_error() {
+        let outs = vec![
+            t("y", &[1.0, f32::NAN]),
+            Tensor::new(
+                "s",
+                DataType::Bytes,
+                vec![2],
+                TensorData::Strings(vec![Bytes::from_static(b"hi"), Bytes::new()]),
+            ),
+        ];
+        let enc = encode(&outs);
+        let dec = decode(Bytes::from(enc.clone())).unwrap();
+        assert_eq!(dec[1], outs[1]);
+        assert_eq!(dec[0].data.to_wire(), outs[0].data.to_wire());
+        for cut in [0, 3, 10, enc.len() - 1] {
+            assert!(decode(Bytes::from(enc[..cut].to_vec())).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn breaker_opens_after_repeated_failures_and_probes_after_cooldown() {
+        let b = Breaker::new(3, Duration::from_secs(1));
+        let t0 = Instant::now();
+        for _ in 0..2 {
+            b.failure(t0);
+        }
+        assert!(b.allow(t0));
+        b.failure(t0);
+        assert!(!b.allow(t0) && b.is_open(t0));
+        let later = t0 + Duration::from_millis(1500);
+        assert!(b.allow(later), "one probe after the cooldown");
+        assert!(!b.allow(later), "only one at a time");
+        b.success();
+        assert!(b.allow(later) && !b.is_open(later));
+    }
+
+    #[tokio::test]
+    async fn local_tier_hits_and_stays_within_its_budget() {
+        let cache = ResponseCache::new(&CacheOptions { local_bytes: 64 * 1024, ..Default::default() }, None);
+        let k = key("m", 1, &[t("x", &[1.0])], None);
+        assert!(cache.get(k).await.is_none());
+        cache.put(k, &[t("y", &[3.0])]);
+        assert_eq!(cache.get(k).await.unwrap()[0], t("y", &[3.0]));
+        for i in 0..2000 {
+            let k = key("m", 1, &[t("x", &[i as f32])], None);
+            cache.put(k, &[t("y", &vec![0.5; 256])]);
+        }
+        let s = cache.snapshot();
+        assert!(s.local_bytes <= 64 * 1024, "{s:?}");
+        assert!(s.local_entries > 0 && s.redis == "off");
+    }
+}
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+        /// A corrupt Redis value is an error, never a panic or a huge allocation.
+        #[test]
+        fn cache_values_never_panic(v in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = super::value::decode(bytes::Bytes::from(v));
+        }
+
+        #[test]
+        fn wire_tensors_never_panic(v in proptest::collection::vec(any::<u8>(), 0..256), count in 0usize..64) {
+            for dt in crate::DataType::ALL {
+                let _ = crate::TensorData::from_wire("x", dt, count, bytes::Bytes::from(v.clone()));
+            }
+        }
+
+        /// Any config text parses or is refused, and resolving what parses never panics.
+        #[test]
+        fn configs_never_panic(text in "[a-z_ =\\[\\]0-9\"\n,.-]{0,200}") {
+            if let Ok(cfg) = toml::from_str::<crate::control::config::ModelConfig>(&text) {
+                let io = [crate::engine::spec::TensorSpec { name: "x".into(), datatype: crate::DataType::Fp32, dims: vec![-1, 4] }];
+                let _ = crate::engine::spec::ModelSpec::resolve("m", 1, &cfg, &io, &io, 1);
+            }
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The control plane: which models and versions are served, and how that changes. The repository
+//! on disk, model configs, the registry that is swapped atomically on every change, the lifecycle
+//! that builds a model's next state beside the running one, and canary rollouts. Nothing here is
+//! on the path of a request except `Registry::route` and the canary's record of each outcome.
+
+pub mod canary;
+pub mod config;
+mod lifecycle;
+pub mod registry;
+pub mod repository;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::{Arc, MutexGuard},
+    time::Duration,
+};
+
+pub use registry::{IndexEntry, Registry};
+pub use repository::{LoadOptions, Repository};
+
+use crate::{Core, Error, ModelControl, Result};
+
+/// Which models should be served, and the state the last change left them in.
+#[derive(Default)]
+pub(crate) struct Lifecycle {
+    /// Models to serve: all on disk, or (explicit control) those loaded through the API.
+    wanted: BTreeSet<String>,
+    /// Model configs from an external source (etcd), by model name; they replace `config.toml`.
+    configs: BTreeMap<String, String>,
+    /// The disk and config signature each model was last built from.
+    applied: BTreeMap<String, u64>,
+}
+
+/// Refuses repository-API parameters other than `unload_dependents` (accepted: there are no
+/// ensembles to unload with a model).
+fn refuse_parameters<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    match names.into_iter().find(|n| *n != "unload_dependents") {
+        None => Ok(()),
+        Some(n) => Err(Error::Unsupported(format!(
+            "parameter '{n}' is not supported: models load from the repository as it is"
+        ))),
+    }
+}
+
+impl Core {
+    /// The first load: `names` from the repository, with `configs` (from an external source, by
+    /// model name) in place of their `config.toml`.
+    pub(crate) fn load_initial(&self, names: Vec<String>, configs: BTreeMap<String, String>) {
+        let Some(repo) = &self.inner.repository else { return };
+        let mut lc = self.lifecycle();
+        lc.wanted.extend(names.iter().cloned());
+        lc.configs = configs;
+        self.rebuild(repo, &mut lc, &names);
+    }
+
+    fn require_explicit(&self) -> Result<()> {
+        if self.inner.control != ModelControl::Explicit {
+            return Err(Error::Unsupported(
+                "loading, unloading and promoting through the API needs --model-control-mode explicit".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The repository index: every model on disk or served, each version's state and why.
+    pub fn index(&self) -> Vec<IndexEntry> {
+        let mut rows = self.inner.registry.load().index();
+        if let Some(repo) = &self.inner.repository {
+            for name in repo.names() {
+                if !rows.iter().any(|r| r.name == name) {
+                    rows.push(IndexEntry {
+                        name,
+                        version: None,
+                        state: registry::State::Unavailable,
+                        reason: "not loaded".into(),
+                    });
+                }
+            }
+            rows.sort_by(|a, b| (&a.name, a.version).cmp(&(&b.name, b.version)));
+        }
+        rows
+    }
+
+    fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
+        self.inner.lifecycle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn repository(&self) -> Result<&Repository> {
+        self.inner.repository.as_ref().ok_or_else(|| Error::Unsupported("this engine has no model repository".into()))
+    }
+
+    /// Rebuilds `names` from disk (and the external configs) beside what serves, then swaps the
+    /// result in at once. Blocks while models load; requests are served meanwhile.
+    fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String]) {
+        if !self.is_ready() {
+            return;
+        }
+        let current = self.inner.registry.load_full();
+        let mut next = (*current).clone();
+        for name in names {
+            if !lc.wanted.contains(name) {
+                continue;
+            }
+            let sources = lifecycle::Sources::read(repo, name, lc.configs.get(name).map(String::as_str));
+            let signature = sources.signature();
+            let (served, notes) = lifecycle::build(repo, name, sources, current.models.get(name));
+            match served {
+                Some(s) => next.models.insert(name.clone(), s),
+                None => next.models.remove(name),
+            };
+            if notes.model.is_none() && notes.versions.is_empty() {
+                next.notes.remove(name);
+            } else {
+                next.notes.insert(name.clone(), notes);
+            }
+            lc.applied.insert(name.clone(), signature);
+        }
+        self.inner.registry.store(Arc::new(next));
+    }
+
+    /// Loads (or reloads) `name` from the repository, as the repository API's `load` does. Fails
+    /// with the reason when anything did not load; what served before keeps serving then.
+    /// `parameters` are the names of the request's load parameters (Triton's config and file
+    /// overrides): any is refused, since models load from the repository as it is.
+    pub fn load_model<'a>(&self, name: &str, parameters: impl IntoIterator<Item = &'a str>) -> Result<()> {
+        self.require_explicit()?;
+        refuse_parameters(parameters)?;
+        let repo = self.repository()?;
+        if !repository::is_model_name(name) {
+            return Err(Error::invalid(format!("'{name}' is not a valid model name")));
+        }
+        repo.versions(name)?;
+        let mut lc = self.lifecycle();
+        lc.wanted.insert(name.to_string());
+        self.rebuild(repo, &mut lc, &[name.to_string()]);
+        let r = self.inner.registry.load();
+        match r.notes.get(name) {
+            None => Ok(()),
+            Some(n) => {
+                let mut why: Vec<String> = n.model.iter().cloned().collect();
+                why.extend(n.versions.iter().map(|(v, e)| format!("version {v}: {e}")));
+                Err(Error::invalid(format!("failed to load '{name}': {}", why.join("; "))))
+            }
+        }
+    }
+
+    /// Stops serving `name`; its requests in flight finish on it. `parameters` as for `load_model`.
+    pub fn unload_model<'a>(&self, name: &str, parameters: impl IntoIterator<Item = &'a str>) -> Result<()> {
+        self.require_explicit()?;
+        refuse_parameters(parameters)?;
+        self.unload(name)
+    }
+
+    fn unload(&self, name: &str) -> Result<()> {
+        let repo = self.repository()?;
+        let mut lc = self.lifecycle();
+        let current = self.inner.registry.load_full();
+        if !current.models.contains_key(name) && !repo.names().iter().any(|n| n == name) {
+            return Err(Error::NotFound(format!("unknown model '{name}'")));
+        }
+        lc.wanted.remove(name);
+        lc.applied.remove(name);
+        let mut next = (*current).clone();
+        next.models.remove(name);
+        next.notes.insert(name.to_string(), registry::Notes { model: Some("unloaded".into()), ..Default::default() });
+        self.inner.registry.store(Arc::new(next));
+        tracing::info!(model = %name, "model unloaded");
+        Ok(())
+    }
+
+    /// Makes `name`'s canary candidate its default version.
+    pub fn promote_canary(&self, name: &str) -> Result<()> {
+        self.require_explicit()?;
+        let r = self.inner.registry.load();
+        let canary = r.models.get(name).and_then(|s| s.canary.as_ref());
+        let c = canary.ok_or_else(|| Error::NotFound(format!("model '{name}' has no canary")))?;
+        if let canary::CanaryState::Withdrawn(why) = c.state() {
+            return Err(Error::invalid(format!("the canary of '{name}' was withdrawn: {why}")));
+        }
+        c.promote();
+        tracing::info!(model = %name, version = c.config.version, "canary promoted");
+        Ok(())
+    }
+
+    /// One round of repository polling: models whose files or config changed (and stayed the
+    /// same for `debounce`, so half-written files are not picked up) are rebuilt; new model
+    /// directories are loaded and removed ones unloaded.
+    pub fn poll(&self, debounce: Duration) {
+        let Some(repo) = &self.inner.repository else { return };
+        let changed = |lc: &mut Lifecycle| {
+            let on_disk = repo.names();
+            lc.wanted.extend(on_disk.iter().cloned());
+            let gone: Vec<String> = lc.wanted.iter().filter(|n| !on_disk.contains(n)).cloned().collect();
+            let moved: BTreeMap<String, u64> = lc
+                .wanted
+                .iter()
+                .filter(|n| on_disk.contains(n))
+                .map(|n| {
+                    (n.clone(), lifecycle::Sources::read(repo, n, lc.configs.get(n).map(String::as_str)).signature())
+                })
+                .filter(|(n, sig)| lc.applied.get(n) != Some(sig))
+                .collect();
+            (gone, moved)
+        };
+        let (gone, first) = changed(&mut self.lifecycle());
+        for name in gone {
+            let _ = self.unload(&name);
+        }
+        if first.is_empty() {
+            return;
+        }
+        std::thread::sleep(debounce);
+        let mut lc = self.lifecycle();
+        let (_, second) = changed(&mut lc);
+        let settled: Vec<String> =
+            second.iter().filter(|(n, sig)| first.get(*n) == Some(sig)).map(|(n, _)| n.clone()).collect();
+        if !settled.is_empty() {
+            tracing::info!(models = ?settled, "repository changed; reloading");
+            self.rebuild(repo, &mut lc, &settled);
+        }
+    }
+
+    /// Replaces the external model configs with `configs` (by model name) read at `revision`,
+    /// and rebuilds every model whose config changed, all in one swap: a change of several keys
+    /// is applied whole or not at all.
+    pub fn apply_configs(&self, revision: i64, configs: BTreeMap<String, String>) {
+        let Some(repo) = &self.inner.repository else { return };
+        let mut lc = self.lifecycle();
+        let changed: BTreeSet<String> = lc
+            .configs
+            .keys()
+            .chain(configs.keys())
+            .filter(|n| lc.configs.get(*n) != configs.get(*n))
+            .cloned()
+            .collect();
+        lc.configs = configs;
+        let changed: Vec<String> = changed.into_iter().collect();
+        tracing::info!(revision, models = ?changed, "config change");
+        self.rebuild(repo, &mut lc, &changed);
+    }
+}

@@ -1,0 +1,234 @@
+//! `Core`, the engine of one process, and the path of one request through it: admission, routing
+//! to a model version, the model's own checks, cache and batcher, then the canary's record. The
+//! control plane (loads, reloads, unloads, polling, external configs) is in `control`.
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{atomic::AtomicBool, atomic::Ordering, Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use arc_swap::ArcSwap;
+
+use crate::{
+    admission::{self, tenant::Tenants, Limits},
+    cache::ResponseCache,
+    control::{registry, Lifecycle, LoadOptions, Registry, Repository},
+    engine::queue::RETRY_AFTER,
+    Error, InferRequest, InferResponse, Model, Result,
+};
+
+/// The engine of one process: the models it serves (swapped atomically on every change) and
+/// whether new work is accepted. Cheap to clone.
+#[derive(Clone)]
+pub struct Core {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) cache: Option<Arc<ResponseCache>>,
+    pub(crate) registry: ArcSwap<Registry>,
+    /// Where models are (re)loaded from; `None` for a core over models loaded elsewhere.
+    pub(crate) repository: Option<Repository>,
+    /// Serializes loads, reloads and unloads.
+    pub(crate) lifecycle: Mutex<Lifecycle>,
+    accepting: AtomicBool,
+    limits: Limits,
+    tenants: Option<Arc<Tenants>>,
+    pub(crate) control: ModelControl,
+    /// Requests in the engine now, for `Limits::max_concurrent_requests`.
+    in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// How the served models may change (Triton's `--model-control-mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ModelControl {
+    /// As loaded at start (an external config source may still change configs).
+    #[default]
+    None,
+    /// The repository is polled for changes.
+    Poll,
+    /// The repository API loads and unloads models.
+    Explicit,
+}
+
+/// Which models a core loads when it starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Startup {
+    All,
+    Only(Vec<String>),
+}
+
+impl Core {
+    /// Loads every model of the repository at `root`; models that fail are logged and left out.
+    pub fn load(root: &Path, options: &LoadOptions, limits: Limits) -> Result<Core> {
+        Core::open(root, options, limits, Startup::All)
+    }
+
+    /// Opens the repository at `root` and loads the models `startup` names.
+    pub fn open(root: &Path, options: &LoadOptions, limits: Limits, startup: Startup) -> Result<Core> {
+        Core::open_with_configs(root, options, limits, startup, None)
+    }
+
+    /// As `open`, with model configs from an external source (by model name) in place of those
+    /// models' `config.toml` from the first load on.
+    pub fn open_with_configs(
+        root: &Path,
+        options: &LoadOptions,
+        limits: Limits,
+        startup: Startup,
+        configs: Option<BTreeMap<String, String>>,
+    ) -> Result<Core> {
+        let repository = Repository::open(root, options.clone())?;
+        let names = match startup {
+            Startup::All => repository.names(),
+            Startup::Only(names) => names,
+        };
+        let core = Core::new(Registry::default(), Some(repository), limits, options.cache.clone());
+        core.load_initial(names, configs.unwrap_or_default());
+        Ok(core)
+    }
+
+    /// A core over models loaded elsewhere (one `Model.load` from Python, tests), with no cache
+    /// and no repository to reload from.
+    pub fn from_models(models: BTreeMap<String, Arc<Model>>, failed: BTreeMap<String, String>, limits: Limits) -> Core {
+        let mut registry = Registry::default();
+        for (name, m) in models {
+            let versions = [(m.spec.version, m)].into();
+            registry.models.insert(name.clone(), Arc::new(registry::Served { name, versions, canary: None }));
+        }
+        for (name, why) in failed {
+            registry.notes.insert(name, registry::Notes { model: Some(why), ..Default::default() });
+        }
+        Core::new(registry, None, limits, None)
+    }
+
+    fn new(
+        registry: Registry,
+        repository: Option<Repository>,
+        limits: Limits,
+        cache: Option<Arc<ResponseCache>>,
+    ) -> Core {
+        Core {
+            inner: Arc::new(Inner {
+                cache,
+                registry: ArcSwap::from_pointee(registry),
+                repository,
+                lifecycle: Mutex::new(Lifecycle::default()),
+                accepting: AtomicBool::new(true),
+                limits,
+                tenants: None,
+                control: ModelControl::None,
+                in_flight: Default::default(),
+            }),
+        }
+    }
+
+    /// Applies per-tenant limits to every request (before any other work). Call before cloning.
+    pub fn with_tenants(mut self, tenants: Arc<Tenants>) -> Core {
+        Arc::get_mut(&mut self.inner).expect("with_tenants is called on a fresh core").tenants = Some(tenants);
+        self
+    }
+
+    /// Sets how models may change; `Explicit` opens load, unload and promote to the repository
+    /// API. Call before cloning.
+    pub fn with_model_control(mut self, control: ModelControl) -> Core {
+        Arc::get_mut(&mut self.inner).expect("with_model_control is called on a fresh core").control = control;
+        self
+    }
+
+    pub fn model_control(&self) -> ModelControl {
+        self.inner.control
+    }
+
+    /// The per-tenant limits, when configured.
+    pub fn tenants(&self) -> Option<&Arc<Tenants>> {
+        self.inner.tenants.as_ref()
+    }
+
+    /// The process's response cache, if it has one.
+    pub fn cache(&self) -> Option<&Arc<ResponseCache>> {
+        self.inner.cache.as_ref()
+    }
+
+    /// What is served now: one consistent view, whatever changes meanwhile.
+    pub fn registry(&self) -> Arc<Registry> {
+        self.inner.registry.load_full()
+    }
+
+    /// Every served model version.
+    pub fn models(&self) -> Vec<Arc<Model>> {
+        self.inner.registry.load().all()
+    }
+
+    /// Models that are not served, with the reason.
+    pub fn failed(&self) -> BTreeMap<String, String> {
+        self.inner.registry.load().failed()
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    /// The model `name` at `version` (`None` or empty: the default version).
+    pub fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
+        self.inner.registry.load().model(name, version)
+    }
+
+    /// The versions of `name` served now, lowest first.
+    pub fn versions(&self, name: &str) -> Vec<u64> {
+        self.inner.registry.load().models.get(name).map(|s| s.versions.keys().copied().collect()).unwrap_or_default()
+    }
+
+    /// True while new requests are accepted.
+    pub fn is_ready(&self) -> bool {
+        self.inner.accepting.load(Ordering::Acquire)
+    }
+
+    pub async fn infer(&self, req: InferRequest) -> Result<InferResponse> {
+        if !self.is_ready() {
+            return Err(Error::unavailable("server is shutting down", Some(RETRY_AFTER)));
+        }
+        let (model, canary) = self.inner.registry.load().route(
+            &req.model_name,
+            req.model_version.as_deref(),
+            req.id.as_deref(),
+            req.canary,
+        )?;
+        let _tenant = match &self.inner.tenants {
+            Some(t) => Some(t.admit(req.tenant.as_deref(), Instant::now()).map_err(|e| model.record_refusal(e))?),
+            None => None,
+        };
+        let _admitted = admission::Admitted::enter(&self.inner.in_flight, &self.inner.limits)
+            .map_err(|e| model.record_refusal(e))?;
+        let start = Instant::now();
+        let result = model.infer(req, &self.inner.limits).await;
+        if let Some((canary, side)) = canary {
+            canary.observe(&model.spec.name, side, &result, start.elapsed());
+        }
+        registry::release(model);
+        result
+    }
+
+    /// Stops accepting work; queued and running requests go on.
+    pub fn begin_shutdown(&self) {
+        self.inner.accepting.store(false, Ordering::Release);
+        for m in self.models() {
+            m.batcher().close();
+        }
+    }
+
+    /// Waits for queued and running work to finish, at most `timeout`, then fails what is left.
+    /// Returns how many requests were failed.
+    pub fn drain(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut failed = 0;
+        for m in self.models() {
+            if !m.batcher().wait_idle(deadline) {
+                failed += m.batcher().abort();
+            }
+        }
+        failed
+    }
+}

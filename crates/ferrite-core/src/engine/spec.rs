@@ -1,0 +1,138 @@
+//! The resolved description a model runs with: its tensors, how the batcher treats it, its
+//! queue policies. Built from a model's config by `control::config`; read by the batcher, the
+//! front-ends' metadata and config endpoints, and the Python package.
+
+use serde::Deserialize;
+
+use crate::{control::config::VersionPolicy, DataType};
+
+/// Defaults for a batching model whose config does not say otherwise. Chosen by the `bench/`
+/// measurements on a 2-core host (see README "Defaults"): merging up to 64 rows with no added
+/// delay lets batches form from whatever queued while an instance was busy.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+pub const DEFAULT_MAX_QUEUE_DELAY_US: u64 = 0;
+pub const DEFAULT_MAX_QUEUE_SIZE: usize = 1024;
+/// Each level holds its own queue; a config cannot ask for an unbounded number of them.
+pub const MAX_PRIORITY_LEVELS: u32 = 64;
+
+/// Triton's `timeout_action`: a request past its timeout while queued is either failed at once
+/// (`reject`) or kept and run after every request of its level and above that is still in time
+/// (`delay`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimeoutAction {
+    #[default]
+    Reject,
+    Delay,
+}
+
+impl TimeoutAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimeoutAction::Reject => "REJECT",
+            TimeoutAction::Delay => "DELAY",
+        }
+    }
+}
+
+/// The queue policy of one priority level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePolicy {
+    pub max_queue_size: usize,
+    /// 0: no timeout unless the request gives one.
+    pub default_timeout_us: u64,
+    pub allow_timeout_override: bool,
+    pub timeout_action: TimeoutAction,
+}
+
+impl Default for QueuePolicy {
+    fn default() -> Self {
+        QueuePolicy {
+            max_queue_size: DEFAULT_MAX_QUEUE_SIZE,
+            default_timeout_us: 0,
+            allow_timeout_override: true,
+            timeout_action: TimeoutAction::Reject,
+        }
+    }
+}
+
+impl QueuePolicy {
+    /// The timeout a request gets: its own when it may override and it is shorter, else the default.
+    pub fn timeout(&self, requested_us: Option<u64>) -> Option<std::time::Duration> {
+        let default = self.default_timeout_us;
+        let us = match requested_us.filter(|&t| t > 0 && self.allow_timeout_override) {
+            Some(t) if default == 0 || t < default => t,
+            _ => default,
+        };
+        (us > 0).then(|| std::time::Duration::from_micros(us))
+    }
+}
+
+/// A tensor as a model declares it. `dims` exclude the batch dim when the model batches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: DataType,
+    pub dims: Vec<i64>,
+}
+
+/// How the batcher treats one model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchPolicy {
+    /// 0: requests run one by one, as sent.
+    pub max_batch_size: usize,
+    /// False: requests run one by one even when the model batches.
+    pub dynamic: bool,
+    pub preferred_batch_sizes: Vec<usize>,
+    pub max_queue_delay_us: u64,
+    pub priority_levels: u32,
+    pub default_priority_level: u32,
+    /// The policy of levels without their own.
+    pub queue: QueuePolicy,
+    /// One per level, highest priority first.
+    pub level_queues: Vec<QueuePolicy>,
+}
+
+impl Default for BatchPolicy {
+    fn default() -> Self {
+        BatchPolicy {
+            max_batch_size: 0,
+            dynamic: false,
+            preferred_batch_sizes: Vec::new(),
+            max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
+            priority_levels: 1,
+            default_priority_level: 1,
+            queue: QueuePolicy::default(),
+            level_queues: vec![QueuePolicy::default()],
+        }
+    }
+}
+
+/// The resolved description a model serves with: what metadata and config endpoints report.
+#[derive(Debug, Clone)]
+pub struct ModelSpec {
+    pub name: String,
+    pub version: u64,
+    pub platform: &'static str,
+    pub backend: &'static str,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+    pub batch: BatchPolicy,
+    pub instance_count: usize,
+    pub threads: usize,
+    /// Responses are cached (when the process has a cache).
+    pub cache: bool,
+    pub version_policy: VersionPolicy,
+}
+
+impl ModelSpec {
+    /// Whether dim 0 of every input and output is the batch dim (`max_batch_size > 0`).
+    pub fn batched(&self) -> bool {
+        self.batch.max_batch_size > 0
+    }
+
+    /// `t`'s shape as clients see it: with a leading -1 for the batch dim when the model batches.
+    pub fn wire_shape(&self, t: &TensorSpec) -> Vec<i64> {
+        self.batched().then_some(-1).into_iter().chain(t.dims.iter().copied()).collect()
+    }
+}

@@ -1,0 +1,87 @@
+//! What every front-end shares about the V2 protocol beyond tensors: the request parameters the
+//! core honours, read the same way whichever wire they came over. (Shapes as clients see them,
+//! with the batch dim, are [`ModelSpec::wire_shape`](crate::engine::spec::ModelSpec::wire_shape).)
+
+use crate::{Error, Result};
+
+/// One request parameter as a front-end decoded it (JSON, MessagePack or protobuf).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Param<'a> {
+    Bool(bool),
+    Int(i64),
+    Uint(u64),
+    Double(f64),
+    Str(&'a str),
+}
+
+/// The request parameters the core honours: `priority` (1 highest, 0 the model's default),
+/// `timeout` (µs; may only shorten the model's) and `cache` (false skips the response cache).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestParams {
+    pub priority: u32,
+    pub timeout_us: Option<u64>,
+    pub skip_cache: bool,
+}
+
+impl RequestParams {
+    /// Reads the parameters through `get`, which looks one up by name. Other names are ignored,
+    /// as Triton does; a known name with a value of the wrong type is refused.
+    pub fn parse<'a>(get: impl Fn(&str) -> Option<Param<'a>>) -> Result<RequestParams> {
+        let priority = unsigned(&get, "priority")?
+            .map(|p| u32::try_from(p).map_err(|_| Error::invalid("parameter 'priority' is too large")))
+            .transpose()?
+            .unwrap_or(0);
+        let skip_cache = match get("cache") {
+            None => false,
+            Some(Param::Bool(b)) => !b,
+            Some(_) => return Err(Error::invalid("parameter 'cache' must be a boolean")),
+        };
+        Ok(RequestParams { priority, timeout_us: unsigned(&get, "timeout")?, skip_cache })
+    }
+}
+
+fn unsigned<'a>(get: &impl Fn(&str) -> Option<Param<'a>>, key: &str) -> Result<Option<u64>> {
+    match get(key) {
+        None => Ok(None),
+        Some(Param::Uint(v)) => Ok(Some(v)),
+        Some(Param::Int(v)) if v >= 0 => Ok(Some(v as u64)),
+        Some(_) => Err(Error::invalid(format!("parameter '{key}' must be a non-negative integer"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(params: &[(&str, Param<'static>)]) -> Result<RequestParams> {
+        RequestParams::parse(|k| params.iter().find(|(n, _)| *n == k).map(|(_, v)| *v))
+    }
+
+    #[test]
+    fn known_parameters_are_read_and_others_ignored() {
+        assert_eq!(parse(&[]).unwrap(), RequestParams::default());
+        let p = parse(&[
+            ("priority", Param::Uint(2)),
+            ("timeout", Param::Int(500)),
+            ("cache", Param::Bool(false)),
+            ("other", Param::Str("x")),
+        ])
+        .unwrap();
+        assert_eq!(p, RequestParams { priority: 2, timeout_us: Some(500), skip_cache: true });
+        assert!(!parse(&[("cache", Param::Bool(true))]).unwrap().skip_cache);
+    }
+
+    #[test]
+    fn wrong_types_and_ranges_are_refused_with_the_name() {
+        for (k, v) in [
+            ("priority", Param::Int(-1)),
+            ("priority", Param::Uint(u64::from(u32::MAX) + 1)),
+            ("timeout", Param::Double(1.5)),
+            ("timeout", Param::Str("10")),
+            ("cache", Param::Uint(0)),
+        ] {
+            let e = parse(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k), "{k}: {e}");
+        }
+    }
+}
