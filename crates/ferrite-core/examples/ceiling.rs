@@ -17,7 +17,8 @@ fn main() {
     let path = args.next().expect("usage: ceiling MODEL.onnx [SECONDS_PER_SIZE]");
     let secs: f64 = args.next().map_or(3.0, |s| s.parse().expect("seconds"));
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let backend = OnnxBackend::load(path.as_ref(), OnnxOptions { intra_threads: threads, spinning: false }).unwrap();
+    let backend =
+        OnnxBackend::load(path.as_ref(), OnnxOptions { intra_threads: threads, ..Default::default() }).unwrap();
     let input = &backend.inputs()[0];
     assert_eq!(input.datatype, DataType::Fp32, "the ceiling bench feeds one FP32 input");
     let width: usize = input.dims[1..].iter().map(|&d| d.max(1) as usize).product();

@@ -16,7 +16,7 @@ fn main() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: roundtrip MODEL_DIR"));
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
-    let options = LoadOptions { threads: 1, spinning: false, cache: None };
+    let options = LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None };
     let model = load_with(&dir, &name, &options, &Default::default(), None).unwrap();
     let spec = model.spec.clone();
     let core =
@@ -39,7 +39,7 @@ fn main() {
     let core_us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
 
     let onnx = dir.join(spec.version.to_string()).join("model.onnx");
-    let backend = OnnxBackend::load(&onnx, OnnxOptions { intra_threads: 1, spinning: false }).unwrap();
+    let backend = OnnxBackend::load(&onnx, OnnxOptions { intra_threads: 1, ..Default::default() }).unwrap();
     let mut instance = backend.instance().unwrap();
     let batch = [BatchInput { name: &input.name, datatype: DataType::Fp64, shape, parts: vec![&x.data] }];
     let t = Instant::now();

@@ -147,7 +147,7 @@ fn suite(load: Loader) {
 #[test]
 fn onnxruntime_backend_conforms() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
-    suite(|path| Box::new(OnnxBackend::load(path, OnnxOptions { intra_threads: 1, spinning: false }).unwrap()));
+    suite(|path| Box::new(OnnxBackend::load(path, OnnxOptions { intra_threads: 1, ..Default::default() }).unwrap()));
 }
 
 #[test]
@@ -157,6 +157,6 @@ fn onnxruntime_refuses_a_file_that_is_not_onnx() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.onnx");
     std::fs::write(&path, b"not a model").unwrap();
-    let err = OnnxBackend::load(&path, OnnxOptions { intra_threads: 1, spinning: false }).err().unwrap();
+    let err = OnnxBackend::load(&path, OnnxOptions { intra_threads: 1, ..Default::default() }).err().unwrap();
     assert!(err.to_string().contains("cannot load"), "{err}");
 }

@@ -80,12 +80,18 @@ struct ServeArgs {
     /// Path of libonnxruntime; by default ORT_DYLIB_PATH, then the onnxruntime package of `python3`.
     #[arg(long, env = "FERRITE_ONNXRUNTIME_LIB")]
     onnxruntime_lib: Option<PathBuf>,
-    /// Intra-op threads per model instance, where a model's config does not say.
+    /// Intra-op threads a model's instances share, where its config does not say (default: the
+    /// CPUs this process may use, affinity and cgroup quota counted): N instances get 1/N each.
     #[arg(long, env = "FERRITE_THREADS")]
     threads: Option<usize>,
     /// Let idle ONNX Runtime threads spin (lower hand-off latency, more CPU).
     #[arg(long, env = "FERRITE_SPIN")]
     spin: bool,
+    /// Measure each model at load (about a second) and choose intra-op spinning and the largest
+    /// batch to merge from its own run times, where its config leaves them open. Off by default
+    /// until the benchmark of model kinds shows it helps on each of them.
+    #[arg(long, env = "FERRITE_CALIBRATE")]
+    calibrate: bool,
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
     max_body_bytes: usize,
@@ -222,7 +228,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         redis,
     );
-    let mut options = LoadOptions { spinning: args.spin, cache: Some(Arc::new(cache)), ..LoadOptions::default() };
+    let mut options = LoadOptions {
+        spinning: args.spin,
+        calibrate: args.calibrate,
+        cache: Some(Arc::new(cache)),
+        ..LoadOptions::default()
+    };
     if let Some(t) = args.threads {
         options.threads = t.max(1);
     }

@@ -34,8 +34,12 @@ struct Server {
 fn server(max_body_bytes: usize) -> Server {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = repository();
-    let core =
-        Core::load(dir.path(), &LoadOptions { threads: 1, spinning: false, cache: None }, Limits::default()).unwrap();
+    let core = Core::load(
+        dir.path(),
+        &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None },
+        Limits::default(),
+    )
+    .unwrap();
     let app = app(core.clone(), &HttpLimits::new(max_body_bytes));
     Server { core, app, _dir: dir }
 }

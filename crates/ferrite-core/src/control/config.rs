@@ -3,6 +3,7 @@
 use serde::Deserialize;
 
 use crate::{
+    engine::onnx::OnnxOptions,
     engine::spec::{
         BatchPolicy, ModelSpec, QueuePolicy, TensorSpec, TimeoutAction, DEFAULT_MAX_BATCH_SIZE,
         DEFAULT_MAX_QUEUE_DELAY_US, DEFAULT_MAX_QUEUE_SIZE, MAX_PRIORITY_LEVELS,
@@ -30,6 +31,10 @@ pub struct ModelConfig {
     /// A share of unversioned traffic for a candidate version, withdrawn automatically when it
     /// does worse than the stable one.
     pub canary: Option<super::canary::CanaryConfig>,
+    /// ONNX Runtime's session settings for this model.
+    pub onnxruntime: Option<OnnxRuntimeConfig>,
+    /// `false` skips the calibration at load (spinning and the batch limit are then the defaults).
+    pub calibrate: Option<bool>,
     #[serde(default)]
     pub input: Vec<TensorConfig>,
     #[serde(default)]
@@ -153,6 +158,63 @@ impl VersionPolicy {
     }
 }
 
+/// `[onnxruntime]`: ONNX Runtime's session settings, named as the onnxruntime backend's
+/// `parameters` are. What is unset is chosen at load: threads from the CPU budget, spinning by
+/// the calibration; the rest are ONNX Runtime's defaults.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OnnxRuntimeConfig {
+    pub intra_op_thread_count: Option<usize>,
+    pub inter_op_thread_count: Option<usize>,
+    /// "sequential" (default) or "parallel".
+    pub execution_mode: Option<String>,
+    /// "disable", "basic", "extended" or "all" (default).
+    pub graph_optimization_level: Option<String>,
+    pub enable_mem_arena: Option<bool>,
+    pub enable_mem_pattern: Option<bool>,
+    pub enable_memory_arena_shrinkage: Option<bool>,
+    pub spinning: Option<bool>,
+    /// `session.intra_op_thread_affinities`, e.g. "1;2".
+    pub intra_op_thread_affinity: Option<String>,
+}
+
+impl OnnxRuntimeConfig {
+    /// The session options these settings give, over `base`.
+    pub fn apply(&self, mut base: OnnxOptions) -> Result<OnnxOptions> {
+        base.intra_threads = self.intra_op_thread_count.unwrap_or(base.intra_threads).max(1);
+        base.inter_threads = self.inter_op_thread_count.unwrap_or(base.inter_threads).max(1);
+        base.parallel = match self.execution_mode.as_deref() {
+            None => base.parallel,
+            Some("sequential") => false,
+            Some("parallel") => true,
+            Some(o) => return Err(Error::invalid(format!("execution_mode '{o}' is not sequential or parallel"))),
+        };
+        base.optimization_level = match self.graph_optimization_level.as_deref() {
+            None => base.optimization_level,
+            Some("disable") => 0,
+            Some("basic") => 1,
+            Some("extended") => 2,
+            Some("all") => 3,
+            Some(o) => {
+                return Err(Error::invalid(format!(
+                    "graph_optimization_level '{o}' is not disable, basic, extended or all"
+                )))
+            }
+        };
+        base.mem_arena = self.enable_mem_arena.unwrap_or(base.mem_arena);
+        base.mem_pattern = self.enable_mem_pattern.unwrap_or(base.mem_pattern);
+        base.arena_shrinkage = self.enable_memory_arena_shrinkage.unwrap_or(base.arena_shrinkage);
+        base.spinning = self.spinning.unwrap_or(base.spinning);
+        if let Some(a) = &self.intra_op_thread_affinity {
+            if !a.chars().all(|c| c.is_ascii_digit() || matches!(c, ',' | ';' | '-')) {
+                return Err(Error::invalid(format!("intra_op_thread_affinity '{a}' is not like \"1;2\"")));
+            }
+            base.intra_thread_affinity = Some(a.clone());
+        }
+        Ok(base)
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheConfig {
@@ -204,7 +266,12 @@ impl ModelSpec {
         let outputs = apply_overrides("output", io_outputs.iter().map(strip).collect(), &config.output)?;
 
         let db = config.dynamic_batching.clone();
-        let mut batch = BatchPolicy { max_batch_size, dynamic: max_batch_size > 0, ..BatchPolicy::default() };
+        let mut batch = BatchPolicy {
+            max_batch_size,
+            merge_limit: max_batch_size,
+            dynamic: max_batch_size > 0,
+            ..BatchPolicy::default()
+        };
         if let Some(db) = db {
             batch.dynamic = db.enabled && max_batch_size > 0;
             batch.preferred_batch_sizes = db.preferred_batch_size.clone();
@@ -254,6 +321,8 @@ impl ModelSpec {
             batch,
             instance_count,
             threads: config.threads.unwrap_or(default_threads).max(1),
+            onnx: OnnxOptions { intra_threads: config.threads.unwrap_or(default_threads).max(1), ..Default::default() },
+            calibrated: None,
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             version_policy: config
                 .version_policy

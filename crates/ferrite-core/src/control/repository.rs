@@ -8,17 +8,23 @@ use std::{
 use crate::{
     cache::ResponseCache,
     control::config::ModelConfig,
-    engine::onnx::{OnnxBackend, OnnxOptions},
     engine::spec::ModelSpec,
+    engine::{
+        onnx::{OnnxBackend, OnnxOptions},
+        tuning,
+    },
     Backend, Error, Model, Result,
 };
 
 /// How models are loaded when their config does not say.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Intra-op threads per instance.
+    /// Intra-op threads a model's instances share (the CPU budget): each of N instances gets
+    /// threads / N, unless its config says otherwise.
     pub threads: usize,
     pub spinning: bool,
+    /// Calibrate spinning and the batch limit at load where a model's config leaves them open.
+    pub calibrate: bool,
     /// The process's response cache, used by models whose config enables it.
     pub cache: Option<Arc<ResponseCache>>,
 }
@@ -28,6 +34,7 @@ impl Default for LoadOptions {
         LoadOptions {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             spinning: false,
+            calibrate: false,
             cache: None,
         }
     }
@@ -195,9 +202,34 @@ pub fn load_with(
 
 fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, options: &LoadOptions) -> Result<Model> {
     let started = std::time::Instant::now();
-    let threads = config.threads.unwrap_or(options.threads).max(1);
-    let backend = OnnxBackend::load(onnx, OnnxOptions { intra_threads: threads, spinning: options.spinning })?;
-    let spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
+    // The CPU budget is shared by the model's instances: N instances of T threads each would
+    // otherwise start N x T threads on T cores.
+    let instances = config.instance_count.unwrap_or(1).max(1);
+    let ort = config.onnxruntime.clone().unwrap_or_default();
+    let threads = config.threads.or(ort.intra_op_thread_count).unwrap_or((options.threads / instances).max(1));
+    let session =
+        ort.apply(OnnxOptions { intra_threads: threads, spinning: options.spinning, ..Default::default() })?;
+    let mut backend = OnnxBackend::load(onnx, session)?;
+    let mut spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
+    spec.onnx = backend.options().clone();
+    if config.calibrate != Some(false) && options.calibrate {
+        let content = std::fs::read(onnx).map(|b| xxhash_rust::xxh3::xxh3_64(&b)).unwrap_or_default();
+        // Config values always win: only what the config leaves open is measured.
+        let spin_free = ort.spinning.is_none() && !options.spinning;
+        let tuned = tuning::calibrate(&backend, &spec, content, spin_free, true)?;
+        if let Some(spin) = tuned.spinning.filter(|&s| s != spec.onnx.spinning) {
+            backend = backend.with_options(OnnxOptions { spinning: spin, ..spec.onnx.clone() })?;
+            spec.onnx = backend.options().clone();
+        }
+        if let Some(limit) = tuned.merge_limit {
+            spec.batch.merge_limit = limit;
+        }
+        if tuned.spinning.is_some() || tuned.merge_limit.is_some() {
+            let chosen = format!("spinning={}, batch limit={}", spec.onnx.spinning, spec.batch.merge_limit);
+            tracing::info!(model = %name, version, %chosen, "calibrated");
+            spec.calibrated = Some(chosen);
+        }
+    }
     let cache = options.cache.clone().filter(|_| spec.cache);
     let mut model = Model::start(spec, &backend)?;
     model.cache = cache;

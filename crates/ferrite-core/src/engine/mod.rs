@@ -10,3 +10,4 @@ pub mod onnx;
 pub mod queue;
 pub mod spec;
 pub mod tensor;
+pub mod tuning;

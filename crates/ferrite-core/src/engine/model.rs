@@ -117,40 +117,7 @@ impl Model {
     /// straight through the batcher, blocking the calling thread. A model that fails this is not
     /// put in service. Not counted in the statistics of real traffic.
     pub fn warm_up(&self) -> Result<()> {
-        use crate::DataType as D;
-        let batched = self.spec.batched();
-        let inputs = self
-            .spec
-            .inputs
-            .iter()
-            .map(|s| {
-                let shape: Vec<usize> = batched
-                    .then_some(1)
-                    .into_iter()
-                    .chain(s.dims.iter().map(|&d| if d < 0 { 1 } else { d as usize }))
-                    .collect();
-                let n: usize = shape.iter().product();
-                match s.datatype {
-                    D::Bytes => Tensor::new(
-                        s.name.clone(),
-                        D::Bytes,
-                        shape,
-                        crate::TensorData::Strings(vec![bytes::Bytes::from_static(b"a"); n]),
-                    ),
-                    D::Fp16 => Tensor::from_le(&s.name, D::Fp16, shape, &vec![half::f16::from_f32(0.5); n]),
-                    D::Bf16 => Tensor::from_le(&s.name, D::Bf16, shape, &vec![half::bf16::from_f32(0.5); n]),
-                    D::Fp32 => Tensor::from_le(&s.name, D::Fp32, shape, &vec![0.5f32; n]),
-                    D::Fp64 => Tensor::from_le(&s.name, D::Fp64, shape, &vec![0.5f64; n]),
-                    other => {
-                        // Integers and booleans: the value 1 in the type's width.
-                        let width = other.size().unwrap_or(1);
-                        let mut one = vec![0u8; width];
-                        one[0] = 1;
-                        Tensor::new(s.name.clone(), other, shape, crate::TensorData::Fixed(one.repeat(n).into()))
-                    }
-                }
-            })
-            .collect();
+        let inputs = synthetic_inputs(&self.spec, 1);
         let (inputs, rows) = self.check_inputs(inputs, &Limits::default())?;
         let (tx, rx) = oneshot::channel();
         let now = Instant::now();
@@ -347,4 +314,41 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         }
         std::thread::park();
     }
+}
+
+/// Synthetic inputs of `rows` rows (when the model batches) for `spec`: no zeros (ones, halves
+/// and "a"s), variable dims as 1. For warm-ups and the calibration.
+pub fn synthetic_inputs(spec: &ModelSpec, rows: usize) -> Vec<Tensor> {
+    use crate::DataType as D;
+    spec.inputs
+        .iter()
+        .map(|s| {
+            let shape: Vec<usize> = spec
+                .batched()
+                .then_some(rows)
+                .into_iter()
+                .chain(s.dims.iter().map(|&d| if d < 0 { 1 } else { d as usize }))
+                .collect();
+            let n: usize = shape.iter().product();
+            match s.datatype {
+                D::Bytes => Tensor::new(
+                    s.name.clone(),
+                    D::Bytes,
+                    shape,
+                    crate::TensorData::Strings(vec![bytes::Bytes::from_static(b"a"); n]),
+                ),
+                D::Fp16 => Tensor::from_le(&s.name, D::Fp16, shape, &vec![half::f16::from_f32(0.5); n]),
+                D::Bf16 => Tensor::from_le(&s.name, D::Bf16, shape, &vec![half::bf16::from_f32(0.5); n]),
+                D::Fp32 => Tensor::from_le(&s.name, D::Fp32, shape, &vec![0.5f32; n]),
+                D::Fp64 => Tensor::from_le(&s.name, D::Fp64, shape, &vec![0.5f64; n]),
+                other => {
+                    // Integers and booleans: the value 1 in the type's width.
+                    let width = other.size().unwrap_or(1);
+                    let mut one = vec![0u8; width];
+                    one[0] = 1;
+                    Tensor::new(s.name.clone(), other, shape, crate::TensorData::Fixed(one.repeat(n).into()))
+                }
+            }
+        })
+        .collect()
 }

@@ -10,7 +10,7 @@ use std::{
 use ort::{
     environment::Environment,
     memory::Allocator,
-    session::{builder::GraphOptimizationLevel, Session, SessionInputValue},
+    session::{builder::GraphOptimizationLevel, RunOptions, Session, SessionInputValue},
     value::{DynTensor, DynTensorValueType, Tensor as OrtTensor, TensorElementType, ValueType},
 };
 
@@ -124,12 +124,42 @@ fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec> {
     }
 }
 
-/// Session options for one instance.
-#[derive(Debug, Clone)]
+/// Session options for one instance: ONNX Runtime's own settings, per model (config.toml's
+/// `[onnxruntime]` table; the onnxruntime backend's `parameters` names where they exist).
+#[derive(Debug, Clone, PartialEq)]
 pub struct OnnxOptions {
     pub intra_threads: usize,
+    pub inter_threads: usize,
     /// Let idle intra-op threads spin (faster hand-off, burns CPU on a shared host).
     pub spinning: bool,
+    /// Run independent nodes in parallel (`execution_mode = "parallel"`) rather than in order.
+    pub parallel: bool,
+    /// 0 disabled, 1 basic, 2 extended, 3 all (ONNX Runtime's graph optimization levels).
+    pub optimization_level: u8,
+    pub mem_arena: bool,
+    pub mem_pattern: bool,
+    /// Give the arena's growth back after each run (`memory.enable_memory_arena_shrinkage`), so a
+    /// large batch does not leave it grown.
+    pub arena_shrinkage: bool,
+    /// `session.intra_op_thread_affinities`: one group of logical CPUs per intra-op thread but
+    /// the caller's, e.g. "1;2" or "1,2;3,4".
+    pub intra_thread_affinity: Option<String>,
+}
+
+impl Default for OnnxOptions {
+    fn default() -> Self {
+        OnnxOptions {
+            intra_threads: 1,
+            inter_threads: 1,
+            spinning: false,
+            parallel: false,
+            optimization_level: 3,
+            mem_arena: true,
+            mem_pattern: true,
+            arena_shrinkage: false,
+            intra_thread_affinity: None,
+        }
+    }
 }
 
 pub struct OnnxBackend {
@@ -150,13 +180,38 @@ impl OnnxBackend {
     }
 }
 
+impl OnnxBackend {
+    /// The same model file opened with other session options.
+    pub fn with_options(&self, options: OnnxOptions) -> Result<OnnxBackend> {
+        OnnxBackend::load(&self.path, options)
+    }
+
+    pub fn options(&self) -> &OnnxOptions {
+        &self.options
+    }
+}
+
 fn open(path: &Path, options: &OnnxOptions) -> Result<Session> {
+    let level = match options.optimization_level {
+        0 => GraphOptimizationLevel::Disable,
+        1 => GraphOptimizationLevel::Level1,
+        2 => GraphOptimizationLevel::Level2,
+        _ => GraphOptimizationLevel::Level3,
+    };
     let builder = Session::builder(&environment()?.1).map_err(ort_err)?;
-    let builder = builder.with_optimization_level(GraphOptimizationLevel::Level3).map_err(ort_err)?;
+    let builder = builder.with_optimization_level(level).map_err(ort_err)?;
     let builder = builder.with_intra_threads(options.intra_threads).map_err(ort_err)?;
-    let builder = builder.with_inter_threads(1).map_err(ort_err)?;
+    let builder = builder.with_inter_threads(options.inter_threads.max(1)).map_err(ort_err)?;
+    let builder = builder.with_parallel_execution(options.parallel).map_err(ort_err)?;
+    let builder = builder.with_memory_pattern(options.mem_pattern).map_err(ort_err)?;
+    let builder = builder
+        .with_execution_providers([ort::ep::CPU::default().with_arena_allocator(options.mem_arena).build()])
+        .map_err(ort_err)?;
     let builder = builder.with_intra_op_spinning(options.spinning).map_err(ort_err)?;
     let mut builder = builder.with_inter_op_spinning(false).map_err(ort_err)?;
+    if let Some(affinity) = &options.intra_thread_affinity {
+        builder = builder.with_config_entry("session.intra_op_thread_affinities", affinity).map_err(ort_err)?;
+    }
     builder.commit_from_file(path).map_err(|e| Error::invalid(format!("cannot load {}: {e}", path.display())))
 }
 
@@ -176,7 +231,14 @@ impl Backend for OnnxBackend {
             None => open(&self.path, &self.options)?,
         };
         let output_names = self.outputs.iter().map(|o| o.name.clone()).collect();
-        Ok(Box::new(OnnxInstance { session, output_names, input_time: Duration::ZERO }))
+        let run_options = if self.options.arena_shrinkage {
+            let mut o = RunOptions::new().map_err(ort_err)?;
+            o.set("memory.enable_memory_arena_shrinkage", "cpu:0").map_err(ort_err)?;
+            Some(o)
+        } else {
+            None
+        };
+        Ok(Box::new(OnnxInstance { session, output_names, input_time: Duration::ZERO, run_options }))
     }
 }
 
@@ -184,6 +246,8 @@ struct OnnxInstance {
     session: Session,
     output_names: Vec<String>,
     input_time: Duration,
+    /// Set when the arena gives back its growth after each run.
+    run_options: Option<RunOptions>,
 }
 
 /// Writes the parts of `input` into one ONNX Runtime tensor: the only copy on the way in.
@@ -231,7 +295,11 @@ impl Instance for OnnxInstance {
         let values: Vec<(String, SessionInputValue<'static>)> =
             inputs.iter().map(|i| Ok((i.name.to_string(), input_value(i)?))).collect::<Result<_>>()?;
         self.input_time = copying.elapsed();
-        let mut outputs = self.session.run(values).map_err(ort_err)?;
+        let mut outputs = match &self.run_options {
+            Some(o) => self.session.run_with_options(values, o),
+            None => self.session.run(values),
+        }
+        .map_err(ort_err)?;
         let mut result = Vec::with_capacity(self.output_names.len());
         for name in &self.output_names {
             let value = outputs.remove(name.as_str()).ok_or_else(|| Error::internal(format!("no output '{name}'")))?;

@@ -190,7 +190,7 @@ impl Queue {
         let mut sums = vec![total];
         let mut oldest = first.enqueued;
         for p in order {
-            if total + p.rows > policy.max_batch_size || !first.compatible(p) {
+            if total + p.rows > policy.merge_limit.max(1) || !first.compatible(p) {
                 break;
             }
             total += p.rows;
@@ -200,7 +200,7 @@ impl Queue {
         let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
         let n = if flush
             || first.warmup
-            || total >= policy.max_batch_size
+            || total >= policy.merge_limit.max(1)
             || policy.max_queue_delay_us == 0
             || now >= due
         {
@@ -239,6 +239,7 @@ mod tests {
     fn policy(max: usize, delay_us: u64, preferred: &[usize]) -> BatchPolicy {
         BatchPolicy {
             max_batch_size: max,
+            merge_limit: max,
             dynamic: true,
             preferred_batch_sizes: preferred.to_vec(),
             max_queue_delay_us: delay_us,

@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use crate::{control::config::VersionPolicy, DataType};
+use crate::{control::config::VersionPolicy, engine::onnx::OnnxOptions, DataType};
 
 /// Defaults for a batching model whose config does not say otherwise. Chosen by the `bench/`
 /// measurements on a 2-core host (see README "Defaults"): merging up to 64 rows with no added
@@ -84,6 +84,10 @@ pub struct BatchPolicy {
     /// False: requests run one by one even when the model batches.
     pub dynamic: bool,
     pub preferred_batch_sizes: Vec<usize>,
+    /// The most rows the batcher merges into one run (at most `max_batch_size`): lowered by the
+    /// calibration for models that run slower per row in larger batches. A single request with
+    /// more rows still runs, alone.
+    pub merge_limit: usize,
     pub max_queue_delay_us: u64,
     pub priority_levels: u32,
     pub default_priority_level: u32,
@@ -99,6 +103,7 @@ impl Default for BatchPolicy {
             max_batch_size: 0,
             dynamic: false,
             preferred_batch_sizes: Vec::new(),
+            merge_limit: 0,
             max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
             priority_levels: 1,
             default_priority_level: 1,
@@ -119,7 +124,12 @@ pub struct ModelSpec {
     pub outputs: Vec<TensorSpec>,
     pub batch: BatchPolicy,
     pub instance_count: usize,
+    /// Intra-op threads per instance (the same as `onnx.intra_threads`).
     pub threads: usize,
+    /// The ONNX Runtime session settings every instance runs with.
+    pub onnx: OnnxOptions,
+    /// What the calibration at load chose, when it ran.
+    pub calibrated: Option<String>,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
     pub version_policy: VersionPolicy,
@@ -129,6 +139,31 @@ impl ModelSpec {
     /// Whether dim 0 of every input and output is the batch dim (`max_batch_size > 0`).
     pub fn batched(&self) -> bool {
         self.batch.max_batch_size > 0
+    }
+
+    /// The settings chosen for this model that Triton's config shows as `parameters` (the
+    /// onnxruntime backend's names), for the config endpoints of every front-end.
+    pub fn parameters(&self) -> Vec<(&'static str, String)> {
+        let o = &self.onnx;
+        let mut p = vec![
+            ("threads", o.intra_threads.to_string()),
+            ("intra_op_thread_count", o.intra_threads.to_string()),
+            ("inter_op_thread_count", o.inter_threads.to_string()),
+            ("execution_mode", if o.parallel { "parallel" } else { "sequential" }.to_string()),
+            ("graph_optimization_level", o.optimization_level.to_string()),
+            ("enable_mem_arena", o.mem_arena.to_string()),
+            ("enable_mem_pattern", o.mem_pattern.to_string()),
+            ("memory.enable_memory_arena_shrinkage", o.arena_shrinkage.to_string()),
+            ("spinning", o.spinning.to_string()),
+            ("batch_merge_limit", self.batch.merge_limit.to_string()),
+        ];
+        if let Some(a) = &o.intra_thread_affinity {
+            p.push(("intra_op_thread_affinity", a.clone()));
+        }
+        if let Some(c) = &self.calibrated {
+            p.push(("calibrated", c.clone()));
+        }
+        p
     }
 
     /// `t`'s shape as clients see it: with a leading -1 for the batch dim when the model batches.

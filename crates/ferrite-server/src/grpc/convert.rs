@@ -264,7 +264,11 @@ pub fn config(m: &Model) -> pb::ModelConfig {
                     .collect(),
             })
         }),
-        parameters: [("threads".to_string(), pb::ModelParameter { string_value: spec.threads.to_string() })].into(),
+        parameters: spec
+            .parameters()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), pb::ModelParameter { string_value: v }))
+            .collect(),
     }
 }
 

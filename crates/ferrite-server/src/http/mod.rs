@@ -243,7 +243,7 @@ async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Re
             VersionPolicy::All => json!({"all": {}}),
             VersionPolicy::Specific(v) => json!({"specific": {"versions": v}}),
         },
-        "parameters": {"threads": {"string_value": spec.threads.to_string()}},
+        "parameters": spec.parameters().into_iter().map(|(k, v)| (k.to_string(), json!({"string_value": v}))).collect::<serde_json::Map<_, _>>(),
     });
     if spec.batch.dynamic {
         config["dynamic_batching"] = json!({
