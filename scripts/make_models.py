@@ -205,6 +205,25 @@ def scales():
     scale(os.path.join(variants, "slow.onnx"), 2.0, "slow")
     scale(os.path.join(variants, "renamed.onnx"), 2.0, input_name="z")
 
+def fpn():
+    """A detector-shaped graph with variable H/W: images FP32 [N,1,H,W] -> a stride-2 feature map
+    (2x2 average pool) upsampled back (nearest) and concatenated with the input -> maps [N,2,H,W].
+    The concat needs H and W even, so a synthetic 1x1 warm-up fails, as a real FPN's does."""
+    scale = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scale")
+    nodes = [
+        helper.make_node("AveragePool", ["images"], ["half"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Resize", ["half", "", "scale"], ["up"], mode="nearest"),
+        helper.make_node("Concat", ["images", "up"], ["maps"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "fpn",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 1, "H", "W"])],
+        [helper.make_tensor_value_info("maps", TensorProto.FLOAT, ["N", 2, "H", "W"])],
+        [scale],
+    )
+    save(graph, os.path.join(ROOT, "tests", "models", "fpn", "1", "model.onnx"))
+
 
 if __name__ == "__main__":
     mlp()
@@ -213,3 +232,4 @@ if __name__ == "__main__":
     fixed()
     slow()
     scales()
+    fpn()

@@ -1,49 +1,110 @@
-//! The engine alone, in-process, with no server: rows per second at each batch size, on one
-//! instance using every core. `bench/run.sh` reports the best as the ceiling a server can reach.
+//! The engine alone, in-process, with no server: rows per second at each batch size, for each
+//! plan of the CPUs (one instance using every core, or one single-threaded instance per core run
+//! side by side) with ONNX Runtime's intra-op spinning off and on. `bench/` reports the best as the
+//! ceiling a server can reach, and batch 1's time as the latency floor. Guards against a server
+//! that falls far below its own engine.
 //!
-//! Usage: cargo run --release -p ferrite-core --example ceiling -- MODEL.onnx [SECONDS_PER_SIZE]
+//! Usage: ceiling MODEL.onnx [SECONDS_PER_POINT] [DIMS]
+//! DIMS (e.g. 3,320,320) replace the first input's dims after the batch dim, for variable ones.
 
 use std::time::{Duration, Instant};
 
 use ferrite_core::{
     engine::backend::{Backend, BatchInput},
     engine::onnx::{OnnxBackend, OnnxOptions},
-    DataType, Tensor,
+    DataType, Tensor, TensorData,
 };
+
+fn inputs(backend: &OnnxBackend, batch: usize, dims: &Option<Vec<usize>>) -> Vec<Tensor> {
+    backend
+        .inputs()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut shape = vec![batch];
+            match dims.as_ref().filter(|_| i == 0) {
+                Some(d) => shape.extend(d),
+                None => shape.extend(s.dims[1..].iter().map(|&d| d.max(1) as usize)),
+            }
+            let n: usize = shape.iter().product();
+            match s.datatype {
+                DataType::Fp32 => Tensor::from_le(&s.name, DataType::Fp32, shape, &vec![0.5f32; n]),
+                DataType::Int64 => Tensor::from_le(&s.name, DataType::Int64, shape, &vec![1i64; n]),
+                other => panic!("the ceiling bench feeds FP32 and INT64 inputs, not {other}"),
+            }
+        })
+        .collect()
+}
+
+/// Rows per second of `instances` instances of `backend` each running batches of `batch` rows
+/// side by side for `secs`.
+fn rate(backend: &OnnxBackend, instances: usize, batch: usize, dims: &Option<Vec<usize>>, secs: f64) -> f64 {
+    let tensors = inputs(backend, batch, dims);
+    let specs = backend.inputs();
+    let start = Instant::now();
+    let rows: usize = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..instances)
+            .map(|_| {
+                let tensors = &tensors;
+                scope.spawn(move || {
+                    let mut instance = backend.instance().unwrap();
+                    let batch_inputs: Vec<BatchInput<'_>> = specs
+                        .iter()
+                        .zip(tensors)
+                        .map(|(s, t)| BatchInput {
+                            name: &s.name,
+                            datatype: s.datatype,
+                            shape: t.shape.clone(),
+                            parts: vec![&t.data as &TensorData],
+                        })
+                        .collect();
+                    instance.run(&batch_inputs).unwrap();
+                    let began = Instant::now();
+                    let mut rows = 0;
+                    while began.elapsed() < Duration::from_secs_f64(secs) {
+                        instance.run(&batch_inputs).unwrap();
+                        rows += batch;
+                    }
+                    rows
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    rows as f64 / start.elapsed().as_secs_f64()
+}
 
 fn main() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let mut args = std::env::args().skip(1);
-    let path = args.next().expect("usage: ceiling MODEL.onnx [SECONDS_PER_SIZE]");
-    let secs: f64 = args.next().map_or(3.0, |s| s.parse().expect("seconds"));
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let backend =
-        OnnxBackend::load(path.as_ref(), OnnxOptions { intra_threads: threads, ..Default::default() }).unwrap();
-    let input = &backend.inputs()[0];
-    assert_eq!(input.datatype, DataType::Fp32, "the ceiling bench feeds one FP32 input");
-    let width: usize = input.dims[1..].iter().map(|&d| d.max(1) as usize).product();
-    let mut instance = backend.instance().unwrap();
-    for batch in [1usize, 4, 8, 16, 32, 64, 128] {
-        let x = Tensor::from_le(&input.name, DataType::Fp32, vec![batch, width], &vec![0.5f32; batch * width]);
-        let mut shape = vec![batch];
-        shape.extend(input.dims[1..].iter().map(|&d| d.max(1) as usize));
-        let run = |instance: &mut Box<dyn ferrite_core::engine::backend::Instance>| {
-            let inputs = [BatchInput {
-                name: &input.name,
-                datatype: DataType::Fp32,
-                shape: shape.clone(),
-                parts: vec![&x.data],
-            }];
-            instance.run(&inputs).unwrap();
-        };
-        run(&mut instance);
-        let start = Instant::now();
-        let mut rows = 0usize;
-        while start.elapsed() < Duration::from_secs_f64(secs) {
-            run(&mut instance);
-            rows += batch;
+    let path = args.next().expect("usage: ceiling MODEL.onnx [SECONDS_PER_POINT] [DIMS]");
+    let secs: f64 = args.next().map_or(1.0, |s| s.parse().expect("seconds"));
+    let dims: Option<Vec<usize>> =
+        args.next().map(|d| d.split(',').map(|x| x.parse().expect("DIMS like 3,320,320")).collect());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut plans = vec![(1, cores)];
+    if cores > 1 {
+        plans.push((cores, 1));
+    }
+    for spinning in [false, true] {
+        for &(instances, threads) in &plans {
+            if threads == 1 && spinning {
+                continue; // no intra-op pool to spin
+            }
+            let options = OnnxOptions { intra_threads: threads, spinning, ..Default::default() };
+            let backend = OnnxBackend::load(path.as_ref(), options).unwrap();
+            let mut best = 0.0f64;
+            for batch in [1usize, 2, 4, 8, 16, 32, 64, 128] {
+                let r = rate(&backend, instances, batch, &dims, secs);
+                println!(
+                    "{{\"batch\": {batch}, \"instances\": {instances}, \"threads\": {threads}, \"spinning\": {spinning}, \"rows_per_sec\": {r:.1}}}"
+                );
+                // Past the peak by a clear margin, larger batches only cost time.
+                if r < best * 0.8 {
+                    break;
+                }
+                best = best.max(r);
+            }
         }
-        let rate = rows as f64 / start.elapsed().as_secs_f64();
-        println!("{{\"batch\": {batch}, \"rows_per_sec\": {rate:.1}}}");
     }
 }

@@ -529,3 +529,30 @@ fn calibration_measures_the_model_and_config_values_win() {
     let core = Core::load(bad.path(), &options, Limits::default()).unwrap();
     assert!(core.failed()["mlp"].contains("graph_optimization_level"), "{:?}", core.failed());
 }
+
+#[tokio::test]
+async fn a_variable_hw_model_whose_graph_refuses_1x1_loads_and_answers() {
+    // The concat of upsampled feature maps needs even H and W: a synthetic 1x1 warm-up would fail.
+    let dir = repo(&[("fpn", None)]);
+    let core = load(dir.path());
+    assert!(core.failed().is_empty(), "{:?}", core.failed());
+    let x: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let req = InferRequest {
+        model_name: "fpn".into(),
+        inputs: vec![Tensor::from_le("images", DataType::Fp32, vec![1, 1, 4, 6], &x)],
+        ..Default::default()
+    };
+    let out = core.infer(req).await.unwrap();
+    let maps = &out.outputs[0];
+    assert_eq!(maps.shape, vec![1, 2, 4, 6]);
+    let ferrite_core::TensorData::Fixed(b) = &maps.data else { panic!("fixed-size output") };
+    let v: Vec<f32> = b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(&v[..24], &x[..], "channel 0 is the input");
+    // Channel 1: each 2x2 block's mean, repeated over the block.
+    assert_eq!(v[24], (0.0 + 1.0 + 6.0 + 7.0) / 4.0);
+    assert_eq!(v[24 + 7], (0.0 + 1.0 + 6.0 + 7.0) / 4.0);
+    // An odd size is the model's own error, for that request only.
+    let odd = Tensor::from_le("images", DataType::Fp32, vec![1, 1, 3, 3], &[0f32; 9]);
+    let req = InferRequest { model_name: "fpn".into(), inputs: vec![odd], ..Default::default() };
+    assert!(core.infer(req).await.is_err());
+}

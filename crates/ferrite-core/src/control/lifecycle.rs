@@ -127,7 +127,7 @@ pub(crate) fn build(
 }
 
 /// A replacement for a served version must keep its interface (publish a new version to change
-/// it), and every new load must answer a warm-up request.
+/// it), and every new load whose input dims are all known must answer a synthetic warm-up request.
 fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
     if let Some(old) = old {
         let sig = |m: &Model| {
@@ -143,7 +143,12 @@ fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
             )));
         }
     }
-    model.warm_up().map_err(|e| Error::invalid(format!("warm-up inference failed: {e}")))?;
+    // Synthetic data only where every dim is known: a graph that takes variable sizes (a detector
+    // whose feature maps must line up, say) may refuse any size made up here, though it serves
+    // real inputs, and ONNX Runtime has already checked the model as it loaded it.
+    if model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)) {
+        model.warm_up().map_err(|e| Error::invalid(format!("warm-up inference failed: {e}")))?;
+    }
     Ok(model)
 }
 
