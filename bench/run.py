@@ -86,13 +86,14 @@ def oha_load(url, body, clients, headers=(), lines=False):
     return run
 
 
-def perf_analyzer_load(protocol, url, clients):
-    """A load function: Triton's perf_analyzer at fixed concurrency (binary tensors on HTTP)."""
+def perf_analyzer_load(protocol, url, clients, model="mlp", extra=()):
+    """A load function: Triton's perf_analyzer at fixed concurrency (binary tensors on HTTP);
+    `extra` are more perf_analyzer arguments (input shapes, input data)."""
 
     def run(duration):
         csv = WORK / "perf_analyzer.csv"
         out = subprocess.run(
-            [str(PERF_ANALYZER), "-m", "mlp", "-i", protocol, "-u", url, "--concurrency-range", str(clients),
+            [str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients), *extra,
              # Three windows that agree within 50% make a result; they add up to `duration`.
              "--measurement-mode", "time_windows", "--measurement-interval", str(max(duration * 1000 // 3, 500)),
              "--stability-percentage", "50", "--max-trials", "10", "-f", str(csv)],

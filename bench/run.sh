@@ -5,6 +5,7 @@
 #
 # Usage: bench/run.sh [--duration 20] [--clients 128] [--name mlp] [--variants]
 #        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
+#        bench/run.sh --kinds [--duration 10]   (model kinds against their ceilings: bench/kinds.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,7 +13,7 @@ OHA_VERSION=1.16.0
 if ! command -v oha >/dev/null || [ "$(oha --version | awk '{print $2}')" != "$OHA_VERSION" ]; then
     cargo install oha --version "$OHA_VERSION" --locked
 fi
-if ! python3 -c "import fastapi, uvicorn, onnxruntime, numpy" 2>/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, onnxruntime, numpy, onnx" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 fi
 # Triton's perf_analyzer, the reference gRPC load generator: tritonclient 2.51.0 ships it (newer
@@ -38,5 +39,9 @@ if [ "${1:-}" = "--cache" ]; then
     shift
     command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
     exec python3 bench/cache.py "$@"
+fi
+if [ "${1:-}" = "--kinds" ]; then
+    shift
+    exec python3 bench/kinds.py "$@"
 fi
 exec python3 bench/run.py "$@"

@@ -1,6 +1,6 @@
 //! The engine alone, in-process, with no server: rows per second at each batch size, for each
-//! plan of the CPUs (one instance using every core, or one single-threaded instance per core run
-//! side by side) with ONNX Runtime's intra-op spinning off and on. `bench/` reports the best as the
+//! plan of the CPUs (one instance using every core, one single-threaded instance per core, or one
+//! instance per core each using every core, run side by side) with ONNX Runtime's intra-op spinning off and on. `bench/` reports the best as the
 //! ceiling a server can reach, and batch 1's time as the latency floor. Guards against a server
 //! that falls far below its own engine.
 //!
@@ -85,6 +85,7 @@ fn main() {
     let mut plans = vec![(1, cores)];
     if cores > 1 {
         plans.push((cores, 1));
+        plans.push((cores, cores));
     }
     for spinning in [false, true] {
         for &(instances, threads) in &plans {

@@ -206,7 +206,8 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     // otherwise start N x T threads on T cores.
     let instances = config.instance_count.unwrap_or(1).max(1);
     let ort = config.onnxruntime.clone().unwrap_or_default();
-    let threads = config.threads.or(ort.intra_op_thread_count).unwrap_or((options.threads / instances).max(1));
+    let fixed_threads = config.threads.or(ort.intra_op_thread_count);
+    let threads = fixed_threads.unwrap_or((options.threads / instances).max(1));
     let session =
         ort.apply(OnnxOptions { intra_threads: threads, spinning: options.spinning, ..Default::default() })?;
     let mut backend = OnnxBackend::load(onnx, session)?;
@@ -215,17 +216,22 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     if config.calibrate != Some(false) && options.calibrate {
         let content = std::fs::read(onnx).map(|b| xxhash_rust::xxh3::xxh3_64(&b)).unwrap_or_default();
         // Config values always win: only what the config leaves open is measured.
-        let spin_free = ort.spinning.is_none() && !options.spinning;
-        let tuned = tuning::calibrate(&backend, &spec, content, spin_free, true)?;
-        if let Some(spin) = tuned.spinning.filter(|&s| s != spec.onnx.spinning) {
-            backend = backend.with_options(OnnxOptions { spinning: spin, ..spec.onnx.clone() })?;
-            spec.onnx = backend.options().clone();
-        }
-        if let Some(limit) = tuned.merge_limit {
-            spec.batch.merge_limit = limit;
-        }
-        if tuned.spinning.is_some() || tuned.merge_limit.is_some() {
-            let chosen = format!("spinning={}, batch limit={}", spec.onnx.spinning, spec.batch.merge_limit);
+        let fixed_spinning = ort.spinning.or(options.spinning.then_some(true));
+        let plans = tuning::plans(options.threads, config.instance_count, fixed_threads, fixed_spinning);
+        if let Some(t) = tuning::calibrate(&backend, &spec, content, &plans)? {
+            if (t.plan.threads, t.plan.spinning) != (spec.onnx.intra_threads, spec.onnx.spinning) {
+                let chosen =
+                    OnnxOptions { intra_threads: t.plan.threads, spinning: t.plan.spinning, ..spec.onnx.clone() };
+                backend = backend.with_options(chosen)?;
+                spec.onnx = backend.options().clone();
+            }
+            spec.threads = spec.onnx.intra_threads;
+            spec.instance_count = t.plan.instances;
+            spec.batch.merge_limit = t.merge_limit;
+            let chosen = format!(
+                "{} instance(s) x {} thread(s), spinning {}, batch limit {}",
+                t.plan.instances, t.plan.threads, t.plan.spinning, t.merge_limit
+            );
             tracing::info!(model = %name, version, %chosen, "calibrated");
             spec.calibrated = Some(chosen);
         }

@@ -1,10 +1,12 @@
 //! Self-tuning at load: a bounded calibration that measures a model's run time against batch size
-//! and with ONNX Runtime's intra-op spinning on and off, and picks what serves it fastest. What
-//! wins on an MLP (spinning, merging 64 rows) loses on a conv net, so nothing here is a constant:
-//! the choice comes from the model's own measurements, and config values always win.
+//! for each plan of the CPU budget (one instance on every core; one single-threaded instance per
+//! core; the first with ONNX Runtime's intra-op spinning) and picks what serves it fastest. What
+//! wins on an MLP (merging 64 rows) loses on a conv net (slower per image in batches), so nothing
+//! here is a constant: the choice comes from the model's own measurements, and config values
+//! always win (a plan that contradicts the config is not tried).
 //!
-//! The decisions (`choose_spinning`, `choose_merge_limit`) are pure functions of measured costs,
-//! tested on cost curves; `calibrate` takes the measurements.
+//! The decisions (`choose_merge_limit`, `choose`) are pure functions of measured costs, tested on
+//! cost curves; `calibrate` takes the measurements.
 
 use std::{
     collections::HashMap,
@@ -16,32 +18,45 @@ use crate::{
     engine::{
         backend::{BatchInput, Instance},
         model::synthetic_inputs,
-        onnx::OnnxBackend,
+        onnx::{OnnxBackend, OnnxOptions},
         spec::ModelSpec,
     },
     Backend, Result,
 };
 
-/// Spinning must beat not spinning by this much at batch 1: spinning threads take CPU from the
-/// I/O threads under load, so a small in-process gain is not worth it.
-const SPIN_GAIN: f64 = 0.10;
 /// A larger batch is kept while its throughput (rows/s) is within this of the best smaller one.
 const BATCH_TOLERANCE: f64 = 0.03;
-/// The whole calibration of one model stays under about this.
-const BUDGET: Duration = Duration::from_secs(1);
+/// The whole calibration of one model stays under about this (plus one run per point).
+const BUDGET: Duration = Duration::from_secs(2);
+
+/// One way to spend the CPU budget on a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Plan {
+    pub instances: usize,
+    pub threads: usize,
+    pub spinning: bool,
+}
+
+impl Plan {
+    /// How much more throughput this plan must show than the first (plainest) candidate to be
+    /// chosen: spinning takes CPU from the I/O threads under load, more instances take memory.
+    fn margin(&self) -> f64 {
+        if self.spinning {
+            0.10
+        } else if self.instances > 1 {
+            0.05
+        } else {
+            0.0
+        }
+    }
+}
 
 /// What the calibration chose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tuned {
-    /// `None` when spinning was not free to choose (set in config) or cannot matter (one thread).
-    pub spinning: Option<bool>,
-    /// The largest batch the batcher should merge; `None` when not measured.
-    pub merge_limit: Option<usize>,
-}
-
-/// Spinning on only if batch-1 runs are at least `SPIN_GAIN` faster with it.
-pub fn choose_spinning(off: Duration, on: Duration) -> bool {
-    on.as_secs_f64() < off.as_secs_f64() * (1.0 - SPIN_GAIN)
+    pub plan: Plan,
+    /// The largest batch the batcher should merge.
+    pub merge_limit: usize,
 }
 
 /// The largest measured batch size whose throughput does not fall below the best of the smaller
@@ -61,15 +76,43 @@ pub fn choose_merge_limit(curve: &[(usize, Duration)]) -> usize {
     limit
 }
 
+/// The plan and batch limit with the highest throughput, each plan at its own best batch (its
+/// instances running side by side). `curves` are in order of preference, the plainest first; a
+/// later plan must beat the first by its margin.
+pub fn choose(curves: &[(Plan, Vec<(usize, Duration)>)]) -> Option<Tuned> {
+    let peak = |plan: &Plan, curve: &[(usize, Duration)]| {
+        let limit = choose_merge_limit(curve);
+        let took = curve.iter().find(|c| c.0 == limit).map_or(Duration::MAX, |c| c.1);
+        (limit, (plan.instances * limit) as f64 / took.as_secs_f64().max(1e-9))
+    };
+    let (first, curve) = curves.iter().find(|(_, c)| !c.is_empty())?;
+    let (limit, base) = peak(first, curve);
+    let mut best = (Tuned { plan: *first, merge_limit: limit }, base);
+    for (plan, curve) in curves.iter().filter(|(_, c)| !c.is_empty()) {
+        let (limit, throughput) = peak(plan, curve);
+        if throughput > base * (1.0 + plan.margin()) && throughput > best.1 {
+            best = (Tuned { plan: *plan, merge_limit: limit }, throughput);
+        }
+    }
+    Some(best.0)
+}
+
 /// Results by model content and settings, so a reload of the same file does not measure again.
-fn remembered() -> &'static Mutex<HashMap<u64, Tuned>> {
-    static R: std::sync::OnceLock<Mutex<HashMap<u64, Tuned>>> = std::sync::OnceLock::new();
+fn remembered() -> &'static Mutex<HashMap<u64, Option<Tuned>>> {
+    static R: std::sync::OnceLock<Mutex<HashMap<u64, Option<Tuned>>>> = std::sync::OnceLock::new();
     R.get_or_init(Default::default)
 }
 
-/// The median time of one run of `rows` synthetic rows on `instance`, with at least 3 runs and
-/// stopping after `budget`. `None` when the model cannot run the synthetic inputs.
-fn time_runs(instance: &mut dyn Instance, spec: &ModelSpec, rows: usize, budget: Duration) -> Option<Duration> {
+/// The median time of one run of `rows` synthetic rows on each of `plan.instances` instances of
+/// `backend` running side by side; at least 3 runs each, stopping after `budget`. `None` when the
+/// model cannot run the synthetic inputs.
+fn time_runs(
+    backend: &OnnxBackend,
+    spec: &ModelSpec,
+    instances: usize,
+    rows: usize,
+    budget: Duration,
+) -> Option<Duration> {
     let tensors = synthetic_inputs(spec, rows);
     let inputs: Vec<BatchInput<'_>> = spec
         .inputs
@@ -77,78 +120,102 @@ fn time_runs(instance: &mut dyn Instance, spec: &ModelSpec, rows: usize, budget:
         .zip(&tensors)
         .map(|(s, t)| BatchInput { name: &s.name, datatype: s.datatype, shape: t.shape.clone(), parts: vec![&t.data] })
         .collect();
-    instance.run(&inputs).ok()?; // the first run allocates; not timed
-    let start = Instant::now();
-    let mut times = Vec::new();
-    while times.len() < 3 || (start.elapsed() < budget && times.len() < 50) {
-        let t = Instant::now();
-        instance.run(&inputs).ok()?;
-        times.push(t.elapsed());
-    }
-    times.sort();
-    Some(times[times.len() / 2])
+    let mut runners: Vec<Box<dyn Instance>> = (0..instances).map(|_| backend.instance()).collect::<Result<_>>().ok()?;
+    let times: Option<Vec<Vec<Duration>>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = runners
+            .iter_mut()
+            .map(|instance| {
+                let inputs = &inputs;
+                scope.spawn(move || {
+                    instance.run(inputs).ok()?; // the first run allocates; not timed
+                    let start = Instant::now();
+                    let mut times = Vec::new();
+                    while times.len() < 3 || (start.elapsed() < budget && times.len() < 50) {
+                        let t = Instant::now();
+                        instance.run(inputs).ok()?;
+                        times.push(t.elapsed());
+                    }
+                    Some(times)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().ok().flatten()).collect()
+    });
+    let mut all: Vec<Duration> = times?.into_iter().flatten().collect();
+    all.sort();
+    Some(all[all.len() / 2])
 }
 
-/// Measures `backend` (opened with `spec.onnx`) and returns what serves it best. `spin_free`:
-/// spinning may be chosen; `merge_free`: the batch limit may be. `content` identifies the model
-/// file's bytes. Models with variable dims other than the batch dim are not calibrated (their
-/// real inputs' sizes are unknown at load).
-pub fn calibrate(
-    backend: &OnnxBackend,
-    spec: &ModelSpec,
-    content: u64,
-    spin_free: bool,
-    merge_free: bool,
-) -> Result<Tuned> {
-    let spin_free = spin_free && spec.onnx.intra_threads > 1;
-    let merge_free = merge_free && spec.batch.dynamic && spec.batch.max_batch_size > 1;
-    let none = Tuned { spinning: None, merge_limit: None };
-    if (!spin_free && !merge_free) || spec.inputs.iter().any(|t| t.dims.iter().any(|&d| d < 0)) {
-        return Ok(none);
+/// The candidate plans for `spec` within a budget of `cpus`, plainest first; `fixed_*` are what
+/// the config decided (a plan that contradicts it is not a candidate).
+pub fn plans(
+    cpus: usize,
+    fixed_instances: Option<usize>,
+    fixed_threads: Option<usize>,
+    fixed_spinning: Option<bool>,
+) -> Vec<Plan> {
+    let cpus = cpus.max(1);
+    let mut plans = vec![
+        Plan { instances: 1, threads: cpus, spinning: false },
+        Plan { instances: cpus, threads: 1, spinning: false },
+        Plan { instances: 1, threads: cpus, spinning: true },
+    ];
+    plans.dedup();
+    plans.retain(|p| {
+        fixed_instances.is_none_or(|n| n == p.instances)
+            && fixed_threads.is_none_or(|t| t == p.threads)
+            && fixed_spinning.is_none_or(|s| s == p.spinning)
+            && !(p.spinning && p.threads == 1)
+    });
+    if plans.is_empty() {
+        // The config fixed everything but, perhaps, the batch limit: measure what it says.
+        plans.push(Plan {
+            instances: fixed_instances.unwrap_or(1),
+            threads: fixed_threads.unwrap_or((cpus / fixed_instances.unwrap_or(1)).max(1)),
+            spinning: fixed_spinning.unwrap_or(false),
+        });
     }
-    let key = xxhash_rust::xxh3::xxh3_64(format!("{content}{:?}{spin_free}{merge_free}", spec.onnx).as_bytes());
+    plans
+}
+
+/// Measures `backend` under each of `plans` and returns the best, or `None` when the model cannot
+/// be calibrated: variable dims other than the batch dim (real inputs' sizes are unknown at load)
+/// or synthetic inputs it refuses. `content` identifies the model file's bytes.
+pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &[Plan]) -> Result<Option<Tuned>> {
+    if spec.inputs.iter().any(|t| t.dims.iter().any(|&d| d < 0)) {
+        return Ok(None);
+    }
+    let key = xxhash_rust::xxh3::xxh3_64(format!("{content}{:?}{plans:?}{:?}", spec.onnx, spec.batch).as_bytes());
     if let Some(t) = remembered().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(*t);
     }
     let started = Instant::now();
-    let mut instance = backend.instance()?;
-    let Some(plain) = time_runs(instance.as_mut(), spec, 1, BUDGET / 8) else { return Ok(none) };
-    let mut spinning = None;
-    if spin_free {
-        let mut options = spec.onnx.clone();
-        options.spinning = !options.spinning;
-        let other = backend.with_options(options)?;
-        let mut other_instance = other.instance()?;
-        if let Some(t) = time_runs(other_instance.as_mut(), spec, 1, BUDGET / 8) {
-            let (off, on) = if spec.onnx.spinning { (t, plain) } else { (plain, t) };
-            let spin = choose_spinning(off, on);
-            if spin != spec.onnx.spinning {
-                instance = other_instance;
-            }
-            spinning = Some(spin);
-        }
-    }
-    let mut merge_limit = None;
-    if merge_free {
-        let mut curve = vec![(1, plain)];
-        let mut rows = 2;
-        while rows <= spec.batch.max_batch_size && started.elapsed() < BUDGET {
-            let Some(t) = time_runs(instance.as_mut(), spec, rows, BUDGET / 16) else { break };
+    let mergeable = spec.batch.dynamic && spec.batch.max_batch_size > 1;
+    let per_plan = BUDGET / plans.len().max(1) as u32;
+    let mut curves = Vec::new();
+    for plan in plans {
+        let options = OnnxOptions { intra_threads: plan.threads, spinning: plan.spinning, ..spec.onnx.clone() };
+        let b = backend.with_options(options)?;
+        let plan_start = Instant::now();
+        let mut curve = Vec::new();
+        let mut rows = 1;
+        while rows <= spec.batch.max_batch_size.max(1) {
+            let Some(t) = time_runs(&b, spec, plan.instances, rows, per_plan / 8) else { break };
             curve.push((rows, t));
             // Past the point where throughput falls, larger sizes are not worth measuring.
-            if choose_merge_limit(&curve) < rows {
+            if !mergeable || choose_merge_limit(&curve) < rows || plan_start.elapsed() > per_plan {
                 break;
             }
-            rows *= 2;
+            rows = (rows * 2).min(spec.batch.max_batch_size);
+            if curve.last().is_some_and(|c| c.0 == rows) {
+                break;
+            }
         }
-        let limit = choose_merge_limit(&curve);
-        // Sizes past the last one measured stay allowed only if the curve was still rising there.
-        let last = curve.last().map_or(1, |c| c.0);
-        merge_limit =
-            Some(if limit == last && rows > spec.batch.max_batch_size { spec.batch.max_batch_size } else { limit });
-        tracing::debug!(model = %spec.name, curve = ?curve, "calibration curve");
+        tracing::debug!(model = %spec.name, ?plan, ?curve, "calibration curve");
+        curves.push((*plan, curve));
     }
-    let tuned = Tuned { spinning, merge_limit };
+    let tuned = choose(&curves);
+    tracing::debug!(model = %spec.name, took_ms = started.elapsed().as_millis() as u64, ?tuned, "calibrated");
     remembered().lock().unwrap_or_else(|e| e.into_inner()).insert(key, tuned);
     Ok(tuned)
 }
@@ -161,35 +228,76 @@ mod tests {
         Duration::from_secs_f64(v / 1000.0)
     }
 
+    fn curve(f: impl Fn(f64) -> f64, sizes: &[usize]) -> Vec<(usize, Duration)> {
+        sizes.iter().map(|&b| (b, ms(f(b as f64)))).collect()
+    }
+
+    const ONE_BY_TWO: Plan = Plan { instances: 1, threads: 2, spinning: false };
+    const TWO_BY_ONE: Plan = Plan { instances: 2, threads: 1, spinning: false };
+    const SPINNING: Plan = Plan { instances: 1, threads: 2, spinning: true };
+
     #[test]
     fn an_mlp_like_curve_merges_up_to_the_largest_batch() {
         // Overhead-bound: a run costs little more at 64 rows than at 1.
-        let curve: Vec<(usize, Duration)> =
-            [1, 2, 4, 8, 16, 32, 64].iter().map(|&b| (b, ms(0.4 + 0.02 * b as f64))).collect();
-        assert_eq!(choose_merge_limit(&curve), 64);
+        let c = curve(|b| 0.4 + 0.02 * b, &[1, 2, 4, 8, 16, 32, 64]);
+        assert_eq!(choose_merge_limit(&c), 64);
     }
 
     #[test]
     fn a_conv_net_that_is_slower_per_image_in_batches_does_not_merge() {
         // PP-OCR-like: 17 ms per image alone, 21 ms per image at batch 2 and worse after.
-        let curve = [(1, ms(17.0)), (2, ms(42.0)), (4, ms(90.0))];
-        assert_eq!(choose_merge_limit(&curve), 1);
+        assert_eq!(choose_merge_limit(&[(1, ms(17.0)), (2, ms(42.0)), (4, ms(90.0))]), 1);
     }
 
     #[test]
     fn the_limit_stops_where_throughput_falls() {
-        // Gains to 8, then per-row cost rises (cache spill).
-        let curve = [(1, ms(1.0)), (2, ms(1.5)), (4, ms(2.5)), (8, ms(4.5)), (16, ms(12.0))];
-        assert_eq!(choose_merge_limit(&curve), 8);
+        let c = [(1, ms(1.0)), (2, ms(1.5)), (4, ms(2.5)), (8, ms(4.5)), (16, ms(12.0))];
+        assert_eq!(choose_merge_limit(&c), 8);
         // A flat stretch within the tolerance keeps growing.
-        let flat = [(1, ms(1.0)), (2, ms(2.02)), (4, ms(4.05))];
-        assert_eq!(choose_merge_limit(&flat), 4);
+        assert_eq!(choose_merge_limit(&[(1, ms(1.0)), (2, ms(2.02)), (4, ms(4.05))]), 4);
     }
 
     #[test]
-    fn spinning_must_win_clearly() {
-        assert!(choose_spinning(ms(20.0), ms(15.0)), "a conv net gains 25%");
-        assert!(!choose_spinning(ms(0.50), ms(0.48)), "a 4% gain is not worth the CPU");
-        assert!(!choose_spinning(ms(10.0), ms(12.0)));
+    fn a_conv_net_gets_an_instance_per_core_when_that_is_faster() {
+        // As measured on the ResNet-style model: 1 x 2 threads 7.6 ms per image, 2 x 1 thread
+        // 12.6 ms each side by side (158/s), batches no better.
+        let curves = vec![
+            (ONE_BY_TWO, vec![(1, ms(7.6)), (2, ms(16.0))]),
+            (TWO_BY_ONE, vec![(1, ms(12.6)), (2, ms(27.0))]),
+            (SPINNING, vec![(1, ms(6.8)), (2, ms(14.0))]),
+        ];
+        assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 1 }));
+    }
+
+    #[test]
+    fn spinning_and_more_instances_must_win_clearly() {
+        // Spinning 8% faster: not worth the CPU it takes from the I/O threads.
+        let curves = vec![(ONE_BY_TWO, vec![(1, ms(10.0))]), (SPINNING, vec![(1, ms(9.2))])];
+        assert_eq!(choose(&curves).unwrap().plan, ONE_BY_TWO);
+        // Spinning 25% faster: taken.
+        let curves = vec![(ONE_BY_TWO, vec![(1, ms(10.0))]), (SPINNING, vec![(1, ms(7.5))])];
+        assert_eq!(choose(&curves).unwrap().plan, SPINNING);
+        // Two instances 3% ahead: not worth the memory.
+        let curves = vec![(ONE_BY_TWO, vec![(1, ms(10.0))]), (TWO_BY_ONE, vec![(1, ms(19.4))])];
+        assert_eq!(choose(&curves).unwrap().plan, ONE_BY_TWO);
+    }
+
+    #[test]
+    fn an_mlp_keeps_batching_on_the_plan_with_the_best_peak() {
+        let curves = vec![
+            (ONE_BY_TWO, curve(|b| 0.45 + 0.07 * b, &[1, 2, 4, 8, 16, 32, 64])),
+            (TWO_BY_ONE, curve(|b| 0.9 + 0.12 * b, &[1, 2, 4, 8, 16, 32, 64])),
+        ];
+        // 1 x 2 peaks at 64 / 4.93 ms = 13.0k rows/s; 2 x 1 at 128 / 8.58 ms = 14.9k: 15% more.
+        assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 64 }));
+    }
+
+    #[test]
+    fn plans_honour_what_the_config_fixed() {
+        assert_eq!(plans(2, None, None, None), vec![ONE_BY_TWO, TWO_BY_ONE, SPINNING]);
+        assert_eq!(plans(2, Some(2), None, None), vec![TWO_BY_ONE]);
+        assert_eq!(plans(2, None, None, Some(false)), vec![ONE_BY_TWO, TWO_BY_ONE]);
+        assert_eq!(plans(1, None, None, None), vec![Plan { instances: 1, threads: 1, spinning: false }]);
+        assert_eq!(plans(2, Some(3), Some(1), None), vec![Plan { instances: 3, threads: 1, spinning: false }]);
     }
 }

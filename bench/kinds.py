@@ -1,0 +1,220 @@
+"""The benchmark of model kinds (bench/run.sh --kinds): for each kind users serve (a tiny model, an
+MLP, a ResNet-style CNN, a detector with variable H/W at 320 and 640, a BERT-style encoder), the
+engine's own ceiling in-process (the best over batch sizes, instances x threads and spinning),
+then the Ferrite server at 1, 8 and 128 concurrent batch-1 clients over REST-binary (oha), gRPC
+(perf_analyzer) and, for the small models, REST-JSON (oha), with its CPU, resident memory and
+threads. Writes bench/results/kinds.md with each model's ratio to its ceiling and the targets that
+fall short. Guards against defaults tuned on one model that lose on another.
+
+Usage: python3 bench/kinds.py [--duration 10] [--models tiny,mlp,...] [--clients 1,8,128] [--extra ARGS]
+"""
+
+import argparse
+import json
+import os
+import platform
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.run import ROOT, RESULTS, WORK, cpu_seconds, free_port, oha_load, perf_analyzer_load, wait_ready  # noqa: E402
+
+KINDS = WORK / "kinds"
+
+# name -> (model directory, inputs as (name, datatype, shape without batch), JSON too?)
+CASES = {
+    "tiny": ("tiny", [("input", "FP32", [16])], True),
+    "mlp": ("mlp", [("input", "FP32", [512])], True),
+    "resnet": ("resnet", [("images", "FP32", [3, 224, 224])], False),
+    "detector320": ("detector", [("images", "FP32", [3, 320, 320])], False),
+    "detector640": ("detector", [("images", "FP32", [3, 640, 640])], False),
+    "bert": ("bert", [("input_ids", "INT64", [128]), ("attention_mask", "INT64", [128])], False),
+}
+TARGET_RATIO, TARGET_RATIO_JSON, TARGET_P50_EXTRA_MS = 0.85, 0.7, 0.15
+
+
+def status(pid, key):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def values(datatype, n):
+    if datatype == "FP32":
+        return [round((i % 97) / 97 - 0.5, 4) for i in range(n)]
+    return [1 + i % 1000 for i in range(n)]
+
+
+def bodies(case, name):
+    """The batch-1 request bodies of `case`: V2 JSON, and Triton's binary extension."""
+    model, inputs, _ = CASES[case]
+    n = lambda shape: int(eval("*".join(map(str, shape))))  # noqa: E731
+    json_body = {"inputs": [{"name": i, "shape": [1, *s], "datatype": d, "data": values(d, n(s))} for i, d, s in inputs]}
+    header = json.dumps({
+        "inputs": [{"name": i, "shape": [1, *s], "datatype": d, "parameters": {"binary_data_size": n(s) * 4 * (2 if d == "INT64" else 1)}}
+                   for i, d, s in inputs],
+        "parameters": {"binary_data_output": True},
+    }).encode()
+    raw = b"".join(struct.pack(f"<{n(s)}{'f' if d == 'FP32' else 'q'}", *values(d, n(s))) for _, d, s in inputs)
+    (WORK / f"{name}.json").write_text(json.dumps(json_body))
+    (WORK / f"{name}.bin").write_bytes(header + raw)
+    return WORK / f"{name}.json", WORK / f"{name}.bin", len(header)
+
+
+def ceiling(case, secs):
+    model, inputs, _ = CASES[case]
+    cmd = [str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
+    if model == "detector":
+        cmd.append(",".join(map(str, inputs[0][2])))
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    points = [json.loads(line) for line in out.splitlines()]
+    best = max(points, key=lambda p: p["rows_per_sec"])
+    single = [p for p in points if p["batch"] == 1 and p["instances"] == 1]
+    floor_ms = 1000 / max(p["rows_per_sec"] for p in single)
+    return best, floor_ms
+
+
+def serve(case, args):
+    model = CASES[case][0]
+    repo = WORK / f"repo-{model}"
+    if not (repo / model / "1" / "model.onnx").exists():
+        (repo / model / "1").mkdir(parents=True, exist_ok=True)
+        os.link(KINDS / model / "1/model.onnx", repo / model / "1" / "model.onnx")
+    port, grpc_port = free_port(), free_port()
+    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
+           "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "info", *args.extra.split()]
+    log = open(WORK / f"kinds-{case}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(f"{base}/v2/models/{model}/ready", proc, timeout=120)
+    return proc, base, f"127.0.0.1:{grpc_port}"
+
+
+def measure(proc, load, duration):
+    """Runs `load` for `duration` s after a 2 s warm-up; samples the server's RSS meanwhile."""
+    load(2)
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], status(proc.pid, "VmRSS"))
+
+    t = threading.Thread(target=sample)
+    t.start()
+    cpu0, t0 = cpu_seconds(proc.pid), time.time()
+    try:
+        rps, p50, p99, errors = load(duration)
+    finally:
+        done.set()
+        t.join()
+    cpu = (cpu_seconds(proc.pid) - cpu0) / (time.time() - t0)
+    return {"rps": rps, "p50_ms": p50, "p99_ms": p99, "errors": errors, "cpu": cpu, "rss_mb": peak[0] / 1024,
+            "threads": status(proc.pid, "Threads")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--models", default=",".join(CASES))
+    ap.add_argument("--clients", default="1,8,128")
+    ap.add_argument("--ceiling-secs", type=float, default=1.0)
+    ap.add_argument("--extra", default="", help="more `ferrite serve` arguments")
+    ap.add_argument("--name", default="kinds")
+    args = ap.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if not (KINDS / "bert/1/model.onnx").exists():
+        subprocess.run([sys.executable, str(ROOT / "bench/make_models.py"), str(KINDS)], check=True)
+    clients = [int(c) for c in args.clients.split(",")]
+    started = time.time()
+    results = {}
+    for case in args.models.split(","):
+        model, inputs, small = CASES[case]
+        best, floor_ms = ceiling(case, args.ceiling_secs)
+        print(json.dumps({"case": case, "ceiling": best, "batch1_ms": floor_ms}), flush=True)
+        json_body, bin_body, header_len = bodies(case, f"kinds-{case}")
+        pa_extra = ["--input-data", "zero", *[x for i, _, s in inputs for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]
+        proc, base, grpc = serve(case, args)
+        infer = f"{base}/v2/models/{model}/infer"
+        try:
+            idle = {"rss_mb": status(proc.pid, "VmRSS") / 1024, "threads": status(proc.pid, "Threads")}
+            config = json.loads(urllib_get(f"{base}/v2/models/{model}/config"))
+            rows = []
+            for c in clients:
+                loads = [("REST-binary (oha)", oha_load(infer, bin_body, c, [f"Inference-Header-Content-Length: {header_len}"])),
+                         ("gRPC (perf_analyzer)", perf_analyzer_load("grpc", grpc, c, model, pa_extra))]
+                if small:
+                    loads.append(("REST-JSON (oha)", oha_load(infer, json_body, c, ["Content-Type: application/json"])))
+                for proto, load in loads:
+                    r = measure(proc, load, args.duration)
+                    r.update(proto=proto, clients=c, ratio=r["rps"] / best["rows_per_sec"])
+                    print(json.dumps({"case": case, **r}), flush=True)
+                    rows.append(r)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        results[case] = {"ceiling": best, "batch1_ms": floor_ms, "idle": idle, "rows": rows,
+                         "parameters": {k: v["string_value"] for k, v in config.get("parameters", {}).items()}}
+    write(results, args, time.time() - started)
+
+
+def urllib_get(url):
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def write(results, args, took):
+    lines = [
+        f"# Benchmark of model kinds (`{args.name}`)",
+        "",
+        f"`bench/run.sh --kinds` on {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
+        f"{took / 60:.1f} min: batch-1 requests from 1, 8 and 128 concurrent clients for {args.duration} s each "
+        "(load generators on the same machine). `ferrite serve` arguments: "
+        f"`{args.extra or '(defaults)'}`. Ceiling: the engine alone in-process (`ceiling` example), the best over "
+        "batch sizes, 1 instance x all cores or 1 single-threaded instance per core, spinning off/on. "
+        "Targets: >= 0.85 of the ceiling at 8 and 128 clients over binary/gRPC (>= 0.7 over JSON for the "
+        "small models); at 1 client p50 <= in-process batch-1 latency + 0.15 ms.",
+        "",
+    ]
+    short = []
+    for case, r in results.items():
+        c, p = r["ceiling"], r["parameters"]
+        lines += [
+            f"## {case}",
+            "",
+            f"Ceiling {c['rows_per_sec']:.0f} rows/s (batch {c['batch']}, {c['instances']} x {c['threads']} threads, "
+            f"spinning {c['spinning']}); in-process batch-1 latency {r['batch1_ms']:.3f} ms. Server idle: "
+            f"{r['idle']['rss_mb']:.0f} MB RSS, {r['idle']['threads']} threads. Chosen: "
+            f"intra-op threads {p.get('intra_op_thread_count')}, spinning {p.get('spinning')}, "
+            f"batch merge limit {p.get('batch_merge_limit')}{', calibrated' if 'calibrated' in p else ''}.",
+            "",
+            "| load | clients | req/s | / ceiling | p50 ms | p99 ms | CPU cores | peak RSS MB | threads | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for x in r["rows"]:
+            lines.append(f"| {x['proto']} | {x['clients']} | {x['rps']:.0f} | {x['ratio']:.2f} | {x['p50_ms']:.2f} | "
+                         f"{x['p99_ms']:.2f} | {x['cpu']:.2f} | {x['rss_mb']:.0f} | {x['threads']} | {x['errors']} |")
+            if x["clients"] >= 8:
+                target = TARGET_RATIO_JSON if "JSON" in x["proto"] else TARGET_RATIO
+                if x["ratio"] < target:
+                    short.append(f"{case} {x['proto']} at {x['clients']} clients: {x['ratio']:.2f} of the ceiling (target {target})")
+            elif x["p50_ms"] > r["batch1_ms"] + TARGET_P50_EXTRA_MS:
+                short.append(f"{case} {x['proto']} at 1 client: p50 {x['p50_ms']:.2f} ms vs in-process "
+                             f"{r['batch1_ms']:.2f} ms + 0.15")
+        lines.append("")
+    lines += ["## Short of the targets", ""] + ([f"- {s}" for s in short] or ["- none"])
+    path = RESULTS / f"{args.name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    print("\n".join(short))
+
+
+if __name__ == "__main__":
+    main()
