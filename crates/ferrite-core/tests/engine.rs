@@ -510,13 +510,15 @@ fn a_symlink_out_of_the_repository_is_refused() {
 #[test]
 fn calibration_measures_the_model_and_config_values_win() {
     runtime();
-    let dir = repo(&[("mlp", None), ("mixed", Some("calibrate = false")), ("identity", Some("[onnxruntime]\nspinning = true\nintra_op_thread_count = 2\nexecution_mode = \"parallel\"\nenable_memory_arena_shrinkage = true\n"))]);
+    let dir = repo(&[("mlp", None), ("fpn", None), ("mixed", Some("calibrate = false")), ("identity", Some("[onnxruntime]\nspinning = true\nintra_op_thread_count = 2\nexecution_mode = \"parallel\"\nenable_memory_arena_shrinkage = true\n"))]);
     let options = LoadOptions { threads: 2, spinning: false, calibrate: true, cache: None };
     let core = Core::load(dir.path(), &options, Limits::default()).unwrap();
     let mlp = core.model("mlp", None).unwrap();
     let chosen = mlp.spec.calibrated.clone().expect("the mlp was calibrated");
     assert!(chosen.contains("batch limit"), "{chosen}");
     assert!((1..=mlp.spec.batch.max_batch_size).contains(&mlp.spec.batch.merge_limit));
+    // Variable H/W: calibrated at a size the graph takes.
+    assert!(core.model("fpn", None).unwrap().spec.calibrated.is_some());
     let mixed = core.model("mixed", None).unwrap();
     assert!(mixed.spec.calibrated.is_none());
     assert_eq!(mixed.spec.batch.merge_limit, mixed.spec.batch.max_batch_size);

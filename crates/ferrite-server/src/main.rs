@@ -87,10 +87,10 @@ struct ServeArgs {
     /// Let idle ONNX Runtime threads spin (lower hand-off latency, more CPU).
     #[arg(long, env = "FERRITE_SPIN")]
     spin: bool,
-    /// Measure each model at load (about a second) and choose intra-op spinning and the largest
-    /// batch to merge from its own run times, where its config leaves them open. Off by default
-    /// until the benchmark of model kinds shows it helps on each of them.
-    #[arg(long, env = "FERRITE_CALIBRATE")]
+    /// Measure each model at load (about two seconds) and choose from its own run times how its
+    /// instances use the CPUs (instances x threads, spinning) and the largest batch to merge,
+    /// where its config leaves them open (`calibrate = false` in a config skips one model).
+    #[arg(long, env = "FERRITE_CALIBRATE", default_value_t = true, action = clap::ArgAction::Set)]
     calibrate: bool,
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]

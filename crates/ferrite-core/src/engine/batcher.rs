@@ -17,6 +17,7 @@ use crate::{
     admission::deadline::BatchTime,
     engine::{
         backend::{BatchInput, Instance},
+        costs::BatchCosts,
         queue::{Decision, Pending, Queue, RETRY_AFTER},
         spec::{BatchPolicy, ModelSpec, TimeoutAction},
     },
@@ -40,6 +41,8 @@ struct Shared {
     running: AtomicUsize,
     /// One batch's recent run time, for refusing requests whose deadline cannot be met.
     batch_time: BatchTime,
+    /// Run time per element by batch size, from which the merge limit follows.
+    costs: Mutex<BatchCosts>,
     policy: BatchPolicy,
     spec: ModelSpec,
     stats: Arc<ModelStats>,
@@ -65,6 +68,7 @@ impl Batcher {
             submitted: Default::default(),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
             batch_time: BatchTime::default(),
+            costs: Mutex::default(),
             wake: Condvar::new(),
             idle: Condvar::new(),
             closed: Default::default(),
@@ -198,7 +202,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
             let mut q = shared.lock();
             loop {
                 let flush = shared.closed.load(Ordering::Acquire);
-                let decision = q.next_batch(Instant::now(), &shared.policy, flush);
+                let limit = shared.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(shared.policy.merge_limit);
+                let decision = q.next_batch(Instant::now(), &shared.policy, limit, flush);
                 match decision {
                     Decision::Run(batch) => {
                         shared.running.fetch_add(1, Ordering::AcqRel);
@@ -287,8 +292,10 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     };
     let _entered = batch_span.enter();
     let ran = Instant::now();
+    let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
     let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs)))
         .unwrap_or_else(|_| Err(Error::internal("the backend panicked while running a batch")));
+    let result_ok = result.is_ok();
     drop(inputs);
     let done = Instant::now();
     let replies: Vec<(Pending, Result<Vec<Tensor>>)> = match result.and_then(|o| check_outputs(o, batched, rows)) {
@@ -319,6 +326,9 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
         }
     };
     shared.batch_time.record(done - ran);
+    if result_ok && counted {
+        shared.costs.lock().unwrap_or_else(|e| e.into_inner()).record(rows, elements, done - ran);
+    }
     // Statistics first, so a client that reads them after its answer sees its own batch.
     if counted {
         // Input: the copy into the engine's buffers; inference: the rest of the run; output:

@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod batcher;
+pub mod costs;
 pub mod dtype;
 pub mod model;
 pub mod onnx;

@@ -171,9 +171,11 @@ impl Queue {
         self.len = self.levels.iter().map(Level::len).sum();
     }
 
-    /// Decides what a free instance should run at `now`. `flush` sends what is pending without
-    /// waiting for the queue delay (at shutdown).
-    pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, flush: bool) -> Decision {
+    /// Decides what a free instance should run at `now`, merging at most `limit` rows (and the
+    /// policy's merge limit); a single larger request still runs alone. `flush` sends what is
+    /// pending without waiting for the queue delay (at shutdown).
+    pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, limit: usize, flush: bool) -> Decision {
+        let limit = limit.min(policy.merge_limit).max(1);
         self.prune(now);
         if self.is_empty() {
             return Decision::Idle;
@@ -190,7 +192,7 @@ impl Queue {
         let mut sums = vec![total];
         let mut oldest = first.enqueued;
         for p in order {
-            if total + p.rows > policy.merge_limit.max(1) || !first.compatible(p) {
+            if total + p.rows > limit || !first.compatible(p) {
                 break;
             }
             total += p.rows;
@@ -198,12 +200,7 @@ impl Queue {
             oldest = oldest.min(p.enqueued);
         }
         let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
-        let n = if flush
-            || first.warmup
-            || total >= policy.merge_limit.max(1)
-            || policy.max_queue_delay_us == 0
-            || now >= due
-        {
+        let n = if flush || first.warmup || total >= limit || policy.max_queue_delay_us == 0 || now >= due {
             sums.len()
         } else if let Some(j) = sums.iter().rposition(|s| policy.preferred_batch_sizes.contains(s)) {
             j + 1
@@ -248,6 +245,16 @@ mod tests {
         }
     }
 
+    #[test]
+    fn batches_stop_at_the_measured_limit_and_a_larger_request_runs_alone() {
+        let t = Instant::now();
+        let mut q = queue(1, 16);
+        let _held: Vec<Req> = [1, 1, 1, 3].iter().map(|&r| push(&mut q, t, r, 2, 0)).collect();
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), 2, false)), vec![1, 1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), 2, false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), 2, false)), vec![3]);
+    }
+
     fn queue(levels: usize, capacity: usize) -> Queue {
         Queue::new(&vec![QueuePolicy { max_queue_size: capacity, ..QueuePolicy::default() }; levels])
     }
@@ -286,8 +293,8 @@ mod tests {
         let t = Instant::now();
         let mut q = queue(1, 100);
         let _r: Vec<_> = (0..3).map(|_| push(&mut q, t, 1, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1, 1, 1]);
-        assert!(matches!(q.next_batch(t, &policy(8, 0, &[]), false), Decision::Idle));
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![1, 1, 1]);
+        assert!(matches!(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false), Decision::Idle));
     }
 
     #[test]
@@ -295,8 +302,8 @@ mod tests {
         let t = Instant::now();
         let mut q = queue(1, 100);
         let _r: Vec<_> = [3, 3, 3].iter().map(|&n| push(&mut q, t, n, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![3, 3]);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![3]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![3, 3]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![3]);
     }
 
     #[test]
@@ -305,13 +312,13 @@ mod tests {
         let p = policy(8, 1000, &[]);
         let mut q = queue(1, 100);
         let _a = push(&mut q, t, 1, 4, 0);
-        match q.next_batch(t + Duration::from_micros(10), &p, false) {
+        match q.next_batch(t + Duration::from_micros(10), &p, usize::MAX, false) {
             Decision::WaitUntil(when) => assert_eq!(when, t + Duration::from_micros(1000)),
             other => panic!("{other:?}"),
         }
         let _b = push(&mut q, t + Duration::from_micros(500), 1, 4, 0);
-        assert!(matches!(q.next_batch(t + Duration::from_micros(999), &p, false), Decision::WaitUntil(_)));
-        assert_eq!(rows(q.next_batch(t + Duration::from_micros(1000), &p, false)), vec![1, 1]);
+        assert!(matches!(q.next_batch(t + Duration::from_micros(999), &p, usize::MAX, false), Decision::WaitUntil(_)));
+        assert_eq!(rows(q.next_batch(t + Duration::from_micros(1000), &p, usize::MAX, false)), vec![1, 1]);
     }
 
     #[test]
@@ -319,7 +326,7 @@ mod tests {
         let t = Instant::now();
         let mut q = queue(1, 100);
         let _a = push(&mut q, t, 1, 4, 0);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), true)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), usize::MAX, true)), vec![1]);
     }
 
     #[test]
@@ -327,7 +334,7 @@ mod tests {
         let t = Instant::now();
         let mut q = queue(1, 100);
         let _r: Vec<_> = (0..4).map(|_| push(&mut q, t, 2, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), false)), vec![2, 2, 2, 2]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 1_000_000, &[]), usize::MAX, false)), vec![2, 2, 2, 2]);
     }
 
     #[test]
@@ -336,9 +343,9 @@ mod tests {
         let p = policy(16, 1_000_000, &[2, 4]);
         let mut q = queue(1, 100);
         let _r: Vec<_> = (0..5).map(|_| push(&mut q, t, 1, 4, 0)).collect();
-        assert_eq!(rows(q.next_batch(t, &p, false)), vec![1, 1, 1, 1]);
+        assert_eq!(rows(q.next_batch(t, &p, usize::MAX, false)), vec![1, 1, 1, 1]);
         // One left: no preferred size reachable, so it waits for the delay.
-        assert!(matches!(q.next_batch(t, &p, false), Decision::WaitUntil(_)));
+        assert!(matches!(q.next_batch(t, &p, usize::MAX, false), Decision::WaitUntil(_)));
     }
 
     #[test]
@@ -348,9 +355,9 @@ mod tests {
         let _a = push(&mut q, t, 1, 4, 0);
         let _b = push(&mut q, t, 1, 5, 0);
         let _c = push(&mut q, t, 1, 4, 0);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![1]);
     }
 
     #[test]
@@ -360,8 +367,8 @@ mod tests {
         let _low = push(&mut q, t, 1, 4, 1);
         let _high1 = push(&mut q, t + Duration::from_micros(1), 2, 4, 0);
         let _high2 = push(&mut q, t + Duration::from_micros(2), 3, 4, 0);
-        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), false)), vec![2, 3]);
-        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), usize::MAX, false)), vec![2, 3]);
+        assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), usize::MAX, false)), vec![1]);
     }
 
     #[test]
@@ -402,7 +409,10 @@ mod tests {
             warmup: false,
         })
         .unwrap();
-        assert!(matches!(q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[]), false), Decision::Idle));
+        assert!(matches!(
+            q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[]), usize::MAX, false),
+            Decision::Idle
+        ));
         assert!(matches!(rx.try_recv(), Ok(Err(Error::DeadlineExceeded(_)))));
         assert_eq!(q.expired, 1);
     }
@@ -414,7 +424,7 @@ mod tests {
         let gone = push(&mut q, t, 1, 4, 0);
         let _kept = push(&mut q, t, 1, 4, 0);
         drop(gone.rx);
-        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, false)), vec![1]);
         assert_eq!(q.cancelled, 1);
     }
 
@@ -424,7 +434,7 @@ mod tests {
         let mut q = queue(1, 10);
         let _r: Vec<_> = (0..2).map(|_| push(&mut q, t, 1, 4, 0)).collect();
         let p = BatchPolicy { max_batch_size: 8, dynamic: false, ..BatchPolicy::default() };
-        assert_eq!(rows(q.next_batch(t, &p, false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t, &p, usize::MAX, false)), vec![1]);
     }
 
     fn timed(q: &mut Queue, at: Instant, level: usize, timeout_us: u64) -> oneshot::Receiver<Result<Vec<Tensor>>> {
@@ -480,7 +490,10 @@ mod tests {
         let _low = push(&mut q, t + Duration::from_micros(6), 2, 4, 1);
         // At t+20 the first request is late: not rejected, but it runs after the level's fresh one
         // and before the lower level.
-        assert_eq!(rows(q.next_batch(t + Duration::from_micros(20), &policy(16, 0, &[]), false)), vec![3, 1, 2]);
+        assert_eq!(
+            rows(q.next_batch(t + Duration::from_micros(20), &policy(16, 0, &[]), usize::MAX, false)),
+            vec![3, 1, 2]
+        );
         assert!(late.try_recv().is_err(), "a delayed request is not answered with an error");
         assert_eq!((q.delayed, q.expired), (1, 0));
     }
@@ -492,7 +505,7 @@ mod tests {
         let mut q = Queue::new(&[QueuePolicy::default(), delay]);
         let mut high = timed(&mut q, t, 0, 10);
         let _low = timed(&mut q, t, 1, 10);
-        assert_eq!(rows(q.next_batch(t + Duration::from_micros(20), &policy(16, 0, &[]), false)), vec![1]);
+        assert_eq!(rows(q.next_batch(t + Duration::from_micros(20), &policy(16, 0, &[]), usize::MAX, false)), vec![1]);
         assert!(matches!(high.try_recv(), Ok(Err(Error::DeadlineExceeded(_)))));
         assert_eq!((q.delayed, q.expired), (1, 1));
     }

@@ -178,13 +178,32 @@ pub fn plans(
     plans
 }
 
-/// Measures `backend` under each of `plans` and returns the best, or `None` when the model cannot
-/// be calibrated: variable dims other than the batch dim (real inputs' sizes are unknown at load)
-/// or synthetic inputs it refuses. `content` identifies the model file's bytes.
-pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &[Plan]) -> Result<Option<Tuned>> {
-    if spec.inputs.iter().any(|t| t.dims.iter().any(|&d| d < 0)) {
-        return Ok(None);
+/// Sizes tried for variable dims other than the batch dim (a detector's H and W, a sequence
+/// length): real inputs' sizes are unknown at load. Multiples of 32, as strided conv nets need.
+/// The CPU plan that wins at one size wins at the others (the models stay compute-bound); the
+/// batch limit found here is only a start, which the batcher's own measurements then correct.
+const VARIABLE_DIM_SIZES: [i64; 3] = [64, 128, 224];
+
+/// `spec` with its variable dims (but the batch dim) at the first size of `VARIABLE_DIM_SIZES`
+/// the model runs, or as it is when it has none; `None` when it runs none of them.
+fn concrete(backend: &OnnxBackend, spec: &ModelSpec) -> Option<ModelSpec> {
+    if spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)) {
+        return Some(spec.clone());
     }
+    VARIABLE_DIM_SIZES.iter().find_map(|&size| {
+        let mut s = spec.clone();
+        for d in s.inputs.iter_mut().flat_map(|t| t.dims.iter_mut()).filter(|d| **d < 0) {
+            *d = size;
+        }
+        time_runs(backend, &s, 1, 1, Duration::ZERO).map(|_| s)
+    })
+}
+
+/// Measures `backend` under each of `plans` and returns the best, or `None` when the model cannot
+/// be calibrated (it refuses synthetic inputs). `content` identifies the model file's bytes.
+pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &[Plan]) -> Result<Option<Tuned>> {
+    let Some(spec) = concrete(backend, spec) else { return Ok(None) };
+    let spec = &spec;
     let key = xxhash_rust::xxh3::xxh3_64(format!("{content}{:?}{plans:?}{:?}", spec.onnx, spec.batch).as_bytes());
     if let Some(t) = remembered().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(*t);

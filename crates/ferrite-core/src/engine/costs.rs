@@ -1,0 +1,126 @@
+//! What batches cost while serving: a moving average of the run time per input element for each
+//! range of batch sizes (1, 2, 3-4, 5-8, ... rows), kept by the batcher from the batches it runs.
+//! From it follows the merge limit: the batcher never forms a batch that its own measurements say
+//! costs more per element than a smaller one. Per element rather than per row, so requests of
+//! different sizes (a detector's variable H/W) can be compared.
+//!
+//! Pure: the caller passes every measurement, so the rule is testable on made-up costs.
+
+use std::time::Duration;
+
+/// Buckets of batch sizes: bucket i holds sizes in (2^(i-1), 2^i], so 1, 2, 3-4, 5-8, ...
+const BUCKETS: usize = 16;
+/// Runs a bucket needs before its average is trusted.
+const MIN_SAMPLES: u32 = 4;
+/// A larger batch is allowed while it costs at most this much more per element than the best
+/// smaller one; run-time noise under load is larger than at calibration.
+const TOLERANCE: f64 = 0.10;
+/// One batch decision in this many ignores the measured limit, so sizes above it are measured
+/// again and a limit lowered by a passing disturbance can rise back.
+const EXPLORE_EVERY: u64 = 32;
+
+#[derive(Debug, Default, Clone)]
+pub struct BatchCosts {
+    /// (moving average of ns per element, runs seen), by bucket.
+    buckets: [(f64, u32); BUCKETS],
+    decisions: u64,
+}
+
+fn bucket(rows: usize) -> usize {
+    (usize::BITS - rows.max(1).saturating_sub(1).leading_zeros()) as usize
+}
+
+impl BatchCosts {
+    /// Records one run of `rows` rows holding `elements` input elements that took `took`.
+    pub fn record(&mut self, rows: usize, elements: usize, took: Duration) {
+        let Some(b) = self.buckets.get_mut(bucket(rows)) else { return };
+        let cost = took.as_nanos() as f64 / elements.max(1) as f64;
+        b.0 = if b.1 == 0 { cost } else { b.0 + (cost - b.0) / 8.0 };
+        b.1 = b.1.saturating_add(1);
+    }
+
+    /// The most rows the next batch may merge, at most `configured`: below the first measured
+    /// bucket that costs more per element than the best smaller one (beyond the tolerance).
+    pub fn limit(&mut self, configured: usize) -> usize {
+        self.decisions += 1;
+        if self.decisions.is_multiple_of(EXPLORE_EVERY) {
+            return configured;
+        }
+        let mut best = f64::INFINITY;
+        for (i, &(cost, n)) in self.buckets.iter().enumerate() {
+            if n < MIN_SAMPLES {
+                continue;
+            }
+            if cost > best * (1.0 + TOLERANCE) {
+                // Bucket i starts just above 2^(i-1) rows: stay at or below that.
+                return configured.min(1 << (i - 1));
+            }
+            best = best.min(cost);
+        }
+        configured
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(v: f64) -> Duration {
+        Duration::from_secs_f64(v / 1e6)
+    }
+
+    #[test]
+    fn buckets_are_powers_of_two() {
+        let got: Vec<usize> = [1, 2, 3, 4, 5, 8, 9, 64, 65].iter().map(|&r| bucket(r)).collect();
+        assert_eq!(got, vec![0, 1, 2, 2, 3, 3, 4, 6, 7]);
+    }
+
+    #[test]
+    fn nothing_measured_leaves_the_configured_limit() {
+        assert_eq!(BatchCosts::default().limit(64), 64);
+    }
+
+    #[test]
+    fn a_conv_net_slower_per_image_in_pairs_is_held_to_single_runs() {
+        let mut c = BatchCosts::default();
+        for _ in 0..8 {
+            c.record(1, 150_528, us(17_000.0));
+            c.record(2, 301_056, us(42_000.0));
+        }
+        assert_eq!(c.limit(64), 1);
+    }
+
+    #[test]
+    fn an_mlp_cheaper_per_row_in_batches_keeps_merging() {
+        let mut c = BatchCosts::default();
+        for rows in [1usize, 2, 4, 8, 16, 32, 64] {
+            for _ in 0..8 {
+                c.record(rows, rows * 512, us(400.0 + 20.0 * rows as f64));
+            }
+        }
+        assert_eq!(c.limit(64), 64);
+    }
+
+    #[test]
+    fn costs_per_element_compare_requests_of_different_sizes() {
+        // A detector: 640x640 images cost 4x a 320x320 one, per element the same: no penalty.
+        let mut c = BatchCosts::default();
+        for _ in 0..8 {
+            c.record(1, 3 * 320 * 320, us(25_000.0));
+            c.record(2, 2 * 3 * 640 * 640, us(200_000.0));
+        }
+        assert_eq!(c.limit(8), 8);
+    }
+
+    #[test]
+    fn the_limit_is_explored_again_now_and_then() {
+        let mut c = BatchCosts::default();
+        for _ in 0..8 {
+            c.record(1, 1, us(10.0));
+            c.record(4, 4, us(80.0));
+        }
+        let limits: Vec<usize> = (0..EXPLORE_EVERY).map(|_| c.limit(16)).collect();
+        assert_eq!(limits.iter().filter(|&&l| l == 16).count(), 1);
+        assert!(limits.iter().filter(|&&l| l != 16).all(|&l| l == 2));
+    }
+}

@@ -1,0 +1,56 @@
+"""The calibration at load, through the real binary: each model's plan (instances x threads,
+spinning, batch limit) is measured and shown in its config, over HTTP and gRPC; a model with
+variable H/W is calibrated too; config values win; `--calibrate false` turns it off."""
+
+import json
+import os
+import urllib.request
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+
+def config(server, model):
+    with urllib.request.urlopen(f"http://{server.url}/v2/models/{model}/config", timeout=10) as r:
+        return {k: v["string_value"] for k, v in json.loads(r.read())["parameters"].items()}
+
+
+def test_models_are_calibrated_at_load_and_show_the_choice(start_server, tmp_path):
+    env = dict(os.environ, FERRITE_CALIBRATE="true")
+    s = start_server(models=("mlp", "fpn", "mixed"), env=env)
+    for model in ("mlp", "fpn"):
+        p = config(s, model)
+        assert "calibrated" in p, p
+        assert int(p["batch_merge_limit"]) >= 1 and p["spinning"] in ("true", "false")
+        assert any("calibrated" in line and model in line for line in s.logs().splitlines())
+    # The chosen plan is what runs: instance_group count and threads agree with the choice.
+    with urllib.request.urlopen(f"http://{s.url}/v2/models/mlp/config", timeout=10) as r:
+        cfg = json.loads(r.read())
+    chosen = config(s, "mlp")["calibrated"]
+    assert chosen.startswith(f"{cfg['instance_group'][0]['count']} instance(s) x {config(s, 'mlp')['intra_op_thread_count']} thread(s)")
+    g = grpcclient.InferenceServerClient(s.grpc_url).get_model_config("fpn", as_json=True)
+    assert "calibrated" in g["config"]["parameters"]
+    # Served as before: a variable-H/W request through tritonclient.
+    c = httpclient.InferenceServerClient(s.url)
+    x = np.arange(24, dtype=np.float32).reshape(1, 1, 4, 6)
+    i = httpclient.InferInput("images", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    maps = c.infer("fpn", [i]).as_numpy("maps")
+    assert maps.shape == (1, 2, 4, 6) and maps[0, 1, 0, 0] == (0 + 1 + 6 + 7) / 4
+
+
+def test_config_values_win_and_the_flag_turns_it_off(start_server, tmp_path):
+    from conftest import make_repository
+
+    repo = make_repository(tmp_path / "pinned", ("mlp", "fpn"))
+    (repo / "mlp" / "config.toml").write_text("instance_count = 1\n[onnxruntime]\nspinning = false\nintra_op_thread_count = 1\n")
+    (repo / "fpn" / "config.toml").write_text("calibrate = false\n")
+    s = start_server(repository=repo, env=dict(os.environ, FERRITE_CALIBRATE="true"))
+    p = config(s, "mlp")
+    # Everything but the batch limit was fixed by the config: only the limit is measured.
+    assert p["intra_op_thread_count"] == "1" and p["spinning"] == "false"
+    assert p["calibrated"].startswith("1 instance(s) x 1 thread(s), spinning false"), p
+    assert "calibrated" not in config(s, "fpn")
+    off = start_server("--calibrate", "false", models=("mlp",), env=dict(os.environ, FERRITE_CALIBRATE="true"))
+    assert "calibrated" not in config(off, "mlp")
