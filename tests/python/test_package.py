@@ -310,7 +310,10 @@ def test_ctrl_c_interrupts_a_blocking_call(tmp_path):
 
     script = tmp_path / "slow.py"
     script.write_text(
-        "import sys, time, numpy as np, ferrite\n"
+        # A shell that starts the suite in the background ignores SIGINT for its children, and
+        # Python then installs no KeyboardInterrupt handler: install it, as an interactive run has.
+        "import signal, sys, time, numpy as np, ferrite\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"m = ferrite.Model.load({str(MLP)!r}, max_queue_delay_us=30_000_000, name='slow')\n"
         "print('ready', flush=True)\n"
         "t = time.time()\n"
