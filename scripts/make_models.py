@@ -224,6 +224,26 @@ def fpn():
     )
     save(graph, os.path.join(ROOT, "tests", "models", "fpn", "1", "model.onnx"))
 
+def lookup():
+    """Where one request's data can fail a whole batch in the backend: ids INT64 [N,2] index a
+    [10,3] table (vectors FP32 [N,2,3] = table[ids], table[i] = [i, i, i]; an id outside 0..9 is
+    ONNX Runtime's error), text BYTES [N,1] -> text_out (ONNX strings must be UTF-8)."""
+    table = numpy_helper.from_array(np.repeat(np.arange(10, dtype=np.float32)[:, None], 3, axis=1), "table")
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["vectors"], axis=0),
+        helper.make_node("Identity", ["text"], ["text_out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 2]),
+         helper.make_tensor_value_info("text", TensorProto.STRING, ["N", 1])],
+        [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["N", 2, 3]),
+         helper.make_tensor_value_info("text_out", TensorProto.STRING, ["N", 1])],
+        [table],
+    )
+    save(graph, os.path.join(ROOT, "tests", "models", "lookup", "1", "model.onnx"))
+
 
 if __name__ == "__main__":
     mlp()
@@ -233,3 +253,4 @@ if __name__ == "__main__":
     slow()
     scales()
     fpn()
+    lookup()

@@ -103,12 +103,18 @@ def test_a_transaction_of_several_keys_applies_whole(start_server, tmp_path, etc
     for r in readers:
         r.join()
     assert not torn, torn[:3]
-    # The change went through the same validate-then-swap path: a bad config is refused whole,
-    # and the good one keeps serving.
+    # A change in which one model's config is bad is refused whole: the good key of the same
+    # transaction is not applied either, the index names the model and why, and both serve on.
     etcd.put(a="max_batch_size = 2", b="max_batch_size = \"lots\"")
-    wait_for(lambda: "config.toml" in json.dumps(call(s.url, "POST", "/v2/repository/index", b"{}")[1]),
-             what="the refused config in the index")
-    assert batch(s.url, "b") == 8 and infer(s.url, model="b")[0] == 200
+    wait_for(lambda: "refused whole" in json.dumps(call(s.url, "POST", "/v2/repository/index", b"{}")[1]),
+             what="the refusal in the index")
+    reasons = json.dumps(call(s.url, "POST", "/v2/repository/index", b"{}")[1])
+    assert "model 'b'" in reasons and "config.toml" in reasons, reasons
+    assert batch(s.url, "a") == 8 and batch(s.url, "b") == 8
+    assert infer(s.url, model="a")[0] == 200 and infer(s.url, model="b")[0] == 200
+    # The next good revision applies.
+    etcd.put(a="max_batch_size = 2", b="max_batch_size = 2")
+    wait_for(lambda: batch(s.url, "a") == 2 and batch(s.url, "b") == 2, what="the next change")
 
 
 def test_serving_goes_on_while_etcd_is_down(start_server, tmp_path, etcd):

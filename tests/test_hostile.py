@@ -9,6 +9,8 @@ import socket
 import time
 import zlib
 
+import struct
+
 import msgpack
 import numpy as np
 import pytest
@@ -32,6 +34,16 @@ def deep_msgpack(depth):
     # {"inputs": [[[[...]]]]}: fixmap(1), "inputs", then `depth` one-element arrays around an empty one.
     return b"\x81" + msgpack.packb("inputs") + b"\x91" * depth + b"\x90"
 
+
+def lookup_binary(ids, text):
+    """ids INT64 [1,2] and text BYTES [1,1] for the lookup model, with the binary extension."""
+    header = json.dumps({"inputs": [
+        {"name": "ids", "shape": [1, 2], "datatype": "INT64", "parameters": {"binary_data_size": 16}},
+        {"name": "text", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 4 + len(text)}}]}).encode()
+    return {"Inference-Header-Content-Length": str(len(header))}, header + struct.pack("<2q", *ids) + struct.pack("<I", len(text)) + text
+
+
+LOOKUP = "/v2/models/lookup/infer"
 
 CASES = [
     # (what, path, extra headers, body, expected status)
@@ -78,6 +90,8 @@ CASES = [
     ("path-like model name", "/v2/models/..%2F..%2Fetc%2Fpasswd/infer", JSON, mlp_body(), 404),
     ("dot-dot segments", "/v2/models/../../etc/passwd/infer", JSON, mlp_body(), 404),
     ("path-like version", "/v2/models/mlp/versions/..%2F1/infer", JSON, mlp_body(), 404),
+    ("BYTES element not UTF-8 (binary extension)", LOOKUP, *lookup_binary([1, 2], b"\xff\xfe"), 400),
+    ("index out of the model's table", LOOKUP, *lookup_binary([1, 12], b"hi"), 400),
 ]
 
 
@@ -102,7 +116,7 @@ def rss_kib(pid):
 @pytest.fixture(scope="module")
 def hardened(tmp_path_factory):
     from conftest import Server, make_repository
-    repo = make_repository(tmp_path_factory.mktemp("hostile"), models=("mlp", "mixed", "identity"))
+    repo = make_repository(tmp_path_factory.mktemp("hostile"), models=("mlp", "mixed", "identity", "lookup"))
     s = Server(repo, "--max-body-bytes", str(MAX_BODY), "--http-header-timeout-secs", "1",
                "--http-body-timeout-secs", "1")
     yield s
@@ -199,3 +213,55 @@ def test_slow_body_gets_408(hardened):
     s.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert time.time() - start < 3
+
+
+def closed_within(sock, seconds):
+    """Whether the server closes `sock` (EOF or reset) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_connections_that_never_send_a_byte_are_closed(hardened):
+    socks = [socket.create_connection(("127.0.0.1", hardened.port)) for _ in range(50)]
+    start = time.time()
+    assert send(hardened, "POST", MLP, JSON, mlp_body())[0] == 200
+    assert all(closed_within(s, max(0.1, start + 4 - time.time())) for s in socks), "idle connections stayed open"
+    assert time.time() - start < 5
+    for s in socks:
+        s.close()
+
+
+def test_a_listener_holds_at_most_its_connection_cap(start_server):
+    s = start_server("--http-max-connections", "20", "--http-header-timeout-secs", "3", models=("mlp",))
+    held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(20)]
+    time.sleep(0.3)
+    extra = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(10)]
+    # Past the cap a connection is closed at once, not left to hang.
+    assert all(closed_within(x, 1.0) for x in extra)
+    assert not any(closed_within(h, 0.05) for h in held[:3]), "connections under the cap were kept"
+    for h in held:
+        h.close()
+    time.sleep(0.3)
+    assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
+
+
+def test_request_bytes_in_flight_are_bounded_before_buffering(start_server):
+    s = start_server("--max-body-bytes", "1048576", "--max-inflight-body-bytes", "1500000", models=("mlp",))
+    # One client states a 1 MB body and trickles it: its bytes are reserved.
+    slow = socket.create_connection(("127.0.0.1", s.port))
+    slow.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000000\r\n\r\n{\"inputs\"")
+    time.sleep(0.3)
+    # Another 1 MB body does not fit beside it: refused at once, before any of it is read.
+    status, answer = send(s, "POST", MLP, {**JSON, "Content-Length": "1000000"}, b" " * 1_000_000)
+    assert status == 503 and b"in flight" in answer, (status, answer[:200])
+    # Small requests still fit, and once the slow body is gone, large ones do again.
+    assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
+    slow.close()
+    time.sleep(0.3)
+    assert send(s, "POST", MLP, JSON, b" " * 1_000_000)[0] == 400

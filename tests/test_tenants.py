@@ -91,3 +91,42 @@ def test_tenant_limits_apply_over_grpc(server):
     assert refused > 0
     # Another tenant is untouched.
     client.infer("mlp", [x], headers={"x-tenant": "someone-else"})
+
+
+def test_tenants_are_bound_to_credentials(start_server, tmp_path):
+    """A client limited as 'limited' cannot escape by claiming the listed tenant 'quiet', and the
+    token bound to 'quiet' acts for it whatever header it sends, over HTTP and gRPC."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text("[default]\nrate = 1\nburst = 2\n[tenants.quiet]\nrate = 1000\nburst = 1000\n")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("quiet-token-0123456789 infer tenant=quiet\nplain-token-0123456789 infer\n")
+    s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), "--auth-token-file", str(tokens),
+                     models=("mlp",))
+
+    def post_as(token, tenant):
+        conn = http.client.HTTPConnection(s.url, timeout=30)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        if tenant:
+            headers["X-Tenant"] = tenant
+        conn.request("POST", "/v2/models/mlp/infer", BODY, headers)
+        r = conn.getresponse()
+        body = r.read()
+        conn.close()
+        return r.status, body
+
+    # The plain token claiming the listed tenant is refused, not given its limits.
+    status, body = post_as("plain-token-0123456789", "quiet")
+    assert status == 403 and b"bound" in body, (status, body)
+    # Claiming an unlisted tenant gets the default limits: 2 of 30 pass.
+    got = [post_as("plain-token-0123456789", "limited")[0] for _ in range(30)]
+    assert got.count(200) <= 3 and got.count(429) >= 27, got
+    # The bound token is 'quiet' whatever it claims: 30 of 30 pass.
+    assert [post_as("quiet-token-0123456789", "limited")[0] for _ in range(30)] == [200] * 30
+    # gRPC: the same binding.
+    c = grpcclient.InferenceServerClient(s.grpc_url)
+    i = grpcclient.InferInput("input", [1, 512], "FP32")
+    i.set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+    with pytest.raises(InferenceServerException, match="bound"):
+        c.infer("mlp", [i], headers={"authorization": "Bearer plain-token-0123456789", "x-tenant": "quiet"})
+    for _ in range(10):
+        c.infer("mlp", [i], headers={"authorization": "Bearer quiet-token-0123456789", "x-tenant": "limited"})

@@ -202,10 +202,12 @@ impl Core {
         };
         let _admitted = admission::Admitted::enter(&self.inner.in_flight, &self.inner.limits)
             .map_err(|e| model.record_refusal(e))?;
+        // NaN answers to NaN questions are not the candidate's fault.
+        let nan_inputs = canary.is_some() && crate::control::canary::has_nan(&req.inputs);
         let start = Instant::now();
         let result = model.infer(req, &self.inner.limits).await;
         if let Some((canary, side)) = canary {
-            canary.observe(&model.spec.name, side, &result, start.elapsed());
+            canary.observe(&model.spec.name, side, nan_inputs, &result, start.elapsed());
         }
         registry::release(model);
         result

@@ -558,3 +558,86 @@ async fn a_variable_hw_model_whose_graph_refuses_1x1_loads_and_answers() {
     let req = InferRequest { model_name: "fpn".into(), inputs: vec![odd], ..Default::default() };
     assert!(core.infer(req).await.is_err());
 }
+
+/// Fails any run holding a row of -1 (with every row's value in its error, as a careless backend
+/// might), and panics on a row of -2; otherwise echoes.
+struct Poisonable(Vec<TensorSpec>);
+struct PoisonableInstance;
+
+impl Backend for Poisonable {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok(Box::new(PoisonableInstance))
+    }
+}
+
+impl Instance for PoisonableInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        let i = &inputs[0];
+        let mut data = Vec::new();
+        for p in &i.parts {
+            if let ferrite_core::TensorData::Fixed(b) = p {
+                data.extend_from_slice(b);
+            }
+        }
+        let values: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        if values.contains(&-2.0) {
+            panic!("a bug reached with {values:?}");
+        }
+        if values.contains(&-1.0) {
+            return Err(Error::internal(format!("bad row among {values:?}")));
+        }
+        Ok(vec![Tensor::new("x", i.datatype, i.shape.clone(), ferrite_core::TensorData::Fixed(data.into()))])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    // Requests wait for each other (up to 2 s) until 8 rows are there: they share one batch.
+    let config: ModelConfig = toml::from_str(
+        "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 2000000\npreferred_batch_size = [8]\n",
+    )
+    .unwrap();
+    let spec = ModelSpec::resolve("p", 1, &config, &specs, &specs, 1).unwrap();
+    let model = Arc::new(Model::start(spec, &Poisonable(specs)).unwrap());
+    let core = Core::from_models([("p".to_string(), model.clone())].into(), Default::default(), Limits::default());
+    let values = [10.0f32, 11.0, -1.0, 13.0, 14.0, -2.0, 16.0, 17.0];
+    let tasks: Vec<_> = values
+        .iter()
+        .map(|&v| {
+            let core = core.clone();
+            tokio::spawn(async move {
+                let req = InferRequest {
+                    model_name: "p".into(),
+                    inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[v])],
+                    ..Default::default()
+                };
+                core.infer(req).await
+            })
+        })
+        .collect();
+    let results = futures_join(tasks).await;
+    for (v, r) in values.iter().zip(&results) {
+        match *v {
+            -1.0 => {
+                let e = r.as_ref().unwrap_err().to_string();
+                // Its own run's error: no other request's value in it.
+                assert!(e.contains("[-1.0]") && !e.contains("10.0"), "{e}");
+            }
+            -2.0 => assert!(r.as_ref().unwrap_err().to_string().contains("panicked"), "{r:?}"),
+            v => assert_eq!(r.as_ref().unwrap().outputs[0], Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[v])),
+        }
+    }
+    // One batch of 8 first, then its halves and quarters apart.
+    let s = model.stats.snapshot("p", 1);
+    assert_eq!(s.batch_stats.iter().find(|b| b.batch_size == 8).map(|b| b.compute_infer.count), Some(1), "{s:?}");
+    // Every run that held the panicking row panicked, and was counted: 8, 4, 2, then 1 row.
+    assert!(ferrite_core::telemetry::metrics::render(&core)
+        .contains("ferrite_backend_panics_total{model=\"p\",version=\"1\"} 4"));
+}

@@ -17,9 +17,14 @@ use tokio::sync::mpsc;
 /// Writes waiting for Redis; past this, new writes are dropped (and counted by the cache).
 const WRITE_QUEUE: usize = 1024;
 
+enum Write {
+    Set(String, Vec<u8>, Duration),
+    Del(String),
+}
+
 pub struct RedisTier {
     conn: Arc<Mutex<Option<ConnectionManager>>>,
-    writes: mpsc::Sender<(String, Vec<u8>, Duration)>,
+    writes: mpsc::Sender<Write>,
     write_errors: Arc<AtomicU64>,
 }
 
@@ -28,7 +33,7 @@ impl RedisTier {
     /// `write_timeout`. Must run inside a tokio runtime; fails only on a malformed URL.
     pub fn start(url: &str, write_timeout: Duration) -> Result<Arc<RedisTier>, String> {
         let client = redis::Client::open(url).map_err(|e| format!("--cache-redis-url: {e}"))?;
-        let (writes, mut queue) = mpsc::channel::<(String, Vec<u8>, Duration)>(WRITE_QUEUE);
+        let (writes, mut queue) = mpsc::channel::<Write>(WRITE_QUEUE);
         let tier =
             Arc::new(RedisTier { conn: Arc::new(Mutex::new(None)), writes, write_errors: Arc::new(AtomicU64::new(0)) });
         let conn = tier.conn.clone();
@@ -59,12 +64,22 @@ impl RedisTier {
         });
         let (conn, errors) = (tier.conn.clone(), tier.write_errors.clone());
         tokio::spawn(async move {
-            while let Some((key, value, ttl)) = queue.recv().await {
+            while let Some(write) = queue.recv().await {
                 let Some(mut c) = conn.lock().unwrap_or_else(|e| e.into_inner()).clone() else { continue };
-                let mut cmd = redis::cmd("SET");
-                cmd.arg(key).arg(value).arg("PX").arg(ttl.as_millis() as u64);
-                let set = cmd.query_async::<()>(&mut c);
-                if !matches!(tokio::time::timeout(write_timeout, set).await, Ok(Ok(()))) {
+                let cmd = match write {
+                    Write::Set(key, value, ttl) => {
+                        let mut cmd = redis::cmd("SET");
+                        cmd.arg(key).arg(value).arg("PX").arg(ttl.as_millis() as u64);
+                        cmd
+                    }
+                    Write::Del(key) => {
+                        let mut cmd = redis::cmd("DEL");
+                        cmd.arg(key);
+                        cmd
+                    }
+                };
+                let done = cmd.query_async::<()>(&mut c);
+                if !matches!(tokio::time::timeout(write_timeout, done).await, Ok(Ok(()))) {
                     errors.fetch_add(1, Relaxed);
                 }
             }
@@ -89,7 +104,11 @@ impl SharedTier for RedisTier {
     }
 
     fn put(&self, key: String, value: Vec<u8>, ttl: Duration) -> bool {
-        self.writes.try_send((key, value, ttl)).is_ok()
+        self.writes.try_send(Write::Set(key, value, ttl)).is_ok()
+    }
+
+    fn remove(&self, key: String) -> bool {
+        self.writes.try_send(Write::Del(key)).is_ok()
     }
 
     fn connected(&self) -> bool {

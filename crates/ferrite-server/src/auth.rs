@@ -1,8 +1,19 @@
 //! Bearer-token auth for every listener. Tokens come from a file (`--auth-token-file`), one per
-//! line as `<token> [scope,scope]` (scopes: infer, metrics, admin; default infer). Comparison is
-//! constant-time, and tokens are never logged.
+//! line as `<token> [scope,scope] [tenant=NAME]` (scopes: infer, metrics, admin; default infer).
+//! A token with a tenant acts for that tenant whatever header its requests send; the tenants the
+//! tenant config lists can only be acted for by their tokens. Comparison is constant-time, and
+//! tokens are never logged.
 
 use std::{path::Path, sync::Arc};
+
+use ferrite_core::admission::tenant::{Tenants, MAX_TENANT_NAME};
+
+/// Who a request's token says it is, put in the request's extensions by the auth layers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Principal {
+    /// The tenant the token acts for, when its line says.
+    pub tenant: Option<Arc<str>>,
+}
 
 /// What a route needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,7 +43,7 @@ pub enum Denied {
 }
 
 pub struct Auth {
-    tokens: Vec<(Vec<u8>, Vec<Scope>)>,
+    tokens: Vec<(Vec<u8>, Vec<Scope>, Principal)>,
     /// Health endpoints answer without a token.
     pub allow_health: bool,
 }
@@ -68,19 +79,30 @@ impl Auth {
             }
             let mut parts = line.split_whitespace();
             let token = parts.next().unwrap_or_default();
-            let scopes = match parts.next() {
-                None => vec![Scope::Infer],
-                Some(list) => list
+            let mut scopes = vec![Scope::Infer];
+            let mut principal = Principal::default();
+            for part in parts {
+                if let Some(tenant) = part.strip_prefix("tenant=") {
+                    if tenant.is_empty() || tenant.len() > MAX_TENANT_NAME {
+                        return Err(format!(
+                            "token file line {}: a tenant name of 1 to {MAX_TENANT_NAME} bytes",
+                            n + 1
+                        ));
+                    }
+                    principal.tenant = Some(tenant.into());
+                    continue;
+                }
+                scopes = part
                     .split(',')
                     .map(|s| {
                         Scope::parse(s.trim()).ok_or_else(|| format!("token file line {}: unknown scope '{s}'", n + 1))
                     })
-                    .collect::<Result<Vec<_>, _>>()?,
-            };
+                    .collect::<Result<Vec<_>, _>>()?;
+            }
             if token.len() < 16 {
                 return Err(format!("token file line {}: tokens must be at least 16 characters", n + 1));
             }
-            tokens.push((token.as_bytes().to_vec(), scopes));
+            tokens.push((token.as_bytes().to_vec(), scopes, principal));
         }
         if tokens.is_empty() {
             return Err("the token file holds no token".into());
@@ -89,20 +111,37 @@ impl Auth {
     }
 
     /// Checks an `Authorization` header value against `scope`.
-    pub fn check(&self, authorization: Option<&str>, scope: Scope) -> Result<(), Denied> {
+    pub fn check(&self, authorization: Option<&str>, scope: Scope) -> Result<Principal, Denied> {
         let given = authorization.and_then(|v| v.strip_prefix("Bearer ")).map(str::trim).unwrap_or_default();
         // Compare with every token, so the time does not tell which one matched.
-        let mut found: Option<&Vec<Scope>> = None;
-        for (token, scopes) in &self.tokens {
+        let mut found: Option<(&Vec<Scope>, &Principal)> = None;
+        for (token, scopes, principal) in &self.tokens {
             if ct_eq(given.as_bytes(), token) {
-                found = Some(scopes);
+                found = Some((scopes, principal));
             }
         }
         match found {
             None => Err(Denied::Unauthenticated),
-            Some(scopes) if scopes.contains(&scope) => Ok(()),
+            Some((scopes, principal)) if scopes.contains(&scope) => Ok(principal.clone()),
             Some(_) => Err(Denied::Forbidden),
         }
+    }
+}
+
+/// The tenant a request acts for: its token's, whatever the header says; else the one its header
+/// claims, unless tokens are in use and the claim names a tenant the config lists (those are
+/// bound to their own tokens: the claim is refused). Without tokens the header is taken on trust.
+pub fn tenant(
+    principal: Option<&Principal>,
+    claimed: Option<&str>,
+    tenants: &Tenants,
+) -> Result<Option<String>, String> {
+    match (principal, claimed) {
+        (Some(Principal { tenant: Some(t) }), _) => Ok(Some(t.to_string())),
+        (Some(_), Some(c)) if tenants.is_listed(c) => {
+            Err(format!("tenant '{c}' is bound to its own credentials; this token does not act for it"))
+        }
+        (_, claimed) => Ok(claimed.map(str::to_string)),
     }
 }
 
@@ -114,9 +153,9 @@ mod tests {
     fn tokens_scopes_and_refusals() {
         let auth =
             Auth::parse("# comment\nAAAAAAAAAAAAAAAAinfer\nBBBBBBBBBBBBBBBBBBBB metrics,admin\n", false).unwrap();
-        assert_eq!(auth.check(Some("Bearer AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Ok(()));
+        assert_eq!(auth.check(Some("Bearer AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Ok(Principal::default()));
         assert_eq!(auth.check(Some("Bearer AAAAAAAAAAAAAAAAinfer"), Scope::Metrics), Err(Denied::Forbidden));
-        assert_eq!(auth.check(Some("Bearer BBBBBBBBBBBBBBBBBBBB"), Scope::Admin), Ok(()));
+        assert_eq!(auth.check(Some("Bearer BBBBBBBBBBBBBBBBBBBB"), Scope::Admin), Ok(Principal::default()));
         assert_eq!(auth.check(Some("Bearer AAAAAAAAAAAAAAAAinfe"), Scope::Infer), Err(Denied::Unauthenticated));
         assert_eq!(auth.check(Some("AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Err(Denied::Unauthenticated));
         assert_eq!(auth.check(None, Scope::Infer), Err(Denied::Unauthenticated));
@@ -124,6 +163,24 @@ mod tests {
         assert!(Auth::parse("short", false).is_err());
         assert!(Auth::parse("CCCCCCCCCCCCCCCCCCCC root", false).is_err());
         assert!(Auth::parse("\n# none\n", false).is_err());
+    }
+
+    #[test]
+    fn a_token_bound_to_a_tenant_acts_for_it_and_listed_tenants_cannot_be_claimed() {
+        use ferrite_core::admission::tenant::TenantConfig;
+        let auth = Auth::parse("acme-token-0123456789 infer tenant=acme\nplain-token-0123456789\n", false).unwrap();
+        let acme = auth.check(Some("Bearer acme-token-0123456789"), Scope::Infer).unwrap();
+        assert_eq!(acme.tenant.as_deref(), Some("acme"));
+        let plain = auth.check(Some("Bearer plain-token-0123456789"), Scope::Infer).unwrap();
+        let tenants = Tenants::new(TenantConfig::parse("[tenants.acme]\nrate = 100\n").unwrap(), "x-tenant");
+        // The bound token's tenant wins over any header.
+        assert_eq!(tenant(Some(&acme), Some("other"), &tenants), Ok(Some("acme".into())));
+        // An unbound token may name unlisted tenants, never a listed one.
+        assert_eq!(tenant(Some(&plain), Some("team-b"), &tenants), Ok(Some("team-b".into())));
+        assert!(tenant(Some(&plain), Some("acme"), &tenants).unwrap_err().contains("bound"));
+        // Without tokens the header is taken on trust.
+        assert_eq!(tenant(None, Some("acme"), &tenants), Ok(Some("acme".into())));
+        assert!(Auth::parse("acme-token-0123456789 tenant=", false).is_err());
     }
 
     #[test]

@@ -101,6 +101,14 @@ struct ServeArgs {
     /// Seconds a client has to send a whole request body (408 after).
     #[arg(long, env = "FERRITE_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30)]
     http_body_timeout_secs: u64,
+    /// Connections each HTTP listener holds at once; more are closed at once (default: a quarter
+    /// of the open-files limit, at most 10,000).
+    #[arg(long, env = "FERRITE_HTTP_MAX_CONNECTIONS")]
+    http_max_connections: Option<usize>,
+    /// Bytes of request bodies all HTTP requests may hold at once, reserved before reading
+    /// (decompressed bodies count twice); past it, 503 with Retry-After.
+    #[arg(long, env = "FERRITE_MAX_INFLIGHT_BODY_BYTES", default_value_t = http::DEFAULT_BODY_BUDGET)]
+    max_inflight_body_bytes: usize,
     /// TLS certificate chain (PEM) for every listener; needs --tls-key.
     #[arg(long, env = "FERRITE_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -293,6 +301,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes,
             header_timeout: Duration::from_secs(args.http_header_timeout_secs.max(1)),
             body_timeout: Duration::from_secs(args.http_body_timeout_secs.max(1)),
+            max_connections: args.http_max_connections.unwrap_or_else(http::default_max_connections).max(1),
+            body_budget: Arc::new(tokio::sync::Semaphore::new(
+                args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),
+            )),
         },
         grpc: grpc::GrpcLimits {
             max_decoding_message_size: args.grpc_max_decoding_message_size,

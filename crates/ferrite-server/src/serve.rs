@@ -154,6 +154,7 @@ async fn serve_http(
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
     builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(grpc::KEEPALIVE));
     let graceful = GracefulShutdown::new();
+    let connections = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     tokio::pin!(stop);
     loop {
         let tcp = tokio::select! {
@@ -168,6 +169,12 @@ async fn serve_http(
             },
             _ = &mut stop => break,
         };
+        // Past the cap, close at once: a refused connection is better than a server out of files.
+        let Ok(held) = connections.clone().try_acquire_owned() else {
+            tracing::debug!("connection refused: --http-max-connections reached");
+            drop(tcp);
+            continue;
+        };
         // Small responses would otherwise wait on delayed ACKs.
         let _ = tcp.set_nodelay(true);
         let service = TowerToHyperService::new(app.clone());
@@ -176,6 +183,13 @@ async fn serve_http(
         let tls = tls.clone();
         let handshake_timeout = limits.header_timeout;
         tokio::spawn(async move {
+            let _held = held;
+            // The header timeout counts from accept: a connection that never sends a byte is
+            // closed too (hyper's own timer starts at the first byte).
+            let mut first = [0u8; 1];
+            if !matches!(tokio::time::timeout(handshake_timeout, tcp.peek(&mut first)).await, Ok(Ok(1..))) {
+                return;
+            }
             match tls {
                 None => {
                     let _ = watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(tcp), service)).await;

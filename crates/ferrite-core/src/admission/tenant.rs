@@ -21,9 +21,13 @@ use serde::Deserialize;
 
 use crate::{Error, Result};
 
-/// Distinct unlisted tenants tracked at once; past it they share one bucket, so a client that
-/// invents tenant names cannot make the server hold unbounded state.
+/// Distinct unlisted tenants tracked at once, so a client that invents tenant names cannot make
+/// the server hold unbounded state. A full table first drops the entries that hold no state worth
+/// keeping (nothing in flight, bucket refilled: the same as a new one); only while none can go do
+/// new names share one bucket.
 pub const MAX_TRACKED_TENANTS: usize = 10_000;
+/// A full table is swept at most this often, so a flood of new names costs no scan per request.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// Tenant names longer than this are refused.
 pub const MAX_TENANT_NAME: usize = 128;
 
@@ -82,6 +86,14 @@ impl Bucket {
         Bucket { limits, tokens: limits.burst.unwrap_or(limits.rate.max(1.0)), refilled: now, in_flight: 0 }
     }
 
+    /// Nothing in flight and the bucket refilled by `now`: indistinguishable from a new one.
+    fn idle(&self, now: Instant) -> bool {
+        let l = self.limits;
+        let burst = l.burst.unwrap_or(l.rate.max(1.0));
+        let tokens = self.tokens + now.saturating_duration_since(self.refilled).as_secs_f64() * l.rate;
+        self.in_flight == 0 && (l.rate == 0.0 || tokens >= burst)
+    }
+
     /// Takes a token and a concurrency place, or says which limit refused and when to retry.
     fn admit(&mut self, now: Instant) -> std::result::Result<(), (&'static str, Duration)> {
         let l = self.limits;
@@ -109,7 +121,13 @@ pub struct Tenants {
     config: TenantConfig,
     /// Name of the header (HTTP) or metadata key (gRPC) that names the tenant, lower case.
     pub header: String,
-    buckets: Mutex<HashMap<String, Bucket>>,
+    buckets: Mutex<Buckets>,
+}
+
+#[derive(Debug, Default)]
+struct Buckets {
+    by_key: HashMap<String, Bucket>,
+    swept: Option<Instant>,
 }
 
 /// Holds a tenant's concurrency place while its request is in the engine.
@@ -120,7 +138,7 @@ pub struct TenantPass {
 
 impl Drop for TenantPass {
     fn drop(&mut self) {
-        if let Some(b) = self.tenants.lock().get_mut(&self.key) {
+        if let Some(b) = self.tenants.lock().by_key.get_mut(&self.key) {
             b.in_flight = b.in_flight.saturating_sub(1);
         }
     }
@@ -132,10 +150,15 @@ const OVERFLOW: &str = "\u{0}overflow";
 
 impl Tenants {
     pub fn new(config: TenantConfig, header: &str) -> Arc<Tenants> {
-        Arc::new(Tenants { config, header: header.to_ascii_lowercase(), buckets: Mutex::new(HashMap::new()) })
+        Arc::new(Tenants { config, header: header.to_ascii_lowercase(), buckets: Mutex::default() })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
+    /// Whether `name` is a tenant the config names (bound to credentials when tokens say so).
+    pub fn is_listed(&self, name: &str) -> bool {
+        self.config.tenants.contains_key(name)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Buckets> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -146,17 +169,18 @@ impl Tenants {
             return Err(Error::invalid(format!("tenant names are at most {MAX_TENANT_NAME} bytes")));
         }
         let listed = self.config.tenants.get(name);
-        let mut buckets = self.lock();
-        let key = if listed.is_some() || buckets.contains_key(name) || buckets.len() < MAX_TRACKED_TENANTS {
-            name
-        } else {
-            OVERFLOW
-        };
-        if !buckets.contains_key(key) {
-            let limits = listed.copied().unwrap_or(self.config.default);
-            buckets.insert(key.to_string(), Bucket::new(limits, now));
+        let mut guard = self.lock();
+        let buckets = &mut *guard;
+        let full = |b: &Buckets| b.by_key.len() >= MAX_TRACKED_TENANTS;
+        let sweep_due = buckets.swept.is_none_or(|t| now.saturating_duration_since(t) >= SWEEP_EVERY);
+        if listed.is_none() && !buckets.by_key.contains_key(name) && full(buckets) && sweep_due {
+            let config = &self.config;
+            buckets.by_key.retain(|k, b| config.tenants.contains_key(k) || !b.idle(now));
+            buckets.swept = Some(now);
         }
-        let bucket = buckets.get_mut(key).expect("inserted above");
+        let key = if listed.is_some() || buckets.by_key.contains_key(name) || !full(buckets) { name } else { OVERFLOW };
+        let limits = listed.copied().unwrap_or(self.config.default);
+        let bucket = buckets.by_key.entry(key.to_string()).or_insert_with(|| Bucket::new(limits, now));
         match bucket.admit(now) {
             Ok(()) => Ok(TenantPass { tenants: self.clone(), key: key.to_string() }),
             Err((limit, retry)) => {
@@ -214,10 +238,29 @@ mod tests {
         for i in 0..MAX_TRACKED_TENANTS + 50 {
             let _ = t.admit(Some(&format!("t{i}")), now);
         }
-        assert!(t.lock().len() <= MAX_TRACKED_TENANTS + 1);
+        assert!(t.lock().by_key.len() <= MAX_TRACKED_TENANTS + 1);
         assert!(t.admit(Some(&"x".repeat(MAX_TENANT_NAME + 1)), now).is_err());
         assert!(TenantConfig::parse("[default]\nrate = -1\n").is_err());
         assert!(TenantConfig::parse("[default]\nburst = 0\n").is_err());
         assert!(TenantConfig::parse("[default]\nspeed = 1\n").is_err());
+    }
+
+    #[test]
+    fn a_flood_of_invented_names_does_not_trap_a_new_tenant_in_the_overflow_bucket() {
+        let t = tenants("[default]\nrate = 1\nburst = 1\n");
+        let now = Instant::now();
+        for i in 0..MAX_TRACKED_TENANTS + 50 {
+            let _ = t.admit(Some(&format!("t{i}")), now);
+        }
+        // Right after the flood every entry still holds state (its token is spent): the newcomer
+        // shares the overflow bucket for now.
+        let _ = t.admit(Some("newcomer"), now);
+        assert!(!t.lock().by_key.contains_key("newcomer"));
+        // Once the invented entries' buckets have refilled they hold nothing worth keeping and go:
+        // the newcomer gets its own bucket, and its own limits.
+        let later = now + Duration::from_secs(2);
+        assert!(t.admit(Some("newcomer"), later).is_ok());
+        assert!(t.lock().by_key.contains_key("newcomer"));
+        assert!(t.lock().by_key.len() < 100, "{}", t.lock().by_key.len());
     }
 }

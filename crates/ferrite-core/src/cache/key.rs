@@ -7,10 +7,10 @@ use crate::{Tensor, TensorData};
 /// A 128-bit hash of everything that determines a response.
 pub type Key = u128;
 
-/// The key of a request: model, version, every input's name, datatype, shape and bytes (in model
+/// The key of a request: model, version, a hash of the model file's bytes, every input's name, datatype, shape and bytes (in model
 /// order), and which outputs were asked for. Lengths are hashed too, so no two different requests
 /// can be made to feed the hasher the same stream.
-pub fn key(model: &str, version: u64, inputs: &[Tensor], outputs: Option<&[usize]>) -> Key {
+pub fn key(model: &str, version: u64, content: u64, inputs: &[Tensor], outputs: Option<&[usize]>) -> Key {
     let mut h = Xxh3::new();
     let mut field = |b: &[u8]| {
         h.update(&(b.len() as u64).to_le_bytes());
@@ -18,6 +18,7 @@ pub fn key(model: &str, version: u64, inputs: &[Tensor], outputs: Option<&[usize
     };
     field(model.as_bytes());
     field(&version.to_le_bytes());
+    field(&content.to_le_bytes());
     for t in inputs {
         field(t.name.as_bytes());
         field(t.datatype.as_str().as_bytes());

@@ -67,6 +67,8 @@ pub struct CacheSnapshot {
     pub redis_errors: u64,
     pub redis_timeouts: u64,
     pub redis_writes_dropped: u64,
+    /// Values from the shared tier that failed their checks (dropped, and removed from it).
+    pub redis_bad_values: u64,
 }
 
 pub struct ResponseCache {
@@ -87,6 +89,7 @@ struct Shared {
     errors: AtomicU64,
     timeouts: AtomicU64,
     dropped: AtomicU64,
+    bad: AtomicU64,
 }
 
 impl std::fmt::Debug for ResponseCache {
@@ -116,6 +119,7 @@ impl ResponseCache {
             errors: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            bad: AtomicU64::new(0),
         });
         ResponseCache {
             local,
@@ -126,12 +130,14 @@ impl ResponseCache {
         }
     }
 
-    /// Tier 1, then tier 2 (bounded by the shared tier's timeout). A tier-2 hit is promoted to tier 1.
-    pub async fn get(&self, key: Key) -> Option<Value> {
+    /// Tier 1, then tier 2 (bounded by the shared tier's timeout). A tier-2 value is checked like
+    /// client input (each tensor at most `max_elements` elements); a bad one is dropped from the
+    /// shared tier and counted, and a good one is promoted to tier 1.
+    pub async fn get(&self, key: Key, max_elements: usize) -> Option<Value> {
         if let Some(v) = self.local.get(&key) {
             return Some(v);
         }
-        let v = Arc::new(self.shared.as_ref()?.get(key).await?);
+        let v = Arc::new(self.shared.as_ref()?.get(key, max_elements).await?);
         self.local.insert(key, v.clone());
         Some(v)
     }
@@ -159,12 +165,14 @@ impl ResponseCache {
             ..Default::default()
         };
         if let Some(r) = &self.shared {
-            s.redis = if r.tier.connected() && !r.breaker.is_open(Instant::now()) { "ok" } else { "degraded" };
+            // "ok" only while calls go through: a breaker waiting for its probe is not.
+            s.redis = if r.tier.connected() && r.breaker.is_closed() { "ok" } else { "degraded" };
             s.redis_hits = r.hits.load(Relaxed);
             s.redis_misses = r.misses.load(Relaxed);
             s.redis_errors = r.errors.load(Relaxed) + r.tier.write_errors();
             s.redis_timeouts = r.timeouts.load(Relaxed);
             s.redis_writes_dropped = r.dropped.load(Relaxed);
+            s.redis_bad_values = r.bad.load(Relaxed);
         }
         s
     }
@@ -173,11 +181,24 @@ impl ResponseCache {
 impl Shared {
     /// One lookup, if connected and the breaker lets it through; an error, a timeout or a value
     /// that does not decode counts as a miss.
-    async fn get(&self, key: Key) -> Option<Vec<Tensor>> {
+    async fn get(&self, key: Key, max_elements: usize) -> Option<Vec<Tensor>> {
         if !self.tier.connected() || !self.breaker.allow(Instant::now()) {
             return None;
         }
-        let found = match tokio::time::timeout(self.timeout, self.tier.get(&shared_key(key))).await {
+        // If the request carrying this call is cancelled mid-lookup, the call has no outcome:
+        // the guard frees the breaker's probe, so a half-open breaker is not stuck waiting for it.
+        struct Pending<'b>(&'b Breaker, bool);
+        impl Drop for Pending<'_> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    self.0.abandon();
+                }
+            }
+        }
+        let mut call = Pending(&self.breaker, false);
+        let found = tokio::time::timeout(self.timeout, self.tier.get(&shared_key(key))).await;
+        call.1 = true;
+        let found = match found {
             Ok(Ok(v)) => {
                 self.breaker.success();
                 v
@@ -193,13 +214,15 @@ impl Shared {
                 return None;
             }
         };
-        match found.map(|v| decode(Bytes::from(v))) {
+        match found.map(|v| decode(Bytes::from(v), max_elements)) {
             Some(Ok(tensors)) => {
                 self.hits.fetch_add(1, Relaxed);
                 Some(tensors)
             }
-            Some(Err(_)) => {
-                self.errors.fetch_add(1, Relaxed);
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "a shared cache value failed its checks; removed");
+                self.bad.fetch_add(1, Relaxed);
+                self.tier.remove(shared_key(key));
                 None
             }
             None => {
@@ -228,17 +251,21 @@ mod tests {
 
     #[test]
     fn keys_differ_for_every_part_of_the_request() {
-        let base = key("m", 1, &[t("x", &[1.0, 2.0])], None);
-        assert_eq!(base, key("m", 1, &[t("x", &[1.0, 2.0])], None));
-        assert_ne!(base, key("n", 1, &[t("x", &[1.0, 2.0])], None));
-        assert_ne!(base, key("m", 2, &[t("x", &[1.0, 2.0])], None));
-        assert_ne!(base, key("m", 1, &[t("y", &[1.0, 2.0])], None));
-        assert_ne!(base, key("m", 1, &[t("x", &[1.0, 2.5])], None));
-        assert_ne!(base, key("m", 1, &[t("x", &[1.0, 2.0])], Some(&[0])));
-        assert_ne!(key("m", 1, &[t("x", &[1.0, 2.0])], Some(&[0])), key("m", 1, &[t("x", &[1.0, 2.0])], Some(&[1])));
+        let base = key("m", 1, 0, &[t("x", &[1.0, 2.0])], None);
+        assert_eq!(base, key("m", 1, 0, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key("n", 1, 0, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key("m", 2, 0, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key("m", 1, 7, &[t("x", &[1.0, 2.0])], None), "a replaced model file");
+        assert_ne!(base, key("m", 1, 0, &[t("y", &[1.0, 2.0])], None));
+        assert_ne!(base, key("m", 1, 0, &[t("x", &[1.0, 2.5])], None));
+        assert_ne!(base, key("m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[0])));
+        assert_ne!(
+            key("m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[0])),
+            key("m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[1]))
+        );
         let mut reshaped = t("x", &[1.0, 2.0]);
         reshaped.shape = vec![2, 1];
-        assert_ne!(base, key("m", 1, &[reshaped], None));
+        assert_ne!(base, key("m", 1, 0, &[reshaped], None));
         let s = |items: &[&'static [u8]]| {
             Tensor::new(
                 "s",
@@ -247,7 +274,7 @@ mod tests {
                 TensorData::Strings(items.iter().map(|b| Bytes::from_static(b)).collect()),
             )
         };
-        assert_ne!(key("m", 1, &[s(&[b"ab", b"c"])], None), key("m", 1, &[s(&[b"a", b"bc"])], None));
+        assert_ne!(key("m", 1, 0, &[s(&[b"ab", b"c"])], None), key("m", 1, 0, &[s(&[b"a", b"bc"])], None));
     }
 
     #[test]
@@ -262,12 +289,107 @@ mod tests {
             ),
         ];
         let enc = encode(&outs);
-        let dec = decode(Bytes::from(enc.clone())).unwrap();
+        let dec = decode(Bytes::from(enc.clone()), 1 << 20).unwrap();
         assert_eq!(dec[1], outs[1]);
         assert_eq!(dec[0].data.to_wire(), outs[0].data.to_wire());
         for cut in [0, 3, 10, enc.len() - 1] {
-            assert!(decode(Bytes::from(enc[..cut].to_vec())).is_err(), "cut at {cut}");
+            assert!(decode(Bytes::from(enc[..cut].to_vec()), 1 << 20).is_err(), "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn a_forged_value_whose_sizes_wrap_is_refused() {
+        // One FP64 tensor claiming shape [1, 2^61 + 2] with 16 bytes: 8 x (2^61 + 2) wraps to 16.
+        let mut v = Vec::new();
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.push(b'y');
+        v.push(DataType::ALL.iter().position(|&d| d == DataType::Fp64).unwrap() as u8);
+        v.extend_from_slice(&2u32.to_le_bytes());
+        v.extend_from_slice(&1u64.to_le_bytes());
+        v.extend_from_slice(&((1u64 << 61) + 2).to_le_bytes());
+        v.extend_from_slice(&16u64.to_le_bytes());
+        v.extend_from_slice(&[0u8; 16]);
+        assert!(decode(Bytes::from(v.clone()), usize::MAX).is_err(), "the product is checked");
+        assert!(decode(Bytes::from(v), 1 << 23).is_err(), "and bounded by the element cap");
+    }
+
+    /// A shared tier in memory whose lookups can be made to hang.
+    #[derive(Default)]
+    struct FakeTier {
+        values: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+        hang: std::sync::atomic::AtomicBool,
+        removed: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl SharedTier for FakeTier {
+        fn get(&self, key: &str) -> TierFuture<'_, Option<Vec<u8>>> {
+            let v = self.values.lock().unwrap().get(key).cloned();
+            let hang = self.hang.load(Relaxed);
+            Box::pin(async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok(v)
+            })
+        }
+        fn put(&self, key: String, value: Vec<u8>, _ttl: Duration) -> bool {
+            self.values.lock().unwrap().insert(key, value);
+            true
+        }
+        fn remove(&self, key: String) -> bool {
+            self.values.lock().unwrap().remove(&key);
+            self.removed.lock().unwrap().push(key);
+            true
+        }
+        fn connected(&self) -> bool {
+            true
+        }
+        fn write_errors(&self) -> u64 {
+            0
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_shared_value_is_dropped_from_the_tier_and_counted() {
+        let tier = Arc::new(FakeTier::default());
+        let cache = ResponseCache::new(&CacheOptions::default(), Some(tier.clone()));
+        let k = key("m", 1, 0, &[t("x", &[1.0])], None);
+        tier.values.lock().unwrap().insert(shared_key(k), vec![1, 2, 3]);
+        assert!(cache.get(k, 1 << 20).await.is_none());
+        assert_eq!(cache.snapshot().redis_bad_values, 1);
+        assert_eq!(*tier.removed.lock().unwrap(), vec![shared_key(k)]);
+        // A good value is a hit, and promoted to tier 1.
+        cache.put(k, &[t("y", &[2.0])]);
+        cache.local.invalidate(&k);
+        assert_eq!(cache.get(k, 1 << 20).await.unwrap()[0], t("y", &[2.0]));
+    }
+
+    #[tokio::test]
+    async fn a_probe_whose_request_is_cancelled_does_not_stick_the_breaker() {
+        let tier = Arc::new(FakeTier::default());
+        let options = CacheOptions { shared_timeout: Duration::from_secs(30), ..Default::default() };
+        let cache = Arc::new(ResponseCache::new(&options, Some(tier.clone())));
+        let shared = cache.shared.as_ref().unwrap();
+        // Open the breaker, and let its cooldown pass.
+        let past = Instant::now() - Duration::from_secs(10);
+        for _ in 0..5 {
+            shared.breaker.failure(past);
+        }
+        assert!(!shared.breaker.is_closed());
+        // The probe's request is cancelled mid-lookup (client gone): the lookup hangs, then drops.
+        tier.hang.store(true, Relaxed);
+        let k = key("m", 1, 0, &[t("x", &[1.0])], None);
+        let probe = tokio::time::timeout(Duration::from_millis(50), cache.get(k, 1 << 20)).await;
+        assert!(probe.is_err(), "the lookup was cancelled");
+        assert_eq!(cache.snapshot().redis, "degraded", "no probe succeeded yet");
+        // The tier is back: the next request probes, succeeds and closes the breaker.
+        tier.hang.store(false, Relaxed);
+        cache.put(k, &[t("y", &[2.0])]);
+        cache.local.invalidate(&k);
+        assert!(cache.get(k, 1 << 20).await.is_some());
+        assert!(shared.breaker.is_closed());
+        assert_eq!(cache.snapshot().redis, "ok");
     }
 
     #[test]
@@ -290,12 +412,12 @@ mod tests {
     #[tokio::test]
     async fn local_tier_hits_and_stays_within_its_budget() {
         let cache = ResponseCache::new(&CacheOptions { local_bytes: 64 * 1024, ..Default::default() }, None);
-        let k = key("m", 1, &[t("x", &[1.0])], None);
-        assert!(cache.get(k).await.is_none());
+        let k = key("m", 1, 0, &[t("x", &[1.0])], None);
+        assert!(cache.get(k, 1 << 20).await.is_none());
         cache.put(k, &[t("y", &[3.0])]);
-        assert_eq!(cache.get(k).await.unwrap()[0], t("y", &[3.0]));
+        assert_eq!(cache.get(k, 1 << 20).await.unwrap()[0], t("y", &[3.0]));
         for i in 0..2000 {
-            let k = key("m", 1, &[t("x", &[i as f32])], None);
+            let k = key("m", 1, 0, &[t("x", &[i as f32])], None);
             cache.put(k, &[t("y", &vec![0.5; 256])]);
         }
         let s = cache.snapshot();
@@ -314,7 +436,7 @@ mod fuzz {
         /// A corrupt Redis value is an error, never a panic or a huge allocation.
         #[test]
         fn cache_values_never_panic(v in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let _ = super::value::decode(bytes::Bytes::from(v));
+            let _ = super::value::decode(bytes::Bytes::from(v), 1 << 20);
         }
 
         #[test]

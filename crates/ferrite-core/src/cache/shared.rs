@@ -22,6 +22,8 @@ pub trait SharedTier: Send + Sync {
     /// Queues a write of `value` under `key`, to live `ttl`, done off the request path. False
     /// when the tier's write queue is full and the write was dropped.
     fn put(&self, key: String, value: Vec<u8>, ttl: Duration) -> bool;
+    /// Queues the removal of `key` (a value that failed its checks), like `put`.
+    fn remove(&self, key: String) -> bool;
     /// Whether the tier has a connection now.
     fn connected(&self) -> bool;
     /// Writes that failed so far.
@@ -66,6 +68,16 @@ impl Breaker {
 
     pub fn is_open(&self, now: Instant) -> bool {
         self.until().is_some_and(|t| now < t)
+    }
+
+    /// Closed: calls go through. Open or half-open (waiting for a probe to succeed): not.
+    pub fn is_closed(&self) -> bool {
+        self.until().is_none()
+    }
+
+    /// A probe that ended with no outcome (its request was cancelled): the next call probes.
+    pub fn abandon(&self) {
+        self.probing.store(false, Relaxed);
     }
 
     pub fn success(&self) {

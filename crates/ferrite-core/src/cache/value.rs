@@ -23,8 +23,10 @@ pub fn encode(outputs: &[Tensor]) -> Vec<u8> {
     out
 }
 
-/// The inverse of `encode`; every length is checked, so a corrupt value is an error, not a panic.
-pub fn decode(mut b: Bytes) -> Result<Vec<Tensor>> {
+/// The inverse of `encode`. A value from the shared tier is client input: every length and element
+/// count is checked (with checked arithmetic, each tensor at most `max_elements` elements), so a
+/// corrupt or forged value is an error, never a panic or a huge allocation.
+pub fn decode(mut b: Bytes, max_elements: usize) -> Result<Vec<Tensor>> {
     fn take(b: &mut Bytes, n: usize) -> Result<Bytes> {
         if n > b.len() {
             return Err(Error::internal("corrupt cache value"));
@@ -52,7 +54,7 @@ pub fn decode(mut b: Bytes) -> Result<Vec<Tensor>> {
         let shape = (0..rank).map(|_| int(&mut b, 8).map(|d| d as usize)).collect::<Result<Vec<_>>>()?;
         let len = int(&mut b, 8)? as usize;
         let wire = take(&mut b, len)?;
-        let count = element_count(&shape, usize::MAX).map_err(|_| Error::internal("corrupt cache value"))?;
+        let count = element_count(&shape, max_elements).map_err(|_| Error::internal("corrupt cache value"))?;
         let data = TensorData::from_wire(&name, datatype, count, wire)?;
         out.push(Tensor::new(name, datatype, shape, data));
     }

@@ -252,12 +252,20 @@ impl Canary {
     }
 
     /// Records the outcome of a request this canary routed: failures of the model (an internal
-    /// error, a missed deadline, NaN outputs) and its latency. Withdraws the candidate, logs and
-    /// counts it when the comparison says so.
-    pub fn observe(&self, model: &str, side: Side, result: &Result<crate::InferResponse>, latency: Duration) {
+    /// error, or NaN outputs from inputs that held none) and its latency. A client's own timeout
+    /// or bad input is not the model's failure. Withdraws the candidate, logs and counts it when
+    /// the comparison says so.
+    pub fn observe(
+        &self,
+        model: &str,
+        side: Side,
+        nan_inputs: bool,
+        result: &Result<crate::InferResponse>,
+        latency: Duration,
+    ) {
         let failed = match result {
-            Ok(r) => has_nan(&r.outputs),
-            Err(e) => matches!(e, Error::Internal(_) | Error::DeadlineExceeded(_)),
+            Ok(r) => !nan_inputs && has_nan(&r.outputs),
+            Err(e) => matches!(e, Error::Internal(_)),
         };
         if let Some(reason) = self.record(side, failed, latency) {
             tracing::warn!(model, version = self.config.version, %reason, "canary withdrawn");
@@ -266,13 +274,25 @@ impl Canary {
     }
 
     /// The canary for `config` beside `stable` in a rebuilt model: the one `current` holds when
-    /// it is the same canary over the same two loads (it keeps its window and state), else new.
+    /// it is the same canary over the same two loads (it keeps its window and state), else new;
+    /// a new one over the same candidate file stays withdrawn if the old one was (a config edit
+    /// that leaves the candidate as it is does not bring it back).
     pub(crate) fn carry_over(
         current: Option<&Served>,
         config: &CanaryConfig,
         stable: u64,
         versions: &BTreeMap<u64, Arc<Model>>,
     ) -> Arc<Canary> {
+        let old = current.and_then(|s| s.canary.as_ref());
+        let same_candidate = old.is_some_and(|o| o.config.version == config.version)
+            && match (current.and_then(|s| s.versions.get(&config.version)), versions.get(&config.version)) {
+                (Some(a), Some(b)) => a.content == b.content,
+                _ => false,
+            };
+        let withdrawn = old.filter(|_| same_candidate).and_then(|o| match o.state() {
+            CanaryState::Withdrawn(why) => Some(why),
+            _ => None,
+        });
         let same = current.and_then(|s| s.canary.as_ref()).filter(|old| {
             old.config == *config
                 && old.stable == stable
@@ -283,7 +303,13 @@ impl Canary {
                     })
                 })
         });
-        same.cloned().unwrap_or_else(|| Arc::new(Canary::new(config.clone(), stable)))
+        same.cloned().unwrap_or_else(|| {
+            let fresh = Canary::new(config.clone(), stable);
+            if let Some(why) = withdrawn {
+                fresh.lock().state = CanaryState::Withdrawn(why);
+            }
+            Arc::new(fresh)
+        })
     }
 
     /// Makes the candidate the default version.

@@ -50,7 +50,7 @@ impl Core {
         let mut lc = self.lifecycle();
         lc.wanted.extend(names.iter().cloned());
         lc.configs = configs;
-        self.rebuild(repo, &mut lc, &names);
+        let _ = self.rebuild(repo, &mut lc, &names, false);
     }
 
     fn require_explicit(&self) -> Result<()> {
@@ -90,19 +90,22 @@ impl Core {
     }
 
     /// Rebuilds `names` from disk (and the external configs) beside what serves, then swaps the
-    /// result in at once. Blocks while models load; requests are served meanwhile.
-    fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String]) {
+    /// result in at once. Blocks while models load; requests are served meanwhile. `whole`: if
+    /// any of them fails, none changes (the refusal, naming the model and why, goes to the index).
+    fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String], whole: bool) -> Result<()> {
         if !self.is_ready() {
-            return;
+            return Ok(());
         }
         let current = self.inner.registry.load_full();
         let mut next = (*current).clone();
+        let mut signatures = Vec::new();
+        let mut failed = Vec::new();
         for name in names {
             if !lc.wanted.contains(name) {
                 continue;
             }
             let sources = lifecycle::Sources::read(repo, name, lc.configs.get(name).map(String::as_str));
-            let signature = sources.signature();
+            signatures.push((name.clone(), sources.signature()));
             let (served, notes) = lifecycle::build(repo, name, sources, current.models.get(name));
             match served {
                 Some(s) => next.models.insert(name.clone(), s),
@@ -111,11 +114,26 @@ impl Core {
             if notes.model.is_none() && notes.versions.is_empty() {
                 next.notes.remove(name);
             } else {
+                let mut why: Vec<String> = notes.model.iter().cloned().collect();
+                why.extend(notes.versions.iter().map(|(v, e)| format!("version {v}: {e}")));
+                failed.push(format!("model '{name}': {}", why.join("; ")));
                 next.notes.insert(name.clone(), notes);
             }
-            lc.applied.insert(name.clone(), signature);
         }
+        if whole && !failed.is_empty() {
+            // What was built beside is dropped; what served goes on, with the refusal noted.
+            let refusal = format!("change refused whole, nothing applied: {}", failed.join("; "));
+            let mut kept = (*current).clone();
+            for (name, _) in &signatures {
+                let notes = kept.notes.entry(name.clone()).or_default();
+                notes.model = Some(refusal.clone());
+            }
+            self.inner.registry.store(Arc::new(kept));
+            return Err(Error::invalid(refusal));
+        }
+        lc.applied.extend(signatures);
         self.inner.registry.store(Arc::new(next));
+        Ok(())
     }
 
     /// Loads (or reloads) `name` from the repository, as the repository API's `load` does. Fails
@@ -132,7 +150,7 @@ impl Core {
         repo.versions(name)?;
         let mut lc = self.lifecycle();
         lc.wanted.insert(name.to_string());
-        self.rebuild(repo, &mut lc, &[name.to_string()]);
+        let _ = self.rebuild(repo, &mut lc, &[name.to_string()], false);
         let r = self.inner.registry.load();
         match r.notes.get(name) {
             None => Ok(()),
@@ -216,15 +234,17 @@ impl Core {
             second.iter().filter(|(n, sig)| first.get(*n) == Some(sig)).map(|(n, _)| n.clone()).collect();
         if !settled.is_empty() {
             tracing::info!(models = ?settled, "repository changed; reloading");
-            self.rebuild(repo, &mut lc, &settled);
+            let _ = self.rebuild(repo, &mut lc, &settled, false);
         }
     }
 
     /// Replaces the external model configs with `configs` (by model name) read at `revision`,
     /// and rebuilds every model whose config changed, all in one swap: a change of several keys
-    /// is applied whole or not at all.
-    pub fn apply_configs(&self, revision: i64, configs: BTreeMap<String, String>) {
-        let Some(repo) = &self.inner.repository else { return };
+    /// is applied whole or not at all. Every changed model is loaded and checked first; if any
+    /// fails, none of the change is applied (the error names the model and why) and the previous
+    /// configs keep serving.
+    pub fn apply_configs(&self, revision: i64, configs: BTreeMap<String, String>) -> Result<()> {
+        let Some(repo) = &self.inner.repository else { return Ok(()) };
         let mut lc = self.lifecycle();
         let changed: BTreeSet<String> = lc
             .configs
@@ -233,9 +253,14 @@ impl Core {
             .filter(|n| lc.configs.get(*n) != configs.get(*n))
             .cloned()
             .collect();
-        lc.configs = configs;
+        let previous = std::mem::replace(&mut lc.configs, configs);
         let changed: Vec<String> = changed.into_iter().collect();
         tracing::info!(revision, models = ?changed, "config change");
-        self.rebuild(repo, &mut lc, &changed);
+        let applied = self.rebuild(repo, &mut lc, &changed, true);
+        if let Err(e) = &applied {
+            tracing::error!(revision, error = %e, "config change refused");
+            lc.configs = previous;
+        }
+        applied
     }
 }

@@ -43,7 +43,10 @@ impl Served {
             let side = c.route(id, asked);
             let v = if side == Side::Candidate { c.config.version } else { c.stable };
             if let Some(m) = self.versions.get(&v) {
-                return Some((m.clone(), Some((c.clone(), side))));
+                // Only the router's own choices are compared: a request that forced its side
+                // with the header tells nothing of the split (and must not sway it).
+                let record = (asked == CanaryRoute::Auto).then(|| (c.clone(), side));
+                return Some((m.clone(), record));
             }
         }
         self.default_version().map(|m| (m.clone(), None))

@@ -213,8 +213,12 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let mut backend = OnnxBackend::load(onnx, session)?;
     let mut spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
     spec.onnx = backend.options().clone();
+    // What the file holds, not where it is: cached answers and remembered calibrations follow it,
+    // and processes on other hosts with the same file agree on it.
+    let content = std::fs::read(onnx)
+        .map(|b| xxhash_rust::xxh3::xxh3_64(&b))
+        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", onnx.display())))?;
     if config.calibrate != Some(false) && options.calibrate {
-        let content = std::fs::read(onnx).map(|b| xxhash_rust::xxh3::xxh3_64(&b)).unwrap_or_default();
         // Config values always win: only what the config leaves open is measured.
         let fixed_spinning = ort.spinning.or(options.spinning.then_some(true));
         let plans = tuning::plans(options.threads, config.instance_count, fixed_threads, fixed_spinning);
@@ -239,6 +243,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let cache = options.cache.clone().filter(|_| spec.cache);
     let mut model = Model::start(spec, &backend)?;
     model.cache = cache;
+    model.content = content;
     crate::telemetry::metrics::global()
         .model_load_duration
         .with_label_values(&[name, version.to_string().as_str()])

@@ -99,8 +99,10 @@ impl Batcher {
             return Err(Error::unavailable("model is shutting down", Some(RETRY_AFTER)));
         }
         let mut q = self.shared.lock();
-        if let Some(deadline) = p.deadline.filter(|_| self.rejects_late(p.level)) {
-            if let Some(wait) = self.estimate_wait(&q, p.level) {
+        // With nothing queued ahead, a request is always admitted: it runs next, and its run
+        // refreshes the estimate (which a model refusing everything would never get otherwise).
+        if let Some(deadline) = p.deadline.filter(|_| self.rejects_late(p.level) && q.requests_ahead(p.level) > 0) {
+            if let Some(wait) = self.estimate_wait(&mut q, p.level) {
                 if p.enqueued + wait > deadline {
                     return Err(Error::DeadlineExceeded(format!(
                         "the request's timeout cannot be met: about {} µs of work is ahead of it, {} µs allowed",
@@ -125,7 +127,9 @@ impl Batcher {
     /// A lower bound on how long a request queued at `level` now waits for its answer: the
     /// batches queued ahead of it shared among the instances, plus its own, at the recent
     /// average batch time. `None` before the first batch has run.
-    fn estimate_wait(&self, q: &Queue, level: usize) -> Option<Duration> {
+    fn estimate_wait(&self, q: &mut Queue, level: usize) -> Option<Duration> {
+        // Requests whose clients left, or that expired, are not work ahead.
+        q.prune(Instant::now());
         let policy = &self.shared.policy;
         let batches_ahead = if policy.dynamic {
             q.rows_ahead(level).div_ceil(policy.max_batch_size.max(1))
@@ -252,37 +256,13 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
 /// Runs one batch and answers every request in it.
 fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
     let start = Instant::now();
-    let spec = &shared.spec;
-    let batched = spec.batched();
-    let rows: usize = batch.iter().map(|p| p.rows).sum();
-    let requests = batch.len();
-    let m = &shared.metrics;
-    let counted = !batch.iter().all(|p| p.warmup);
     for p in batch.iter().filter(|p| !p.warmup) {
         shared.stats.queue.add(start - p.enqueued);
-        m.queue.observe((start - p.enqueued).as_secs_f64());
+        shared.metrics.queue.observe((start - p.enqueued).as_secs_f64());
     }
-    let inputs: Vec<BatchInput<'_>> = spec
-        .inputs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let first = &batch[0].inputs[i];
-            let mut shape = first.shape.clone();
-            if batched {
-                shape[0] = rows;
-            }
-            BatchInput {
-                name: &s.name,
-                datatype: s.datatype,
-                shape,
-                parts: batch.iter().map(|p| &p.inputs[i].data).collect(),
-            }
-        })
-        .collect();
     // One span per batch that serves a traced request, linked to every request it serves.
     let batch_span = if batch.iter().any(|p| !p.span.is_none()) {
-        let span = tracing::debug_span!("batch", model = %spec.name, rows, requests);
+        let span = tracing::debug_span!("batch", model = %shared.spec.name, requests = batch.len());
         for p in &batch {
             span.follows_from(&p.span);
         }
@@ -291,58 +271,103 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
         tracing::Span::none()
     };
     let _entered = batch_span.enter();
-    let ran = Instant::now();
-    let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
-    let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs)))
-        .unwrap_or_else(|_| Err(Error::internal("the backend panicked while running a batch")));
-    let result_ok = result.is_ok();
-    drop(inputs);
-    let done = Instant::now();
-    let replies: Vec<(Pending, Result<Vec<Tensor>>)> = match result.and_then(|o| check_outputs(o, batched, rows)) {
-        Ok(outputs) => {
-            let mut offset = 0;
-            batch
-                .into_iter()
-                .map(|p| {
-                    let take = |o: &Tensor| {
-                        if batched {
-                            o.rows(offset, p.rows)
-                        } else {
-                            o.clone()
-                        }
-                    };
-                    let mine = match &p.outputs {
-                        None => outputs.iter().map(take).collect(),
-                        Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
-                    };
-                    offset += p.rows;
-                    (p, Ok(mine))
-                })
-                .collect()
-        }
-        Err(e) => {
-            tracing::warn!(model = %spec.name, error = %e, "batch failed");
+    for (p, r) in run_isolated(shared, instance, batch) {
+        let _ = p.reply.send(r);
+    }
+}
+
+/// Runs `batch`; when the run fails and holds several requests, runs its halves apart (and so on
+/// down), so that only the requests that fail get an error, each the error of its own run, and
+/// no request's error carries another's data or text. At most 2n - 1 runs for n requests.
+fn run_isolated(
+    shared: &Shared,
+    instance: &mut dyn Instance,
+    mut batch: Vec<Pending>,
+) -> Vec<(Pending, Result<Vec<Tensor>>)> {
+    match run(shared, instance, &batch) {
+        Ok(outputs) => batch.into_iter().zip(outputs.into_iter().map(Ok)).collect(),
+        Err(e) if batch.len() == 1 => {
+            tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
-    };
-    shared.batch_time.record(done - ran);
-    if result_ok && counted {
-        shared.costs.lock().unwrap_or_else(|e| e.into_inner()).record(rows, elements, done - ran);
+        Err(e) => {
+            tracing::debug!(model = %shared.spec.name, error = %e, requests = batch.len(), "batch failed; running its halves apart");
+            let second = batch.split_off(batch.len() / 2);
+            let mut replies = run_isolated(shared, instance, batch);
+            replies.extend(run_isolated(shared, instance, second));
+            replies
+        }
     }
-    // Statistics first, so a client that reads them after its answer sees its own batch.
+}
+
+/// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;
+/// returns each request's outputs (those it asked for), in order.
+fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Result<Vec<Vec<Tensor>>> {
+    let start = Instant::now();
+    let spec = &shared.spec;
+    let batched = spec.batched();
+    let rows: usize = group.iter().map(|p| p.rows).sum();
+    let counted = !group.iter().all(|p| p.warmup);
+    let inputs: Vec<BatchInput<'_>> = spec
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut shape = group[0].inputs[i].shape.clone();
+            if batched {
+                shape[0] = rows;
+            }
+            BatchInput {
+                name: &s.name,
+                datatype: s.datatype,
+                shape,
+                parts: group.iter().map(|p| &p.inputs[i].data).collect(),
+            }
+        })
+        .collect();
+    let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
+    let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs))).unwrap_or_else(|_| {
+        // The batch fails (and is run apart); the instance and the server go on.
+        tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");
+        shared.metrics.panics.inc();
+        Err(Error::internal("the backend panicked while running the request"))
+    });
+    drop(inputs);
+    let done = Instant::now();
+    let outputs = result.and_then(|o| check_outputs(o, batched, rows));
+    let mut offset = 0;
+    let outputs = outputs.map(|outputs| {
+        group
+            .iter()
+            .map(|p| {
+                let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
+                let mine = match &p.outputs {
+                    None => outputs.iter().map(take).collect(),
+                    Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
+                };
+                offset += p.rows;
+                mine
+            })
+            .collect()
+    });
+    // Warm-ups are not traffic: they neither count nor seed the estimates.
     if counted {
-        // Input: the copy into the engine's buffers; inference: the rest of the run; output:
-        // splitting the outputs per request.
-        let input = instance.input_time().min(done - ran);
-        shared.stats.record_batch(rows, requests, input, done - ran - input, done.elapsed());
+        shared.batch_time.record(done - start);
+        if outputs.is_ok() {
+            shared.costs.lock().unwrap_or_else(|e| e.into_inner()).record(rows, elements, done - start);
+        }
+        // Statistics before the answers, so a client that reads them after its answer sees its
+        // own batch. Input: the copy into the engine's buffers; inference: the rest of the run;
+        // output: splitting the outputs per request.
+        let input = instance.input_time().min(done - start);
+        shared.stats.record_batch(rows, group.len(), input, done - start - input, done.elapsed());
+        let m = &shared.metrics;
         m.executions.inc();
         m.inferences.inc_by(rows as u64);
         m.batch_size.observe(rows as f64);
         m.compute.observe(start.elapsed().as_secs_f64());
     }
-    for (p, r) in replies {
-        let _ = p.reply.send(r);
-    }
+    outputs
 }
 
 fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec<Tensor>> {

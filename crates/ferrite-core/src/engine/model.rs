@@ -20,7 +20,7 @@ use crate::{
         tensor::element_count,
     },
     telemetry::{metrics, stats::ModelStats},
-    Backend, Error, Result, Tensor,
+    Backend, Error, Result, Tensor, TensorData,
 };
 
 /// A request as the front-ends hand it to the core.
@@ -78,6 +78,9 @@ pub struct Model {
     /// Identifies the files and config this model was loaded from; a reload with the same one
     /// keeps this instance.
     pub(crate) fingerprint: u64,
+    /// A hash of the model file's bytes: part of every cache key, so a replaced model is never
+    /// answered from entries of the old one, in any process sharing the cache.
+    pub(crate) content: u64,
 }
 
 impl Model {
@@ -85,7 +88,7 @@ impl Model {
         let stats = Arc::new(ModelStats::default());
         let batcher = Batcher::start(&spec, backend, stats.clone())?;
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
-        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0 })
+        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0 })
     }
 
     pub fn batcher(&self) -> &Batcher {
@@ -163,10 +166,11 @@ impl Model {
         });
         let (inputs, rows, outputs, level) = validated?;
         let cache = self.cache.as_ref().filter(|_| !req.skip_cache);
-        let key = cache.map(|_| cache::key(&self.spec.name, self.spec.version, &inputs, outputs.as_deref()));
+        let key =
+            cache.map(|_| cache::key(&self.spec.name, self.spec.version, self.content, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
-            if let Some(hit) = c.get(k).instrument(child(|| tracing::debug_span!("cache"))).await {
+            if let Some(hit) = c.get(k, limits.max_elements).instrument(child(|| tracing::debug_span!("cache"))).await {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
                 self.metrics.cache_hits.inc();
@@ -257,6 +261,13 @@ impl Model {
                 .filter(|&n| n <= limits.max_elements)
                 .ok_or_else(|| Error::invalid(format!("request has more than {} elements", limits.max_elements)))?;
             t.check_size()?;
+            // ONNX Runtime's strings are UTF-8: a BYTES element that is not would fail the whole
+            // batch it joined, so it is refused here, before it can share one.
+            if let TensorData::Strings(items) = &t.data {
+                if let Some(n) = items.iter().position(|b| std::str::from_utf8(b).is_err()) {
+                    return Err(Error::invalid(format!("input '{}': BYTES element {n} is not UTF-8", t.name)));
+                }
+            }
             slots[i] = Some(t);
         }
         let inputs = slots

@@ -90,6 +90,17 @@ fn ort_err(e: impl std::fmt::Display) -> Error {
     Error::Internal(format!("onnxruntime: {e}"))
 }
 
+/// A failed run: ONNX Runtime's INVALID_ARGUMENT means the request's data did not fit the model
+/// (an index out of a table's range, sizes a graph cannot take): the client's error, a 400.
+fn run_err(e: ort::Error) -> Error {
+    match e.code() {
+        ort::error::ErrorCode::InvalidArgument => {
+            Error::invalid(format!("the model refused the input: {}", e.message()))
+        }
+        _ => ort_err(e),
+    }
+}
+
 fn to_ort(dt: DataType) -> TensorElementType {
     match dt {
         DataType::Bool => TensorElementType::Bool,
@@ -299,7 +310,7 @@ impl Instance for OnnxInstance {
             Some(o) => self.session.run_with_options(values, o),
             None => self.session.run(values),
         }
-        .map_err(ort_err)?;
+        .map_err(run_err)?;
         let mut result = Vec::with_capacity(self.output_names.len());
         for name in &self.output_names {
             let value = outputs.remove(name.as_str()).ok_or_else(|| Error::internal(format!("no output '{name}'")))?;

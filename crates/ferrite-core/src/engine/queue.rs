@@ -122,7 +122,12 @@ impl Queue {
     /// Admits `p`, or refuses it when its level's queue is full.
     pub fn push(&mut self, p: Pending) -> Result<()> {
         let last = self.levels.len() - 1;
-        let level = &mut self.levels[p.level.min(last)];
+        let index = p.level.min(last);
+        if self.levels[index].len() >= self.levels[index].policy.max_queue_size {
+            // Requests whose clients left, or that expired, free their places before a refusal.
+            self.prune(p.enqueued);
+        }
+        let level = &mut self.levels[index];
         if level.len() >= level.policy.max_queue_size {
             return Err(Error::unavailable(
                 format!("queue full: {} requests waiting at this priority (max_queue_size)", level.len()),
@@ -141,7 +146,7 @@ impl Queue {
     }
 
     /// Drops requests whose client left, and rejects or delays those whose timeout passed.
-    fn prune(&mut self, now: Instant) {
+    pub fn prune(&mut self, now: Instant) {
         let gone = |p: &Pending| p.reply.is_closed() || p.deadline.is_some_and(|d| d <= now);
         for level in &mut self.levels {
             // Nearly always nothing to do; rebuild the level only when something must go.

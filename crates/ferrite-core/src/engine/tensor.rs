@@ -93,10 +93,12 @@ impl TensorData {
     /// then the bytes. `count` elements are expected; fixed-size data is not copied.
     pub fn from_wire(name: &str, datatype: DataType, count: usize, raw: Bytes) -> Result<TensorData> {
         if let Some(size) = datatype.size() {
-            if raw.len() != count * size {
+            // Checked: a count from a forged header must not wrap into a small product.
+            let need = count.checked_mul(size);
+            if need != Some(raw.len()) {
                 return Err(Error::invalid(format!(
                     "input '{name}': {count} {datatype} elements need {} bytes, got {}",
-                    count * size,
+                    need.map_or("more than 2^64".to_string(), |n| n.to_string()),
                     raw.len()
                 )));
             }

@@ -17,6 +17,7 @@ pub struct Metrics {
     pub requests: IntCounterVec,
     pub inferences: IntCounterVec,
     pub executions: IntCounterVec,
+    pub panics: IntCounterVec,
     pub request_duration: HistogramVec,
     pub queue_duration: HistogramVec,
     pub compute_duration: HistogramVec,
@@ -61,6 +62,11 @@ impl Metrics {
             )?,
             inferences: counter("ferrite_inferences_total", "Rows inferred (a batch of 8 counts 8).", MODEL)?,
             executions: counter("ferrite_executions_total", "Batches executed by the backend.", MODEL)?,
+            panics: counter(
+                "ferrite_backend_panics_total",
+                "Runs in which the backend panicked; the run failed (its requests were run apart) and serving went on.",
+                MODEL,
+            )?,
             request_duration: histogram(
                 "ferrite_request_duration_seconds",
                 "Time from a request reaching the engine to its answer, cache hits included.",
@@ -125,6 +131,7 @@ pub struct ModelMetrics {
     pub batch_size: prometheus::Histogram,
     pub inferences: prometheus::IntCounter,
     pub executions: prometheus::IntCounter,
+    pub panics: prometheus::IntCounter,
     pub cache_hits: prometheus::IntCounter,
     pub cache_misses: prometheus::IntCounter,
 }
@@ -142,6 +149,7 @@ impl ModelMetrics {
             batch_size: m.batch_size.with_label_values(&l),
             inferences: m.inferences.with_label_values(&l),
             executions: m.executions.with_label_values(&l),
+            panics: m.panics.with_label_values(&l),
             cache_hits: m.cache_hits.with_label_values(&l),
             cache_misses: m.cache_misses.with_label_values(&l),
             labels: [model.to_string(), v],

@@ -439,6 +439,21 @@ mod tests {
             assert_eq!(super::super::status(e).code(), code);
         }
     }
+
+    #[test]
+    fn refusals_carry_a_retry_hint() {
+        use tonic_types::StatusExt;
+        let after = std::time::Duration::from_secs(1);
+        for e in [
+            Error::unavailable("queue full", Some(after)),
+            Error::Overloaded { message: "over the limit".into(), retry_after: Some(after) },
+        ] {
+            let s = super::super::status(e);
+            assert_eq!(s.metadata().get("retry-after").unwrap(), "1");
+            assert_eq!(s.get_details_retry_info().unwrap().retry_delay, Some(after));
+        }
+        assert!(super::super::status(Error::unavailable("x", None)).metadata().get("retry-after").is_none());
+    }
 }
 
 #[cfg(test)]

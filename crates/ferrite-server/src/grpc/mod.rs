@@ -10,7 +10,8 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 use ferrite_core::{Core, Error, Model};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::{wrappers::ReceiverStream, Stream};
-use tonic::{metadata::MetadataMap, Request, Response, Status, Streaming};
+use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
+use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::telemetry;
 
@@ -98,7 +99,11 @@ where
             if let Some(scope) = scope {
                 let header = req.headers().get("authorization").and_then(|v| v.to_str().ok());
                 let refused = match auth.check(header, scope) {
-                    Ok(()) => None,
+                    Ok(principal) => {
+                        let mut req = req;
+                        req.extensions_mut().insert(principal);
+                        return Box::pin(self.inner.call(req));
+                    }
                     Err(Denied::Unauthenticated) => Some(Status::unauthenticated("a valid bearer token is required")),
                     Err(Denied::Forbidden) => {
                         Some(Status::permission_denied("the token lacks the scope this call needs"))
@@ -113,17 +118,27 @@ where
     }
 }
 
-/// The one mapping from core errors to gRPC status codes.
+/// The one mapping from core errors to gRPC status codes. Refusals that ask the client to come
+/// back carry the hint as HTTP's `Retry-After` does: Google's `RetryInfo` in the status details
+/// (read by gRPC retry policies and client libraries), and a `retry-after` metadata value (s).
 pub fn status(e: Error) -> Status {
     match &e {
         Error::InvalidInput(m) => Status::invalid_argument(m),
         Error::NotFound(m) => Status::not_found(m),
+        Error::Unavailable { message, retry_after: Some(after) } => retry(Code::Unavailable, message, *after),
+        Error::Overloaded { message, retry_after: Some(after) } => retry(Code::ResourceExhausted, message, *after),
         Error::Unavailable { message, .. } => Status::unavailable(message),
         Error::Overloaded { message, .. } => Status::resource_exhausted(message),
         Error::DeadlineExceeded(m) => Status::deadline_exceeded(m),
         Error::Unsupported(m) => Status::unimplemented(m),
         Error::Internal(m) => Status::internal(m),
     }
+}
+
+fn retry(code: Code, message: &str, after: std::time::Duration) -> Status {
+    let mut metadata = MetadataMap::new();
+    metadata.insert("retry-after", after.as_secs().max(1).into());
+    Status::with_error_details_and_metadata(code, message, ErrorDetails::with_retry_info(Some(after)), metadata)
 }
 
 /// The client's deadline (`grpc-timeout`: digits and a unit of H, M, S, m, u or n) in microseconds,
@@ -153,9 +168,14 @@ impl Service {
 
     /// What a call's metadata says about its requests: the tenant (its `--tenant-header` key, when
     /// tenants are configured) and the `x-ferrite-canary` routing.
-    fn call_meta(&self, metadata: &MetadataMap) -> Result<CallMeta, Status> {
-        let tenant =
-            self.core.tenants().and_then(|t| metadata.get(t.header.as_str())?.to_str().ok().map(str::to_string));
+    fn call_meta(&self, metadata: &MetadataMap, extensions: &http::Extensions) -> Result<CallMeta, Status> {
+        let tenant = match self.core.tenants() {
+            None => None,
+            Some(t) => {
+                let claimed = metadata.get(t.header.as_str()).and_then(|v| v.to_str().ok());
+                crate::auth::tenant(extensions.get(), claimed, t).map_err(Status::permission_denied)?
+            }
+        };
         let canary = match metadata.get(crate::CANARY_HEADER).map(|v| v.to_str().unwrap_or("?")) {
             None => ferrite_core::CanaryRoute::Auto,
             Some(v) => ferrite_core::CanaryRoute::parse(v).ok_or_else(|| {
@@ -229,7 +249,7 @@ impl GrpcInferenceService for Service {
         use tracing::Instrument;
         let deadline = grpc_timeout_us(r.metadata());
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
-        let meta = self.call_meta(r.metadata())?;
+        let meta = self.call_meta(r.metadata(), r.extensions())?;
         let req = r.into_inner();
         let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
@@ -243,7 +263,7 @@ impl GrpcInferenceService for Service {
         r: Request<Streaming<pb::ModelInferRequest>>,
     ) -> Result<Response<InferStream>, Status> {
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
-        let meta = self.call_meta(r.metadata())?;
+        let meta = self.call_meta(r.metadata(), r.extensions())?;
         let mut incoming = r.into_inner();
         let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));

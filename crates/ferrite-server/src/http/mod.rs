@@ -32,16 +32,53 @@ pub struct AppState {
 pub struct HttpLimits {
     /// Largest body, as sent and (gzip/deflate) once decompressed.
     pub max_body_bytes: usize,
-    /// Time a client has for its TLS handshake and request head.
+    /// Time a client has, from accept, to send its first byte (and its TLS handshake and request
+    /// head); a connection that says nothing is closed.
     pub header_timeout: Duration,
     /// Time a client has to send its whole body.
     pub body_timeout: Duration,
+    /// Connections a listener holds at once; past it, new ones are closed at once.
+    pub max_connections: usize,
+    /// Bytes of request bodies all requests may hold at once (as sent, and again once
+    /// decompressed), reserved before any is read; past it, 503 with Retry-After.
+    pub body_budget: Arc<tokio::sync::Semaphore>,
 }
 
 impl HttpLimits {
     pub fn new(max_body_bytes: usize) -> HttpLimits {
-        HttpLimits { max_body_bytes, header_timeout: Duration::from_secs(10), body_timeout: Duration::from_secs(30) }
+        HttpLimits {
+            max_body_bytes,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_connections: default_max_connections(),
+            body_budget: Arc::new(tokio::sync::Semaphore::new(DEFAULT_BODY_BUDGET / 1024)),
+        }
     }
+}
+
+/// Bytes of bodies in flight at once, by default: 16 largest bodies (64 MiB each by default).
+pub const DEFAULT_BODY_BUDGET: usize = 1 << 30;
+
+/// Connections per listener, by default: what the open-files limit leaves room for beside the
+/// other listeners, model files and the runtime (a quarter of it, at most 10,000).
+pub fn default_max_connections() -> usize {
+    let mut limit = libc_rlimit_nofile();
+    if limit == 0 {
+        limit = 1024;
+    }
+    (limit / 4).clamp(16, 10_000)
+}
+
+fn libc_rlimit_nofile() -> usize {
+    // /proc/self/limits: "Max open files  <soft>  <hard>  files".
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
 }
 
 /// Reads the whole body before any handler runs: within `body_timeout` (a slow sender gets 408),
@@ -54,6 +91,21 @@ async fn read_body(
 ) -> Response {
     let (mut parts, body) = req.into_parts();
     let max = limits.max_body_bytes;
+    // Reserve the body's bytes (its stated length, else the largest allowed) from the budget of
+    // all requests before reading any, so many large bodies at once cannot exhaust memory.
+    let stated = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
+    let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
+    let permits = u32::try_from(reserve.div_ceil(1024)).unwrap_or(u32::MAX);
+    let Ok(_reserved) = limits.body_budget.clone().try_acquire_many_owned(permits) else {
+        let mut resp = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many request bytes in flight on this server; retry shortly",
+        )
+        .into_response();
+        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return resp;
+    };
     let bytes = match tokio::time::timeout(limits.body_timeout, axum::body::to_bytes(body, max)).await {
         Err(_) => {
             let msg = format!("the request body did not arrive within {} s", limits.body_timeout.as_secs());
@@ -123,7 +175,11 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
             };
             let header = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
             match auth.check(header, scope) {
-                Ok(()) => next.run(req).await,
+                Ok(principal) => {
+                    let mut req = req;
+                    req.extensions_mut().insert(principal);
+                    next.run(req).await
+                }
                 Err(Denied::Unauthenticated) => {
                     let mut resp =
                         ApiError::new(StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response();
@@ -366,6 +422,7 @@ fn is_msgpack(value: Option<&HeaderValue>) -> bool {
 async fn infer(
     State(s): State<AppState>,
     Path(p): Path<ModelPath>,
+    principal: Option<axum::Extension<crate::auth::Principal>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -375,12 +432,13 @@ async fn infer(
         &p.model,
         crate::telemetry::extract(&crate::telemetry::Headers(&headers)),
     );
-    infer_inner(s, p, headers, body).instrument(span).await
+    infer_inner(s, p, principal.map(|e| e.0), headers, body).instrument(span).await
 }
 
 async fn infer_inner(
     s: AppState,
     p: ModelPath,
+    principal: Option<crate::auth::Principal>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -401,7 +459,9 @@ async fn infer_inner(
     };
     let mut req = req;
     if let Some(t) = s.core.tenants() {
-        req.tenant = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let claimed = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok());
+        req.tenant =
+            crate::auth::tenant(principal.as_ref(), claimed, t).map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))?;
     }
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
         req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
