@@ -86,20 +86,24 @@ def oha_load(url, body, clients, headers=(), lines=False):
     return run
 
 
-def perf_analyzer_load(protocol, url, clients, model="mlp", extra=()):
+def perf_analyzer_load(protocol, url, clients, model="mlp", extra=(), fatal=True, stability=50):
     """A load function: Triton's perf_analyzer at fixed concurrency (binary tensors on HTTP);
-    `extra` are more perf_analyzer arguments (input shapes, input data)."""
+    `extra` are more perf_analyzer arguments (input shapes, input data). Without `fatal`, a run
+    that gives no result reports NaN instead of ending the benchmark."""
 
     def run(duration):
         csv = WORK / "perf_analyzer.csv"
         out = subprocess.run(
             [str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients), *extra,
-             # Three windows that agree within 50% make a result; they add up to `duration`.
+             # Three windows that agree within `stability`% make a result; they add up to `duration`.
              "--measurement-mode", "time_windows", "--measurement-interval", str(max(duration * 1000 // 3, 500)),
-             "--stability-percentage", "50", "--max-trials", "10", "-f", str(csv)],
+             "--stability-percentage", str(stability), "--max-trials", "10", "-f", str(csv)],
             capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=str(PA_LIBS)),
         )
         if not csv.exists():
+            if not fatal:
+                print(f"perf_analyzer gave no result: {out.stdout[-300:]}", file=sys.stderr)
+                return float("nan"), float("nan"), float("nan"), 0
             sys.exit(f"perf_analyzer failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
         header, row = csv.read_text().splitlines()[:2]
         r = dict(zip(header.split(","), row.split(",")))
