@@ -119,10 +119,15 @@ async fn read_body(
         Ok(Ok(b)) => b,
     };
     let encoding = parts.headers.remove(header::CONTENT_ENCODING);
+    // Decompression runs on the blocking pool: it is CPU work of up to --max-body-bytes.
     let bytes = match encoding.as_ref().map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase()).as_deref() {
         None | Some("identity") => Ok(bytes),
-        Some("gzip") => inflate(flate2::read::GzDecoder::new(&bytes[..]), max),
-        Some("deflate") => inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max),
+        Some("gzip") => {
+            off_io(true, move || inflate(flate2::read::GzDecoder::new(&bytes[..]), max)).await.and_then(|r| r)
+        }
+        Some("deflate") => {
+            off_io(true, move || inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max)).await.and_then(|r| r)
+        }
         Some(other) => Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("Content-Encoding '{other}' is not accepted (gzip, deflate or identity)"),
@@ -135,6 +140,20 @@ async fn read_body(
     };
     parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await
+}
+
+/// Bodies larger than this are decoded, and responses larger than this encoded, on the blocking
+/// pool, so a few large requests cannot hold the async I/O threads every other request needs.
+const OFFLOAD_BYTES: usize = 256 << 10;
+
+/// Runs `work` on the blocking pool when `large`, else here.
+async fn off_io<T: Send + 'static>(large: bool, work: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    if !large {
+        return Ok(work());
+    }
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("a decoding task failed: {e}")))
 }
 
 fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
@@ -445,19 +464,26 @@ async fn infer_inner(
     let mut body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     let max = s.core.limits().max_elements;
     let msgpack_in = is_msgpack(headers.get(header::CONTENT_TYPE));
-    let (req, binary) = if msgpack_in {
-        (msgpack::parse(&p.model, p.version, &body, max)?, json::BinaryOutputs::default())
-    } else if let Some(len) = headers.get(HEADER_LENGTH) {
-        let len: usize =
-            len.to_str().ok().and_then(|v| v.trim().parse().ok()).filter(|&n| n <= body.len()).ok_or_else(|| {
-                ApiError::bad_request(format!("{HEADER_LENGTH} must be a byte count within the body"))
-            })?;
-        let json_part = body.split_to(len);
-        json::parse(&p.model, p.version, &json_part, Some(body), max)?
-    } else {
-        json::parse(&p.model, p.version, &body, None, max)?
+    // MessagePack bodies carry their tensors inside; the binary extension is JSON's.
+    let binary_part = match headers.get(HEADER_LENGTH).filter(|_| !msgpack_in) {
+        None => None,
+        Some(len) => {
+            let len: usize =
+                len.to_str().ok().and_then(|v| v.trim().parse().ok()).filter(|&n| n <= body.len()).ok_or_else(
+                    || ApiError::bad_request(format!("{HEADER_LENGTH} must be a byte count within the body")),
+                )?;
+            Some(body.split_off(len))
+        }
     };
-    let mut req = req;
+    let (model, version) = (p.model, p.version);
+    let large = body.len() > OFFLOAD_BYTES;
+    let parsed = off_io(large, move || -> Result<_, ApiError> {
+        if msgpack_in {
+            return Ok((msgpack::parse(&model, version, &body, max)?, json::BinaryOutputs::default()));
+        }
+        Ok(json::parse(&model, version, &body, binary_part, max)?)
+    });
+    let (mut req, binary) = parsed.await??;
     if let Some(t) = s.core.tenants() {
         let claimed = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok());
         req.tenant =
@@ -470,26 +496,33 @@ async fn infer_inner(
     }
     let resp = s.core.infer(req).await?;
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
-    if accept.contains("msgpack") || (msgpack_in && !accept.contains("json")) {
-        return Ok(([(header::CONTENT_TYPE, msgpack::CONTENT_TYPE)], msgpack::write_response(&resp)).into_response());
+    let msgpack_out = accept.contains("msgpack") || (msgpack_in && !accept.contains("json"));
+    let large = resp.outputs.iter().map(|t| t.data.wire_len()).sum::<usize>() > OFFLOAD_BYTES;
+    off_io(large, move || encode_response(&resp, &binary, msgpack_out)).await
+}
+
+/// The response body: MessagePack, V2 JSON, or V2 JSON followed by the binary outputs.
+fn encode_response(resp: &ferrite_core::InferResponse, binary: &json::BinaryOutputs, msgpack_out: bool) -> Response {
+    if msgpack_out {
+        return ([(header::CONTENT_TYPE, msgpack::CONTENT_TYPE)], msgpack::write_response(resp)).into_response();
     }
-    let (text, blobs) = json::write_response(&resp, &binary);
+    let (text, blobs) = json::write_response(resp, binary);
     if blobs.is_empty() {
-        return Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response());
+        return ([(header::CONTENT_TYPE, "application/json")], text).into_response();
     }
     let mut out = Vec::with_capacity(text.len() + blobs.iter().map(Bytes::len).sum::<usize>());
     out.extend_from_slice(text.as_bytes());
     for b in &blobs {
         out.extend_from_slice(b);
     }
-    Ok((
+    (
         [
             (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
             (HeaderName::from_static(HEADER_LENGTH), HeaderValue::from(text.len())),
         ],
         out,
     )
-        .into_response())
+        .into_response()
 }
 
 /// Property tests over the request parsers: whatever the bytes, parsing returns (never panics),
