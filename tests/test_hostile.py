@@ -266,8 +266,40 @@ def test_request_bytes_in_flight_are_bounded_before_buffering(start_server):
     answer = other.recv(4096)
     other.close()
     assert answer.startswith(b"HTTP/1.1 503") and b"in flight" in answer and b"retry-after: 1" in answer.lower(), answer
-    # Small requests still fit, and once the slow body is gone, large ones do again.
+    # Small requests still fit (and requests without a body reserve nothing), and once the slow
+    # body is gone, large ones do again.
     assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
+    assert all(send(s, "GET", "/v2/models/mlp")[0] == 200 for _ in range(5))
     slow.close()
     time.sleep(0.3)
     assert send(s, "POST", MLP, JSON, b" " * 1_000_000)[0] == 400
+
+
+def test_keep_alive_connections_idle_past_the_timeout_are_closed(start_server):
+    s = start_server("--http-idle-timeout-secs", "1", models=("mlp",))
+    conn = http.client.HTTPConnection(s.url, timeout=10)
+    conn.request("POST", MLP, mlp_body(), JSON)
+    assert conn.getresponse().read()
+    # Idle, with no request in flight: closed after the idle timeout.
+    assert closed_within(conn.sock, 3.0), "an idle keep-alive connection stayed open"
+    conn.close()
+    # A connection in use is not cut: requests one after the other, each under the timeout.
+    conn = http.client.HTTPConnection(s.url, timeout=10)
+    for _ in range(4):
+        conn.request("POST", MLP, mlp_body(), JSON)
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        time.sleep(0.5)
+    conn.close()
+
+
+def test_the_grpc_listener_closes_silent_connections_and_holds_its_cap(start_server):
+    s = start_server("--http-max-connections", "10", "--http-header-timeout-secs", "1", models=("mlp",))
+    silent = [socket.create_connection(("127.0.0.1", s.grpc_port)) for _ in range(10)]
+    time.sleep(0.3)
+    extra = socket.create_connection(("127.0.0.1", s.grpc_port))
+    assert closed_within(extra, 1.0), "a connection over the cap was kept"
+    assert all(closed_within(x, 3.0) for x in silent), "silent gRPC connections stayed open"
+    import tritonclient.grpc as grpcclient
+    assert grpcclient.InferenceServerClient(s.grpc_url).is_server_live()

@@ -5,6 +5,7 @@ pub mod auth;
 pub mod config_source;
 pub mod grpc;
 pub mod http;
+mod idle;
 pub mod serve;
 pub mod telemetry;
 pub mod tls;

@@ -101,6 +101,10 @@ struct ServeArgs {
     /// Seconds a client has to send a whole request body (408 after).
     #[arg(long, env = "FERRITE_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30)]
     http_body_timeout_secs: u64,
+    /// Seconds an HTTP connection may stay open with no request in flight (between keep-alive
+    /// requests, or HTTP/2 kept alive by pings alone); then it is closed.
+    #[arg(long, env = "FERRITE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = 60)]
+    http_idle_timeout_secs: u64,
     /// Connections each HTTP listener holds at once; more are closed at once (default: a quarter
     /// of the open-files limit, at most 10,000).
     #[arg(long, env = "FERRITE_HTTP_MAX_CONNECTIONS")]
@@ -301,6 +305,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes,
             header_timeout: Duration::from_secs(args.http_header_timeout_secs.max(1)),
             body_timeout: Duration::from_secs(args.http_body_timeout_secs.max(1)),
+            idle_timeout: Duration::from_secs(args.http_idle_timeout_secs.max(1)),
             max_connections: args.http_max_connections.unwrap_or_else(http::default_max_connections).max(1),
             body_budget: Arc::new(tokio::sync::Semaphore::new(
                 args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),

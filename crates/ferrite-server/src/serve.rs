@@ -99,7 +99,7 @@ pub async fn run(
         .add_service(health_service)
         .add_service(grpc::service(core.clone(), &cfg.grpc))
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(bound.grpc).with_nodelay(Some(true)),
+            grpc_incoming(bound.grpc, cfg.http.max_connections, cfg.http.header_timeout),
             stopped(stop_rx.clone()),
         );
     let grpc_server = tokio::spawn(grpc_server);
@@ -143,6 +143,88 @@ pub async fn run(
 /// Serves `app` on `listener` (HTTP/1.1 and HTTP/2, over TLS when `tls` is set) until `stop`, then
 /// lets open connections finish their requests. A client gets `limits.header_timeout` to send its
 /// request head (and TLS handshake), so slow-header connections cannot pile up.
+/// A gRPC connection holding one place under its listener's cap.
+struct Capped {
+    tcp: tokio::net::TcpStream,
+    _place: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tokio::io::AsyncRead for Capped {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Capped {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Capped {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        tonic::transport::server::Connected::connect_info(&self.tcp)
+    }
+}
+
+/// The gRPC listener's connections, taken as the HTTP listener takes its own: at most `max` at
+/// once (more are closed at once), and each closed if it sends nothing within `first_byte`.
+fn grpc_incoming(
+    listener: TcpListener,
+    max: usize,
+    first_byte: Duration,
+) -> impl tokio_stream::Stream<Item = io::Result<Capped>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let places = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
+    tokio::spawn(async move {
+        loop {
+            let tcp = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                // The server stopped: the listener closes with this task.
+                _ = tx.closed() => break,
+            };
+            let Ok(place) = places.clone().try_acquire_owned() else { continue };
+            let _ = tcp.set_nodelay(true);
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut first = [0u8; 1];
+                if matches!(tokio::time::timeout(first_byte, tcp.peek(&mut first)).await, Ok(Ok(1..))) {
+                    let _ = tx.send(Ok(Capped { tcp, _place: place })).await;
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
 async fn serve_http(
     listener: TcpListener,
     app: axum::Router,
@@ -177,7 +259,10 @@ async fn serve_http(
         };
         // Small responses would otherwise wait on delayed ACKs.
         let _ = tcp.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
+        let in_flight = std::sync::Arc::new(crate::idle::InFlight::default());
+        let service =
+            TowerToHyperService::new(crate::idle::Counted { inner: app.clone(), in_flight: in_flight.clone() });
+        let idle = limits.idle_timeout;
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let tls = tls.clone();
@@ -192,13 +277,15 @@ async fn serve_http(
             }
             match tls {
                 None => {
-                    let _ = watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(tcp), service)).await;
+                    let io = TokioIo::new(crate::idle::IdleIo::new(tcp, in_flight, idle));
+                    let _ = watcher.watch(builder.serve_connection_with_upgrades(io, service)).await;
                 }
                 Some(acceptor) => {
                     let Ok(Ok(stream)) = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await else {
                         return;
                     };
-                    let _ = watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(stream), service)).await;
+                    let io = TokioIo::new(crate::idle::IdleIo::new(stream, in_flight, idle));
+                    let _ = watcher.watch(builder.serve_connection_with_upgrades(io, service)).await;
                 }
             }
         });

@@ -37,6 +37,8 @@ pub struct HttpLimits {
     pub header_timeout: Duration,
     /// Time a client has to send its whole body.
     pub body_timeout: Duration,
+    /// Time a connection may stay open with no request in flight (keep-alive, HTTP/2 pings).
+    pub idle_timeout: Duration,
     /// Connections a listener holds at once; past it, new ones are closed at once.
     pub max_connections: usize,
     /// Bytes of request bodies all requests may hold at once (as sent, and again once
@@ -50,6 +52,7 @@ impl HttpLimits {
             max_body_bytes,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
             max_connections: default_max_connections(),
             body_budget: Arc::new(tokio::sync::Semaphore::new(DEFAULT_BODY_BUDGET / 1024)),
         }
@@ -93,7 +96,11 @@ async fn read_body(
     let max = limits.max_body_bytes;
     // Reserve the body's bytes (its stated length, else the largest allowed) from the budget of
     // all requests before reading any, so many large bodies at once cannot exhaust memory.
-    let stated = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    // The body's own length when the framing says it (no body at all: 0), else the header's.
+    let stated = usize::try_from(axum::body::HttpBody::size_hint(&body).exact().unwrap_or(u64::MAX))
+        .ok()
+        .filter(|&n| n != usize::MAX)
+        .or_else(|| parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok()));
     let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
     let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
     let permits = u32::try_from(reserve.div_ceil(1024)).unwrap_or(u32::MAX);
