@@ -143,6 +143,30 @@ pub async fn run(
 /// Serves `app` on `listener` (HTTP/1.1 and HTTP/2, over TLS when `tls` is set) until `stop`, then
 /// lets open connections finish their requests. A client gets `limits.header_timeout` to send its
 /// request head (and TLS handshake), so slow-header connections cannot pile up.
+/// The next connection, with TCP_NODELAY (small responses would otherwise wait on delayed ACKs).
+/// Accept errors (out of file descriptors and the like) back off instead of spinning.
+async fn accept(listener: &TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((tcp, _)) => {
+                let _ = tcp.set_nodelay(true);
+                return tcp;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Whether the client sends its first byte within `limit`, counted from accept (hyper's own
+/// header timer starts only at the first byte, so a silent connection would be held forever).
+async fn speaks_within(tcp: &tokio::net::TcpStream, limit: Duration) -> bool {
+    let mut first = [0u8; 1];
+    matches!(tokio::time::timeout(limit, tcp.peek(&mut first)).await, Ok(Ok(1..)))
+}
+
 /// A gRPC connection holding one place under its listener's cap.
 struct Capped {
     tcp: tokio::net::TcpStream,
@@ -200,23 +224,14 @@ fn grpc_incoming(
     tokio::spawn(async move {
         loop {
             let tcp = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok((tcp, _)) => tcp,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
+                tcp = accept(&listener) => tcp,
                 // The server stopped: the listener closes with this task.
                 _ = tx.closed() => break,
             };
             let Ok(place) = places.clone().try_acquire_owned() else { continue };
-            let _ = tcp.set_nodelay(true);
             let tx = tx.clone();
             tokio::spawn(async move {
-                let mut first = [0u8; 1];
-                if matches!(tokio::time::timeout(first_byte, tcp.peek(&mut first)).await, Ok(Ok(1..))) {
+                if speaks_within(&tcp, first_byte).await {
                     let _ = tx.send(Ok(Capped { tcp, _place: place })).await;
                 }
             });
@@ -240,15 +255,7 @@ async fn serve_http(
     tokio::pin!(stop);
     loop {
         let tcp = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            tcp = accept(&listener) => tcp,
             _ = &mut stop => break,
         };
         // Past the cap, close at once: a refused connection is better than a server out of files.
@@ -257,8 +264,6 @@ async fn serve_http(
             drop(tcp);
             continue;
         };
-        // Small responses would otherwise wait on delayed ACKs.
-        let _ = tcp.set_nodelay(true);
         let in_flight = std::sync::Arc::new(crate::idle::InFlight::default());
         let service =
             TowerToHyperService::new(crate::idle::Counted { inner: app.clone(), in_flight: in_flight.clone() });
@@ -269,10 +274,7 @@ async fn serve_http(
         let handshake_timeout = limits.header_timeout;
         tokio::spawn(async move {
             let _held = held;
-            // The header timeout counts from accept: a connection that never sends a byte is
-            // closed too (hyper's own timer starts at the first byte).
-            let mut first = [0u8; 1];
-            if !matches!(tokio::time::timeout(handshake_timeout, tcp.peek(&mut first)).await, Ok(Ok(1..))) {
+            if !speaks_within(&tcp, handshake_timeout).await {
                 return;
             }
             match tls {
