@@ -187,15 +187,15 @@ impl Shared {
         }
         // If the request carrying this call is cancelled mid-lookup, the call has no outcome:
         // the guard frees the breaker's probe, so a half-open breaker is not stuck waiting for it.
-        struct Pending<'b>(&'b Breaker, bool);
-        impl Drop for Pending<'_> {
+        struct Probe<'b>(&'b Breaker, bool);
+        impl Drop for Probe<'_> {
             fn drop(&mut self) {
                 if !self.1 {
                     self.0.abandon();
                 }
             }
         }
-        let mut call = Pending(&self.breaker, false);
+        let mut call = Probe(&self.breaker, false);
         let found = tokio::time::timeout(self.timeout, self.tier.get(&shared_key(key))).await;
         call.1 = true;
         let found = match found {

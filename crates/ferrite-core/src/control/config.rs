@@ -320,7 +320,6 @@ impl ModelSpec {
             outputs,
             batch,
             instance_count,
-            threads: config.threads.unwrap_or(default_threads).max(1),
             onnx: OnnxOptions { intra_threads: config.threads.unwrap_or(default_threads).max(1), ..Default::default() },
             calibrated: None,
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),

@@ -229,7 +229,6 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
                 backend = backend.with_options(chosen)?;
                 spec.onnx = backend.options().clone();
             }
-            spec.threads = spec.onnx.intra_threads;
             spec.instance_count = t.plan.instances;
             spec.batch.merge_limit = t.merge_limit;
             let chosen = format!(

@@ -124,8 +124,6 @@ pub struct ModelSpec {
     pub outputs: Vec<TensorSpec>,
     pub batch: BatchPolicy,
     pub instance_count: usize,
-    /// Intra-op threads per instance (the same as `onnx.intra_threads`).
-    pub threads: usize,
     /// The ONNX Runtime session settings every instance runs with.
     pub onnx: OnnxOptions,
     /// What the calibration at load chose, when it ran.
