@@ -304,3 +304,72 @@ def test_the_grpc_listener_closes_silent_connections_and_holds_its_cap(start_ser
     assert all(closed_within(x, 3.0) for x in silent), "silent gRPC connections stayed open"
     import tritonclient.grpc as grpcclient
     assert grpcclient.InferenceServerClient(s.grpc_url).is_server_live()
+
+
+def slow_grpc_request(rows):
+    from tritonclient.grpc import service_pb2
+    req = service_pb2.ModelInferRequest(model_name="slow", raw_input_contents=[np.full((rows, 512), 0.25, np.float32).tobytes()])
+    t = req.inputs.add()
+    t.name, t.datatype = "x", "FP32"
+    t.shape.extend([rows, 512])
+    return req
+
+
+def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_path):
+    import grpc
+    from concurrent.futures import ThreadPoolExecutor
+    from tritonclient.grpc import service_pb2_grpc
+    from conftest import make_repository
+    repo = make_repository(tmp_path / "repo", ("slow",))
+    (repo / "slow" / "config.toml").write_text("max_batch_size = 512\n")
+    s = start_server("--max-inflight-body-bytes", "1500000", repository=repo)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(s.grpc_url))
+    # A 1 MB message whose answer takes seconds holds its bytes until it is answered...
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(stub.ModelInfer, slow_grpc_request(500), timeout=120)
+        time.sleep(0.5)
+        assert not held.done()
+        # ...so a second one does not fit beside it: refused with a retry hint, not buffered.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(slow_grpc_request(500), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert "in flight" in refused.value.details()
+        assert dict(refused.value.trailing_metadata()).get("retry-after") == "1"
+        # Small messages still fit; once the first is answered, its bytes are free again.
+        assert stub.ModelInfer(slow_grpc_request(1), timeout=60).raw_output_contents
+        assert held.result().raw_output_contents
+    # Bytes of streamed messages are freed as each arrives whole: a stream of many 600 KB messages
+    # (more than the budget in all) is served.
+    stream = stub.ModelStreamInfer(iter([slow_grpc_request(300) for _ in range(4)]), timeout=120)
+    answers = list(stream)
+    assert len(answers) == 4 and all(not a.error_message for a in answers), [a.error_message for a in answers]
+
+
+def test_grpc_connections_with_no_call_open_are_closed_when_idle(start_server):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    s = start_server("--http-idle-timeout-secs", "1", models=("mlp",))
+    channel = grpc.insecure_channel(s.grpc_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    states = []
+    channel.subscribe(states.append)
+    assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live
+    # With no call open the server closes the connection: the channel leaves READY.
+    deadline = time.time() + 5
+    while time.time() < deadline and states[-1:] in ([grpc.ChannelConnectivity.READY], []):
+        time.sleep(0.1)
+    assert states[-1] != grpc.ChannelConnectivity.READY, states
+    # An open stream is a call in flight: quiet for longer than the timeout, it is not cut.
+    req = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[np.zeros((1, 512), np.float32).tobytes()])
+    t = req.inputs.add()
+    t.name, t.datatype = "input", "FP32"
+    t.shape.extend([1, 512])
+
+    def slowly():
+        yield req
+        time.sleep(2.5)
+        yield req
+
+    answers = list(stub.ModelStreamInfer(slowly(), timeout=30))
+    assert len(answers) == 2 and not any(a.error_message for a in answers)
+    channel.close()

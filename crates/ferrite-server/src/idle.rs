@@ -27,6 +27,14 @@ pub struct InFlight {
     finished: AtomicUsize,
 }
 
+impl InFlight {
+    /// Counts one request in flight on the connection until the returned guard is dropped.
+    pub fn enter(self: &Arc<Self>) -> Held {
+        self.now.fetch_add(1, Ordering::AcqRel);
+        Held(self.clone())
+    }
+}
+
 /// A connection's stream that fails its reads once it has had no request in flight for `idle`.
 pub struct IdleIo<T> {
     inner: T,
@@ -98,7 +106,8 @@ pub struct Counted<S> {
     pub in_flight: Arc<InFlight>,
 }
 
-struct Held(Arc<InFlight>);
+/// One request in flight on a connection; see [`InFlight::enter`].
+pub struct Held(Arc<InFlight>);
 
 impl Drop for Held {
     fn drop(&mut self) {
@@ -121,8 +130,7 @@ where
     }
 
     fn call(&mut self, req: R) -> Self::Future {
-        self.in_flight.now.fetch_add(1, Ordering::AcqRel);
-        let held = Held(self.in_flight.clone());
+        let held = self.in_flight.enter();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let out = fut.await;

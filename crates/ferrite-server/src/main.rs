@@ -65,7 +65,7 @@ struct ServeArgs {
     /// Largest gRPC message sent, in bytes.
     #[arg(long, env = "FERRITE_GRPC_MAX_ENCODING_MESSAGE_SIZE", default_value_t = 64 << 20)]
     grpc_max_encoding_message_size: usize,
-    /// Concurrent HTTP/2 streams per gRPC connection.
+    /// Concurrent HTTP/2 streams per connection, on the gRPC listener and the HTTP one's HTTP/2.
     #[arg(long, env = "FERRITE_GRPC_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     grpc_max_concurrent_streams: u32,
     /// Port of the Prometheus `/metrics` listener (0 picks a free one).
@@ -101,16 +101,17 @@ struct ServeArgs {
     /// Seconds a client has to send a whole request body (408 after).
     #[arg(long, env = "FERRITE_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30)]
     http_body_timeout_secs: u64,
-    /// Seconds an HTTP connection may stay open with no request in flight (between keep-alive
-    /// requests, or HTTP/2 kept alive by pings alone); then it is closed.
+    /// Seconds a connection (HTTP or gRPC) may stay open with no request in flight (between
+    /// keep-alive requests, or HTTP/2 kept alive by pings alone); then it is closed.
     #[arg(long, env = "FERRITE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = 60)]
     http_idle_timeout_secs: u64,
     /// Connections each HTTP listener holds at once; more are closed at once (default: a quarter
     /// of the open-files limit, at most 10,000).
     #[arg(long, env = "FERRITE_HTTP_MAX_CONNECTIONS")]
     http_max_connections: Option<usize>,
-    /// Bytes of request bodies all HTTP requests may hold at once, reserved before reading
-    /// (decompressed bodies count twice); past it, 503 with Retry-After.
+    /// Bytes of request bodies all requests may hold at once: HTTP bodies reserved before reading
+    /// (decompressed ones count twice), gRPC messages as they arrive, until answered; past it, 503
+    /// with Retry-After (gRPC: UNAVAILABLE with a retry hint).
     #[arg(long, env = "FERRITE_MAX_INFLIGHT_BODY_BYTES", default_value_t = http::DEFAULT_BODY_BUDGET)]
     max_inflight_body_bytes: usize,
     /// TLS certificate chain (PEM) for every listener; needs --tls-key.
@@ -307,6 +308,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             body_timeout: Duration::from_secs(args.http_body_timeout_secs.max(1)),
             idle_timeout: Duration::from_secs(args.http_idle_timeout_secs.max(1)),
             max_connections: args.http_max_connections.unwrap_or_else(http::default_max_connections).max(1),
+            max_streams: args.grpc_max_concurrent_streams,
             body_budget: Arc::new(tokio::sync::Semaphore::new(
                 args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),
             )),

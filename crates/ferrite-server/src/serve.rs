@@ -95,11 +95,12 @@ pub async fn run(
     let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
+        .layer(grpc::calls::CallLayer { budget: cfg.http.body_budget.clone() })
         .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
         .add_service(grpc::service(core.clone(), &cfg.grpc))
         .serve_with_incoming_shutdown(
-            grpc_incoming(bound.grpc, cfg.http.max_connections, cfg.http.header_timeout),
+            grpc_incoming(bound.grpc, cfg.http.max_connections, cfg.http.header_timeout, cfg.http.idle_timeout),
             stopped(stop_rx.clone()),
         );
     let grpc_server = tokio::spawn(grpc_server);
@@ -167,9 +168,10 @@ async fn speaks_within(tcp: &tokio::net::TcpStream, limit: Duration) -> bool {
     matches!(tokio::time::timeout(limit, tcp.peek(&mut first)).await, Ok(Ok(1..)))
 }
 
-/// A gRPC connection holding one place under its listener's cap.
+/// A gRPC connection holding one place under its listener's cap, closed once idle.
 struct Capped {
-    tcp: tokio::net::TcpStream,
+    io: crate::idle::IdleIo<tokio::net::TcpStream>,
+    conn: grpc::calls::Conn,
     _place: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -179,7 +181,7 @@ impl tokio::io::AsyncRead for Capped {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<io::Result<()>> {
-        std::pin::Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+        std::pin::Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
     }
 }
 
@@ -189,35 +191,37 @@ impl tokio::io::AsyncWrite for Capped {
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<io::Result<usize>> {
-        std::pin::Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+        std::pin::Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
     }
 
     fn poll_flush(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
-        std::pin::Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+        std::pin::Pin::new(&mut self.get_mut().io).poll_flush(cx)
     }
 
     fn poll_shutdown(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<io::Result<()>> {
-        std::pin::Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+        std::pin::Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
 impl tonic::transport::server::Connected for Capped {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = grpc::calls::Conn;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        tonic::transport::server::Connected::connect_info(&self.tcp)
+        self.conn.clone()
     }
 }
 
 /// The gRPC listener's connections, taken as the HTTP listener takes its own: at most `max` at
-/// once (more are closed at once), and each closed if it sends nothing within `first_byte`.
+/// once (more are closed at once), each closed if it sends nothing within `first_byte`, and
+/// closed once it has had no call open for `idle`.
 fn grpc_incoming(
     listener: TcpListener,
     max: usize,
     first_byte: Duration,
+    idle: Duration,
 ) -> impl tokio_stream::Stream<Item = io::Result<Capped>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let places = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
@@ -232,7 +236,11 @@ fn grpc_incoming(
             let tx = tx.clone();
             tokio::spawn(async move {
                 if speaks_within(&tcp, first_byte).await {
-                    let _ = tx.send(Ok(Capped { tcp, _place: place })).await;
+                    let in_flight = std::sync::Arc::new(crate::idle::InFlight::default());
+                    let tcp_info = tonic::transport::server::Connected::connect_info(&tcp);
+                    let conn = grpc::calls::Conn { tcp: tcp_info, in_flight: in_flight.clone() };
+                    let io = crate::idle::IdleIo::new(tcp, in_flight, idle);
+                    let _ = tx.send(Ok(Capped { io, conn, _place: place })).await;
                 }
             });
         }
@@ -249,7 +257,11 @@ async fn serve_http(
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
-    builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(grpc::KEEPALIVE));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(grpc::KEEPALIVE))
+        .max_concurrent_streams(limits.max_streams);
     let graceful = GracefulShutdown::new();
     let connections = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     tokio::pin!(stop);

@@ -3,6 +3,7 @@
 //! A thin translation: protobuf messages to core requests and back, and the core's errors mapped
 //! once to gRPC codes. Validation, limits and batching are the core's, as for HTTP.
 
+pub mod calls;
 pub mod convert;
 
 use std::{pin::Pin, sync::Arc, time::Duration};

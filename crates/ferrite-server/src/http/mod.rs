@@ -41,6 +41,8 @@ pub struct HttpLimits {
     pub idle_timeout: Duration,
     /// Connections a listener holds at once; past it, new ones are closed at once.
     pub max_connections: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_streams: u32,
     /// Bytes of request bodies all requests may hold at once (as sent, and again once
     /// decompressed), reserved before any is read; past it, 503 with Retry-After.
     pub body_budget: Arc<tokio::sync::Semaphore>,
@@ -54,6 +56,7 @@ impl HttpLimits {
             body_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_connections: default_max_connections(),
+            max_streams: 1024,
             body_budget: Arc::new(tokio::sync::Semaphore::new(DEFAULT_BODY_BUDGET / 1024)),
         }
     }
