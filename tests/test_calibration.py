@@ -29,6 +29,13 @@ def test_models_are_calibrated_at_load_and_show_the_choice(start_server, tmp_pat
         cfg = json.loads(r.read())
     chosen = config(s, "mlp")["calibrated"]
     assert chosen.startswith(f"{cfg['instance_group'][0]['count']} instance(s) x {config(s, 'mlp')['intra_op_thread_count']} thread(s)")
+    # Single-threaded instances on a budget of more come with a solo instance on all of it.
+    threads = int(config(s, "mlp")["intra_op_thread_count"])
+    budget = len(os.sched_getaffinity(0))
+    if threads < budget:
+        assert "solo instance x" in chosen and config(s, "mlp")["solo_instance_threads"] == str(budget), chosen
+    else:
+        assert "solo" not in chosen and "solo_instance_threads" not in config(s, "mlp"), chosen
     g = grpcclient.InferenceServerClient(s.grpc_url).get_model_config("fpn", as_json=True)
     assert "calibrated" in g["config"]["parameters"]
     # Served as before: a variable-H/W request through tritonclient.
@@ -51,6 +58,8 @@ def test_config_values_win_and_the_flag_turns_it_off(start_server, tmp_path):
     # Everything but the batch limit was fixed by the config: only the limit is measured.
     assert p["intra_op_thread_count"] == "1" and p["spinning"] == "false"
     assert p["calibrated"].startswith("1 instance(s) x 1 thread(s), spinning false"), p
+    # Instances and threads fixed by the config: no solo instance is added beside them.
+    assert "solo" not in p["calibrated"] and "solo_instance_threads" not in p, p
     assert "calibrated" not in config(s, "fpn")
     off = start_server("--calibrate", "false", models=("mlp",), env=dict(os.environ, FERRITE_CALIBRATE="true"))
     assert "calibrated" not in config(off, "mlp")

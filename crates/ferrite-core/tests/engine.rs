@@ -311,7 +311,7 @@ fn stuck_core_with(limits: Limits, config: &str) -> (Core, mpsc::Sender<()>, Arc
     let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
     let config: ModelConfig = toml::from_str(config).unwrap();
     let spec = ModelSpec::resolve("stuck", 1, &config, &specs, &specs, 1).unwrap();
-    let model = Arc::new(Model::start(spec, &backend).unwrap());
+    let model = Arc::new(Model::start(spec, &backend, None).unwrap());
     let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), limits);
     (core, tx, model)
 }
@@ -605,7 +605,7 @@ async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
     )
     .unwrap();
     let spec = ModelSpec::resolve("p", 1, &config, &specs, &specs, 1).unwrap();
-    let model = Arc::new(Model::start(spec, &Poisonable(specs)).unwrap());
+    let model = Arc::new(Model::start(spec, &Poisonable(specs), None).unwrap());
     let core = Core::from_models([("p".to_string(), model.clone())].into(), Default::default(), Limits::default());
     let values = [10.0f32, 11.0, -1.0, 13.0, 14.0, -2.0, 16.0, 17.0];
     let tasks: Vec<_> = values
@@ -640,4 +640,86 @@ async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
     // Every run that held the panicking row panicked, and was counted: 8, 4, 2, then 1 row.
     assert!(ferrite_core::telemetry::metrics::render(&core)
         .contains("ferrite_backend_panics_total{model=\"p\",version=\"1\"} 4"));
+}
+
+/// Echoes after 5 ms, recording which kind of instance ran and whether a solo run ever overlapped
+/// another run.
+#[derive(Clone, Default)]
+struct Turns {
+    active: Arc<std::sync::atomic::AtomicUsize>,
+    solo_active: Arc<std::sync::atomic::AtomicBool>,
+    overlapped: Arc<std::sync::atomic::AtomicBool>,
+    solo_runs: Arc<std::sync::atomic::AtomicUsize>,
+    narrow_runs: Arc<std::sync::atomic::AtomicUsize>,
+}
+struct TurnsBackend(Vec<TensorSpec>, Turns);
+struct TurnsInstance(Turns, bool);
+
+impl Backend for TurnsBackend {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok(Box::new(TurnsInstance(self.1.clone(), false)))
+    }
+}
+
+impl Instance for TurnsInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let t = &self.0;
+        let before = t.active.fetch_add(1, SeqCst);
+        if self.1 {
+            t.solo_active.store(true, SeqCst);
+        }
+        if (self.1 && before > 0) || (!self.1 && t.solo_active.load(SeqCst)) {
+            t.overlapped.store(true, SeqCst);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        if self.1 {
+            t.solo_active.store(false, SeqCst);
+            t.solo_runs.fetch_add(1, SeqCst);
+        } else {
+            t.narrow_runs.fetch_add(1, SeqCst);
+        }
+        t.active.fetch_sub(1, SeqCst);
+        let i = &inputs[0];
+        let ferrite_core::TensorData::Fixed(b) = i.parts[0] else { unreachable!() };
+        Ok(vec![Tensor::new("x", i.datatype, i.shape.clone(), ferrite_core::TensorData::Fixed(b.clone()))])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_solo_instance_takes_lone_work_and_never_runs_beside_the_others() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let config: ModelConfig = toml::from_str("max_batch_size = 1\ninstance_count = 2\n").unwrap();
+    let spec = ModelSpec::resolve("t", 1, &config, &specs, &specs, 1).unwrap();
+    let turns = Turns::default();
+    let solo: Box<dyn Instance> = Box::new(TurnsInstance(turns.clone(), true));
+    let model = Arc::new(Model::start(spec, &TurnsBackend(specs, turns.clone()), Some(solo)).unwrap());
+    let core = Core::from_models([("t".to_string(), model)].into(), Default::default(), Limits::default());
+    let one = |core: Core, v: f32| async move {
+        let req = InferRequest {
+            model_name: "t".into(),
+            inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[v])],
+            ..Default::default()
+        };
+        let out = core.infer(req).await.unwrap();
+        assert_eq!(out.outputs[0], Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[v]));
+    };
+    // One client at a time: every request runs on the solo instance.
+    for i in 0..10 {
+        one(core.clone(), i as f32).await;
+    }
+    assert_eq!((turns.solo_runs.load(SeqCst), turns.narrow_runs.load(SeqCst)), (10, 0));
+    // Many at once: the single-threaded instances take the load, never beside the solo one.
+    let tasks: Vec<_> = (0..40).map(|i| tokio::spawn(one(core.clone(), i as f32))).collect();
+    futures_join(tasks).await;
+    assert!(turns.narrow_runs.load(SeqCst) >= 20, "narrow runs: {}", turns.narrow_runs.load(SeqCst));
+    assert_eq!(turns.solo_runs.load(SeqCst) + turns.narrow_runs.load(SeqCst), 50);
+    assert!(!turns.overlapped.load(SeqCst), "the solo instance ran beside another");
 }

@@ -35,6 +35,9 @@ pub struct ModelConfig {
     pub onnxruntime: Option<OnnxRuntimeConfig>,
     /// `false` skips the calibration at load (spinning and the batch limit are then the defaults).
     pub calibrate: Option<bool>,
+    /// `false`: when the calibration picks single-threaded instances, no solo instance on every
+    /// thread is added beside them for work that arrives alone (one more session in memory).
+    pub solo_instance: Option<bool>,
     #[serde(default)]
     pub input: Vec<TensorConfig>,
     #[serde(default)]
@@ -322,6 +325,7 @@ impl ModelSpec {
             instance_count,
             onnx: OnnxOptions { intra_threads: config.threads.unwrap_or(default_threads).max(1), ..Default::default() },
             calibrated: None,
+            solo_threads: 0,
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             version_policy: config
                 .version_policy

@@ -2,6 +2,13 @@
 //!
 //! A free instance takes the next batch the queue's policy allows, runs it on its own thread
 //! (never the async runtime's), and splits the outputs back to each request.
+//!
+//! A model served by single-threaded instances (one per core, what the calibration picks for
+//! conv nets under load) may also have a *solo* instance whose threads span the whole budget: it
+//! takes the work when one batch holds all of it and nothing else runs (a lone client then gets the
+//! latency of every core, not one), and the single-threaded ones take it when there is more than
+//! one batch of work. The two kinds never run at once, so the threads running never exceed the
+//! budget.
 
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},
@@ -39,6 +46,10 @@ struct Shared {
     idle: Condvar,
     closed: std::sync::atomic::AtomicBool,
     running: AtomicUsize,
+    /// Set while the solo instance runs a batch (under the queue lock).
+    solo_running: std::sync::atomic::AtomicBool,
+    /// The model has a solo instance: workers take turns as the module says.
+    has_solo: bool,
     /// One batch's recent run time, for refusing requests whose deadline cannot be met.
     batch_time: BatchTime,
     /// Run time per element by batch size, from which the merge limit follows.
@@ -61,9 +72,17 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    /// Creates `spec.instance_count` instances of `backend` (failing fast) and their threads.
-    pub fn start(spec: &ModelSpec, backend: &dyn Backend, stats: Arc<ModelStats>) -> Result<Batcher> {
-        let instances = (0..spec.instance_count).map(|_| backend.instance()).collect::<Result<Vec<_>>>()?;
+    /// Creates `spec.instance_count` instances of `backend` (failing fast) and their threads, and
+    /// one more for `solo` when given (see the module).
+    pub fn start(
+        spec: &ModelSpec,
+        backend: &dyn Backend,
+        solo: Option<Box<dyn Instance>>,
+        stats: Arc<ModelStats>,
+    ) -> Result<Batcher> {
+        let mut instances = (0..spec.instance_count)
+            .map(|_| backend.instance().map(|i| (i, Role::Shared)))
+            .collect::<Result<Vec<_>>>()?;
         let shared = Arc::new(Shared {
             submitted: Default::default(),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
@@ -73,19 +92,27 @@ impl Batcher {
             idle: Condvar::new(),
             closed: Default::default(),
             running: AtomicUsize::new(0),
+            solo_running: Default::default(),
+            has_solo: solo.is_some(),
             policy: spec.batch.clone(),
             spec: spec.clone(),
             stats,
             metrics: ModelMetrics::new(&spec.name, spec.version),
         });
+        if let Some(solo) = solo {
+            for (_, role) in &mut instances {
+                *role = Role::Narrow;
+            }
+            instances.push((solo, Role::Solo));
+        }
         let workers = instances
             .into_iter()
             .enumerate()
-            .map(|(i, instance)| {
+            .map(|(i, (instance, role))| {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("ferrite-{}-{i}", spec.name))
-                    .spawn(move || worker(&shared, instance))
+                    .spawn(move || worker(&shared, instance, role))
                     .map_err(|e| Error::internal(format!("cannot start a worker thread: {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -115,7 +142,12 @@ impl Batcher {
         q.push(p)?;
         drop(q);
         self.shared.submitted.fetch_add(1, Ordering::Release);
-        self.shared.wake.notify_one();
+        if self.shared.has_solo {
+            // Only the worker whose turn it is may take the request: wake them all to decide.
+            self.shared.wake.notify_all();
+        } else {
+            self.shared.wake.notify_one();
+        }
         Ok(())
     }
 
@@ -199,7 +231,33 @@ impl Drop for Batcher {
     }
 }
 
-fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
+/// What a worker's instance is, for whose turn it is (see the module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The model has no solo instance: every worker takes any work.
+    Shared,
+    /// A single-threaded instance beside a solo one: takes work when more than one batch of it
+    /// is queued, or when another of its kind already runs.
+    Narrow,
+    /// The instance on every thread of the budget: takes work when one batch holds all of it and
+    /// nothing runs.
+    Solo,
+}
+
+/// Whether `role` may take work from `q` now (always, without a solo instance).
+fn my_turn(shared: &Shared, q: &Queue, role: Role, limit: usize) -> bool {
+    if role == Role::Shared || q.is_empty() {
+        return true;
+    }
+    let running = shared.running.load(Ordering::Acquire);
+    let one_batch = q.len() == 1 || (shared.policy.dynamic && q.rows() <= limit.min(shared.policy.merge_limit));
+    match role {
+        Role::Solo => running == 0 && one_batch,
+        _ => !shared.solo_running.load(Ordering::Acquire) && (running > 0 || !one_batch),
+    }
+}
+
+fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
     let mut last_requests = 0;
     loop {
         let batch = {
@@ -207,11 +265,21 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
             loop {
                 let flush = shared.closed.load(Ordering::Acquire);
                 let limit = shared.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(shared.policy.merge_limit);
+                if !my_turn(shared, &q, role, limit) {
+                    // The other kind of instance takes this work, or is running: wait for a
+                    // submit or a finished batch to change that.
+                    q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
                 let decision = q.next_batch(Instant::now(), &shared.policy, limit, flush);
                 match decision {
                     Decision::Run(batch) => {
                         shared.running.fetch_add(1, Ordering::AcqRel);
-                        if !q.is_empty() {
+                        shared.solo_running.store(role == Role::Solo, Ordering::Release);
+                        if shared.has_solo {
+                            // The turns have changed with this batch taken.
+                            shared.wake.notify_all();
+                        } else if !q.is_empty() {
                             // Another free instance may take the rest.
                             shared.wake.notify_one();
                         }
@@ -248,7 +316,16 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>) {
         };
         last_requests = batch.len();
         execute(shared, instance.as_mut(), batch);
-        shared.running.fetch_sub(1, Ordering::AcqRel);
+        if shared.has_solo {
+            // Under the lock, so a worker deciding its turn sees this batch finished or is woken.
+            let q = shared.lock();
+            shared.running.fetch_sub(1, Ordering::AcqRel);
+            shared.solo_running.store(false, Ordering::Release);
+            drop(q);
+            shared.wake.notify_all();
+        } else {
+            shared.running.fetch_sub(1, Ordering::AcqRel);
+        }
         shared.idle.notify_all();
     }
 }

@@ -14,6 +14,7 @@ use crate::{
     cache::{self, ResponseCache},
     control::canary::CanaryRoute,
     engine::{
+        backend::Instance,
         batcher::Batcher,
         queue::Pending,
         spec::{ModelSpec, TimeoutAction},
@@ -84,9 +85,10 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn start(spec: ModelSpec, backend: &dyn Backend) -> Result<Model> {
+    /// Starts the model's batcher on instances of `backend`, and `solo` (see the batcher).
+    pub fn start(spec: ModelSpec, backend: &dyn Backend, solo: Option<Box<dyn Instance>>) -> Result<Model> {
         let stats = Arc::new(ModelStats::default());
-        let batcher = Batcher::start(&spec, backend, stats.clone())?;
+        let batcher = Batcher::start(&spec, backend, solo, stats.clone())?;
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
         Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0 })
     }

@@ -109,6 +109,11 @@ impl Queue {
         self.len == 0
     }
 
+    /// Rows waiting at every level.
+    pub fn rows(&self) -> usize {
+        self.levels.iter().flat_map(Level::iter).map(|p| p.rows).sum()
+    }
+
     /// Rows waiting at `level` and above: the work a new request at `level` queues behind.
     pub fn rows_ahead(&self, level: usize) -> usize {
         self.levels.iter().take(level + 1).flat_map(Level::iter).map(|p| p.rows).sum()

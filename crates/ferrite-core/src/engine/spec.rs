@@ -128,6 +128,8 @@ pub struct ModelSpec {
     pub onnx: OnnxOptions,
     /// What the calibration at load chose, when it ran.
     pub calibrated: Option<String>,
+    /// Threads of the solo instance beside single-threaded ones (see the batcher); 0: none.
+    pub solo_threads: usize,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
     pub version_policy: VersionPolicy,
@@ -160,6 +162,9 @@ impl ModelSpec {
         }
         if let Some(c) = &self.calibrated {
             p.push(("calibrated", c.clone()));
+        }
+        if self.solo_threads > 0 {
+            p.push(("solo_instance_threads", self.solo_threads.to_string()));
         }
         p
     }
