@@ -6,6 +6,7 @@
 # Usage: bench/run.sh [--duration 20] [--clients 128] [--name mlp] [--variants]
 #        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
 #        bench/run.sh --kinds [--duration 10]   (model kinds against their ceilings: bench/kinds.py)
+#        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,5 +44,10 @@ fi
 if [ "${1:-}" = "--kinds" ]; then
     shift
     exec python3 bench/kinds.py "$@"
+fi
+if [ "${1:-}" = "--profile" ]; then
+    shift
+    command -v perf >/dev/null || { apt-get update -qq && apt-get install -y -qq linux-perf; }
+    exec python3 bench/profile.py "$@"
 fi
 exec python3 bench/run.py "$@"

@@ -42,6 +42,8 @@ struct Shared {
     submitted: std::sync::atomic::AtomicU64,
     queue: Mutex<Queue>,
     wake: Condvar,
+    /// The solo instance's own (see the module), so a submit wakes only the worker whose turn it is.
+    wake_solo: Condvar,
     /// Signalled when a batch finishes or the queue empties, for shutdown's wait.
     idle: Condvar,
     closed: std::sync::atomic::AtomicBool,
@@ -63,6 +65,32 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn limit(&self) -> usize {
+        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.policy.merge_limit)
+    }
+
+    fn condvar(&self, role: Role) -> &Condvar {
+        if role == Role::Solo {
+            &self.wake_solo
+        } else {
+            &self.wake
+        }
+    }
+
+    /// Wakes one worker whose turn the work in `q` is (called under the queue's lock).
+    fn wake_next(&self, q: &Queue) {
+        if q.is_empty() {
+            return;
+        }
+        if !self.has_solo {
+            self.wake.notify_one();
+        } else if my_turn(self, q, Role::Solo, self.limit()) {
+            self.wake_solo.notify_one();
+        } else if my_turn(self, q, Role::Narrow, self.limit()) {
+            self.wake.notify_one();
+        }
     }
 }
 
@@ -89,6 +117,7 @@ impl Batcher {
             batch_time: BatchTime::default(),
             costs: Mutex::default(),
             wake: Condvar::new(),
+            wake_solo: Condvar::new(),
             idle: Condvar::new(),
             closed: Default::default(),
             running: AtomicUsize::new(0),
@@ -140,14 +169,8 @@ impl Batcher {
             }
         }
         q.push(p)?;
-        drop(q);
         self.shared.submitted.fetch_add(1, Ordering::Release);
-        if self.shared.has_solo {
-            // Only the worker whose turn it is may take the request: wake them all to decide.
-            self.shared.wake.notify_all();
-        } else {
-            self.shared.wake.notify_one();
-        }
+        self.shared.wake_next(&q);
         Ok(())
     }
 
@@ -192,6 +215,7 @@ impl Batcher {
         self.shared.closed.store(true, Ordering::Release);
         drop(q);
         self.shared.wake.notify_all();
+        self.shared.wake_solo.notify_all();
     }
 
     /// Waits until nothing is queued or running, at most until `deadline`. True if drained.
@@ -264,11 +288,12 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
             let mut q = shared.lock();
             loop {
                 let flush = shared.closed.load(Ordering::Acquire);
-                let limit = shared.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(shared.policy.merge_limit);
+                let limit = shared.limit();
                 if !my_turn(shared, &q, role, limit) {
                     // The other kind of instance takes this work, or is running: wait for a
-                    // submit or a finished batch to change that.
-                    q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                    // submit or a finished batch to change that (the timeout only guards).
+                    let turn = Duration::from_millis(50);
+                    q = shared.condvar(role).wait_timeout(q, turn).unwrap_or_else(|e| e.into_inner()).0;
                     continue;
                 }
                 let decision = q.next_batch(Instant::now(), &shared.policy, limit, flush);
@@ -276,18 +301,13 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     Decision::Run(batch) => {
                         shared.running.fetch_add(1, Ordering::AcqRel);
                         shared.solo_running.store(role == Role::Solo, Ordering::Release);
-                        if shared.has_solo {
-                            // The turns have changed with this batch taken.
-                            shared.wake.notify_all();
-                        } else if !q.is_empty() {
-                            // Another free instance may take the rest.
-                            shared.wake.notify_one();
-                        }
+                        // Another free instance may take the rest.
+                        shared.wake_next(&q);
                         break batch;
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
-                        q = shared.wake.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
+                        q = shared.condvar(role).wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
                     }
                     Decision::Idle => {
                         shared.idle.notify_all();
@@ -308,7 +328,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
-                            q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                            q = shared.condvar(role).wait(q).unwrap_or_else(|e| e.into_inner());
                         }
                     }
                 }
@@ -321,8 +341,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
             let q = shared.lock();
             shared.running.fetch_sub(1, Ordering::AcqRel);
             shared.solo_running.store(false, Ordering::Release);
-            drop(q);
-            shared.wake.notify_all();
+            shared.wake_next(&q);
         } else {
             shared.running.fetch_sub(1, Ordering::AcqRel);
         }

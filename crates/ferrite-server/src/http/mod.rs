@@ -520,19 +520,57 @@ fn encode_response(resp: &ferrite_core::InferResponse, binary: &json::BinaryOutp
     if blobs.is_empty() {
         return ([(header::CONTENT_TYPE, "application/json")], text).into_response();
     }
-    let mut out = Vec::with_capacity(text.len() + blobs.iter().map(Bytes::len).sum::<usize>());
-    out.extend_from_slice(text.as_bytes());
-    for b in &blobs {
-        out.extend_from_slice(b);
-    }
+    let header_len = text.len();
+    let mut pieces = std::collections::VecDeque::with_capacity(blobs.len() + 1);
+    pieces.push_back(Bytes::from(text));
+    pieces.extend(blobs);
     (
         [
             (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
-            (HeaderName::from_static(HEADER_LENGTH), HeaderValue::from(text.len())),
+            (HeaderName::from_static(HEADER_LENGTH), HeaderValue::from(header_len)),
         ],
-        out,
+        axum::body::Body::new(Pieces::new(pieces)),
     )
         .into_response()
+}
+
+/// A body sent as the pieces it is made of (the JSON header, then each output tensor's bytes as
+/// the engine left them), with its length stated: no buffer concatenating them.
+struct Pieces {
+    pieces: std::collections::VecDeque<Bytes>,
+    left: u64,
+}
+
+impl Pieces {
+    fn new(pieces: std::collections::VecDeque<Bytes>) -> Pieces {
+        let left = pieces.iter().map(|p| p.len() as u64).sum();
+        Pieces { pieces, left }
+    }
+}
+
+impl http_body::Body for Pieces {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        let next = this.pieces.pop_front().map(|p| {
+            this.left -= p.len() as u64;
+            Ok(http_body::Frame::data(p))
+        });
+        std::task::Poll::Ready(next)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.left)
+    }
 }
 
 /// Property tests over the request parsers: whatever the bytes, parsing returns (never panics),
