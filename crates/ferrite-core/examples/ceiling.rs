@@ -6,6 +6,9 @@
 //!
 //! Usage: ceiling MODEL.onnx [SECONDS_PER_POINT] [DIMS]
 //! DIMS (e.g. 3,320,320) replace the first input's dims after the batch dim, for variable ones.
+//! With CEILING_PLAN=INSTANCES,THREADS,BATCH it runs that one plan and batch size instead and
+//! prints the process's peak resident memory: ONNX Runtime's own footprint for what a server
+//! chose, the reference for the server's memory.
 
 use std::time::{Duration, Instant};
 
@@ -81,6 +84,20 @@ fn main() {
     let secs: f64 = args.next().map_or(1.0, |s| s.parse().expect("seconds"));
     let dims: Option<Vec<usize>> =
         args.next().map(|d| d.split(',').map(|x| x.parse().expect("DIMS like 3,320,320")).collect());
+    if let Ok(plan) = std::env::var("CEILING_PLAN") {
+        let p: Vec<usize> = plan.split(',').map(|x| x.parse().expect("CEILING_PLAN=INSTANCES,THREADS,BATCH")).collect();
+        let options = OnnxOptions { intra_threads: p[1], ..Default::default() };
+        let backend = OnnxBackend::load(path.as_ref(), options).unwrap();
+        let r = rate(&backend, p[0], p[2], &dims, secs);
+        let peak_kb = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(0u64);
+        println!("{{\"rows_per_sec\": {r:.1}, \"peak_rss_mb\": {:.1}}}", peak_kb as f64 / 1024.0);
+        return;
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut plans = vec![(1, cores)];
     if cores > 1 {
