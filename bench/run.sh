@@ -7,6 +7,8 @@
 #        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
 #        bench/run.sh --kinds [--duration 10]   (model kinds against their ceilings: bench/kinds.py)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
+#        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
+#        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,9 +47,23 @@ if [ "${1:-}" = "--kinds" ]; then
     shift
     exec python3 bench/kinds.py "$@"
 fi
+if [ "${1:-}" = "--profile" ] || [ "${1:-}" = "--all" ]; then
+    command -v perf >/dev/null || { apt-get update -qq && apt-get install -y -qq linux-perf; }
+fi
 if [ "${1:-}" = "--profile" ]; then
     shift
-    command -v perf >/dev/null || { apt-get update -qq && apt-get install -y -qq linux-perf; }
     exec python3 bench/profile.py "$@"
+fi
+if [ "${1:-}" = "--soak" ]; then
+    shift
+    exec python3 bench/soak.py "$@"
+fi
+if [ "${1:-}" = "--all" ]; then
+    # The whole suite in one go (about 20 minutes): model kinds, the per-front-end profile, and
+    # memory over five minutes.
+    shift
+    python3 bench/kinds.py --duration 8 "$@"
+    python3 bench/profile.py
+    exec python3 bench/soak.py
 fi
 exec python3 bench/run.py "$@"
