@@ -63,8 +63,15 @@ def test_health_and_metadata_through_tritonclient(server):
 
 
 def test_health_through_curl(server):
-    assert curl(f"http://{server.url}/v2/health/live") == (200, "")
-    assert curl(f"http://{server.url}/v2/health/ready") == (200, "")
+    # The V2 protocol's bodies (KServe's SDK parses them), and the status codes Triton's read.
+    code, body = curl(f"http://{server.url}/v2/health/live")
+    assert code == 200 and json.loads(body) == {"live": True}
+    code, body = curl(f"http://{server.url}/v2/health/ready")
+    assert code == 200 and json.loads(body) == {"ready": True}
+    code, body = curl(f"http://{server.url}/v2/models/mlp/ready")
+    assert code == 200 and json.loads(body) == {"name": "mlp", "ready": True}
+    code, body = curl(f"http://{server.url}/v2/models/nope/ready")
+    assert code == 404 and "error" in json.loads(body)
     code, body = curl(f"http://{server.url}/v2/models/mlp/versions/1")
     assert code == 200 and json.loads(body)["name"] == "mlp"
 

@@ -238,7 +238,7 @@ pub fn app(core: Core, limits: &HttpLimits) -> Router {
         .route("/infer", post(infer));
     Router::new()
         .route("/v2", get(server_metadata))
-        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        .route("/v2/health/live", get(|| async { axum::Json(serde_json::json!({"live": true})) }))
         .route("/v2/health/ready", get(server_ready))
         .route("/v2/models/stats", get(all_stats))
         .route("/v2/repository/index", post(repository_index))
@@ -273,19 +273,22 @@ async fn server_metadata() -> Json<Value> {
     }))
 }
 
-async fn server_ready(State(s): State<AppState>) -> StatusCode {
-    if s.core.is_ready() {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    }
+/// The V2 protocol's health bodies (`{"ready": bool}`, read by KServe's SDK) with the status codes
+/// Triton's clients read.
+async fn server_ready(State(s): State<AppState>) -> Response {
+    let ready = s.core.is_ready();
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(serde_json::json!({ "ready": ready }))).into_response()
 }
 
-async fn model_ready(State(s): State<AppState>, Path(p): Path<ModelPath>) -> StatusCode {
+async fn model_ready(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Response {
     match s.core.model(&p.model, p.version.as_deref()) {
-        Ok(_) if s.core.is_ready() => StatusCode::OK,
-        Ok(_) => StatusCode::SERVICE_UNAVAILABLE,
-        Err(_) => StatusCode::NOT_FOUND,
+        Ok(_) => {
+            let ready = s.core.is_ready();
+            let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+            (status, axum::Json(serde_json::json!({ "name": p.model, "ready": ready }))).into_response()
+        }
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 
