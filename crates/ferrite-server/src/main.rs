@@ -1,4 +1,4 @@
-//! The `ferrite` binary: `ferrite serve`.
+//! The `ferrite` binary: `ferrite serve`, and `ferrite check` before a rollout.
 
 use ferrite_server::{
     grpc, http,
@@ -28,6 +28,49 @@ struct Cli {
 enum Command {
     /// Serve every model of a model repository over HTTP and gRPC.
     Serve(ServeArgs),
+    /// Load and validate every model of a repository as `serve` would (config, ONNX file,
+    /// warm-up), print one row per model version, and exit non-zero if any fails. No listeners.
+    Check(CheckArgs),
+}
+
+#[derive(Parser, Debug)]
+struct CheckArgs {
+    /// Model repository, as for `serve`.
+    #[arg(long, env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
+    model_repository: PathBuf,
+    /// Path of libonnxruntime, as for `serve`.
+    #[arg(long, env = "FERRITE_ONNXRUNTIME_LIB")]
+    onnxruntime_lib: Option<PathBuf>,
+    /// Intra-op threads per model, as for `serve`.
+    #[arg(long, env = "FERRITE_THREADS")]
+    threads: Option<usize>,
+    /// Also run the calibration (as `serve` does by default), to see each model's plan.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    calibrate: bool,
+}
+
+/// `ferrite check`: 0 when every model loads, 1 when one does not, 2 when the repository cannot
+/// be read.
+fn check(args: CheckArgs) -> i32 {
+    let mut options = LoadOptions { calibrate: args.calibrate, ..LoadOptions::default() };
+    if let Some(t) = args.threads {
+        options.threads = t.max(1);
+    }
+    match Core::open(&args.model_repository, &options, Limits::default(), Startup::All) {
+        Ok(core) => {
+            let (text, ok) = ferrite_server::check::report(&core);
+            print!("{text}");
+            if ok {
+                0
+            } else {
+                1
+            }
+        }
+        Err(e) => {
+            eprintln!("ferrite check: {e}");
+            2
+        }
+    }
 }
 
 #[derive(Parser, Debug)]
@@ -210,7 +253,16 @@ fn fix_mmap_threshold() {
 
 fn main() {
     fix_mmap_threshold();
-    let Command::Serve(args) = Cli::parse().command;
+    let args = match Cli::parse().command {
+        Command::Serve(args) => args,
+        Command::Check(args) => {
+            if let Err(e) = ferrite_core::engine::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
+                eprintln!("ferrite: {e}");
+                std::process::exit(2);
+            }
+            std::process::exit(check(args));
+        }
+    };
     // ONNX Runtime is found and loaded once, here, before any model loads.
     if let Err(e) = ferrite_core::engine::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
         eprintln!("ferrite: {e}");
