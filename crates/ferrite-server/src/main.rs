@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve every model of a model repository over HTTP and gRPC.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Load and validate every model of a repository as `serve` would (config, ONNX file,
     /// warm-up), print one row per model version, and exit non-zero if any fails. No listeners.
     Check(CheckArgs),
@@ -254,7 +254,7 @@ fn fix_mmap_threshold() {
 fn main() {
     fix_mmap_threshold();
     let args = match Cli::parse().command {
-        Command::Serve(args) => args,
+        Command::Serve(args) => *args,
         Command::Check(args) => {
             if let Err(e) = ferrite_core::engine::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
                 eprintln!("ferrite: {e}");
