@@ -40,6 +40,12 @@ impl RequestParams {
     }
 }
 
+/// An output's `classification` parameter (Triton's classification extension): the number of
+/// classes to answer it with, when asked.
+pub fn classification<'a>(get: impl Fn(&str) -> Option<Param<'a>>) -> Result<Option<usize>> {
+    Ok(unsigned(&get, "classification")?.map(|k| usize::try_from(k).unwrap_or(usize::MAX)))
+}
+
 fn unsigned<'a>(get: &impl Fn(&str) -> Option<Param<'a>>, key: &str) -> Result<Option<u64>> {
     match get(key) {
         None => Ok(None),

@@ -232,6 +232,8 @@ pub struct TensorConfig {
     pub name: String,
     pub datatype: Option<String>,
     pub dims: Option<Vec<i64>>,
+    /// Outputs: a file in the model's directory with one class label per line (classification).
+    pub label_filename: Option<String>,
 }
 
 impl ModelSpec {
@@ -326,6 +328,7 @@ impl ModelSpec {
             onnx: OnnxOptions { intra_threads: config.threads.unwrap_or(default_threads).max(1), ..Default::default() },
             calibrated: None,
             solo_threads: 0,
+            labels: Default::default(),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             version_policy: config
                 .version_policy

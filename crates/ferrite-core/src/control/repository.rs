@@ -213,6 +213,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let mut backend = OnnxBackend::load(onnx, session)?;
     let mut spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
     spec.onnx = backend.options().clone();
+    spec.labels = labels(onnx, config)?;
     // What the file holds, not where it is: cached answers and remembered calibrations follow it,
     // and processes on other hosts with the same file agree on it.
     let content = std::fs::read(onnx)
@@ -272,6 +273,27 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
         .with_label_values(&[name, version.to_string().as_str()])
         .set(started.elapsed().as_secs_f64());
     Ok(model)
+}
+
+/// The class labels of outputs that name a `label_filename`: a file of the model's directory (the
+/// one holding the version directories), one label per line.
+fn labels(onnx: &Path, config: &ModelConfig) -> Result<std::collections::BTreeMap<String, Vec<String>>> {
+    let dir = onnx.parent().and_then(Path::parent).unwrap_or(Path::new("."));
+    let mut labels = std::collections::BTreeMap::new();
+    for o in &config.output {
+        let Some(file) = &o.label_filename else { continue };
+        let rel = Path::new(file);
+        if rel.is_absolute() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+            return Err(Error::invalid(format!(
+                "output '{}': label_filename must name a file in the model's directory",
+                o.name
+            )));
+        }
+        let text = std::fs::read_to_string(dir.join(rel))
+            .map_err(|e| Error::invalid(format!("output '{}': cannot read label_filename {file}: {e}", o.name)))?;
+        labels.insert(o.name.clone(), text.lines().map(str::to_string).collect());
+    }
+    Ok(labels)
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod batcher;
+pub mod classify;
 pub mod costs;
 pub mod dtype;
 pub mod model;

@@ -16,6 +16,7 @@ use crate::{
     engine::{
         backend::Instance,
         batcher::Batcher,
+        classify,
         queue::Pending,
         spec::{ModelSpec, TimeoutAction},
         tensor::element_count,
@@ -34,6 +35,8 @@ pub struct InferRequest {
     pub inputs: Vec<Tensor>,
     /// Names of the outputs to return; `None` for all.
     pub outputs: Option<Vec<String>>,
+    /// Outputs answered as their top `k` classes (Triton's classification extension), by name.
+    pub classification: Vec<(String, usize)>,
     /// 1 is the highest; 0 means the model's default level.
     pub priority: u32,
     /// Microseconds; may only shorten the model's default timeout. 0 means none.
@@ -98,12 +101,16 @@ impl Model {
     }
 
     /// Validates, queues and awaits one request.
-    pub async fn infer(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
+    pub async fn infer(&self, mut req: InferRequest, limits: &Limits) -> Result<InferResponse> {
         let start = Instant::now();
         // Counts the request as cancelled if its caller stops waiting (the future is dropped).
         let mut outcome = Outcome { model: self, start, done: false };
         let id = req.id.clone();
-        let result = self.run(req, limits).await;
+        let classes = std::mem::take(&mut req.classification);
+        let result = match self.check_classification(&classes) {
+            Ok(()) => self.run(req, limits).await.and_then(|r| self.classify(r, &classes)),
+            Err(e) => Err(e),
+        };
         outcome.done = true;
         let elapsed = start.elapsed();
         let counter = if result.is_ok() { &self.stats.success } else { &self.stats.fail };
@@ -297,6 +304,36 @@ impl Model {
             idx.push(i);
         }
         Ok(Some(idx))
+    }
+
+    /// Refuses classification of an output the model lacks or whose type has no order.
+    fn check_classification(&self, classes: &[(String, usize)]) -> Result<()> {
+        for (name, k) in classes {
+            let Some(o) = self.spec.outputs.iter().find(|o| &o.name == name) else {
+                return Err(Error::invalid(format!(
+                    "unknown output '{name}' requested from model '{}'",
+                    self.spec.name
+                )));
+            };
+            if !classify::classifiable(o.datatype) || *k == 0 {
+                return Err(Error::invalid(format!(
+                    "output '{name}' ({}) cannot be classified into {k} classes",
+                    o.datatype
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces each output asked for as classes by its top k (see `classify`).
+    fn classify(&self, mut resp: InferResponse, classes: &[(String, usize)]) -> Result<InferResponse> {
+        for (name, k) in classes {
+            if let Some(t) = resp.outputs.iter_mut().find(|t| &t.name == name) {
+                let labels = self.spec.labels.get(name).map(Vec::as_slice);
+                *t = classify::top_k(t, *k, self.spec.batched(), labels)?;
+            }
+        }
+        Ok(resp)
     }
 
     fn level(&self, priority: u32) -> Result<usize> {

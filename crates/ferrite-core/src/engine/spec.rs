@@ -130,6 +130,8 @@ pub struct ModelSpec {
     pub calibrated: Option<String>,
     /// Threads of the solo instance beside single-threaded ones (see the batcher); 0: none.
     pub solo_threads: usize,
+    /// Class labels of outputs (one per line of their `label_filename`), for classification.
+    pub labels: std::collections::BTreeMap<String, Vec<String>>,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
     pub version_policy: VersionPolicy,

@@ -16,17 +16,20 @@ use super::pb::{
     self, infer_parameter::ParameterChoice, model_infer_request::InferInputTensor, InferParameter, InferTensorContents,
 };
 
+/// A parameter of a protobuf map as the core's wire module reads it.
+fn param<'a>(params: &'a HashMap<String, InferParameter>, key: &str) -> Option<Param<'a>> {
+    params.get(key).and_then(|p| p.parameter_choice.as_ref()).map(|c| match c {
+        ParameterChoice::BoolParam(b) => Param::Bool(*b),
+        ParameterChoice::Int64Param(v) => Param::Int(*v),
+        ParameterChoice::Uint64Param(v) => Param::Uint(*v),
+        ParameterChoice::DoubleParam(v) => Param::Double(*v),
+        ParameterChoice::StringParam(s) => Param::Str(s),
+    })
+}
+
 /// The request parameters the core honours, read as every front-end reads them.
 fn request_params(params: &HashMap<String, InferParameter>) -> Result<RequestParams, Error> {
-    RequestParams::parse(|key| {
-        params.get(key).and_then(|p| p.parameter_choice.as_ref()).map(|c| match c {
-            ParameterChoice::BoolParam(b) => Param::Bool(*b),
-            ParameterChoice::Int64Param(v) => Param::Int(*v),
-            ParameterChoice::Uint64Param(v) => Param::Uint(*v),
-            ParameterChoice::DoubleParam(v) => Param::Double(*v),
-            ParameterChoice::StringParam(s) => Param::Str(s),
-        })
-    })
+    RequestParams::parse(|key| param(params, key))
 }
 
 /// Whether the client asked for Triton's final-response flag (perf_analyzer does on streams).
@@ -70,6 +73,15 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
         model_version: Some(req.model_version).filter(|v| !v.is_empty()),
         id: Some(req.id).filter(|v| !v.is_empty()),
         inputs,
+        classification: req
+            .outputs
+            .iter()
+            .filter_map(|o| {
+                ferrite_core::wire::classification(|k| param(&o.parameters, k))
+                    .map(|k| k.map(|k| (o.name.clone(), k)))
+                    .transpose()
+            })
+            .collect::<Result<_, _>>()?,
         outputs: if req.outputs.is_empty() { None } else { Some(req.outputs.into_iter().map(|o| o.name).collect()) },
         priority: params.priority,
         timeout_us: params.timeout_us,

@@ -101,6 +101,7 @@ pub fn parse(
         default: param_bool(&req.parameters, "binary_data_output")?.unwrap_or(false),
         ..Default::default()
     };
+    let mut classification = Vec::new();
     let outputs = match req.outputs {
         None => None,
         Some(outs) => {
@@ -108,6 +109,9 @@ pub fn parse(
             for o in outs {
                 if let Some(b) = param_bool(&o.parameters, "binary_data")? {
                     binary_outputs.named.insert(o.name.clone(), b);
+                }
+                if let Some(k) = param_u64(&o.parameters, "classification")? {
+                    classification.push((o.name.clone(), usize::try_from(k).unwrap_or(usize::MAX)));
                 }
                 names.push(o.name);
             }
@@ -120,6 +124,7 @@ pub fn parse(
         id: req.id,
         inputs,
         outputs,
+        classification,
         priority: params.priority,
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,

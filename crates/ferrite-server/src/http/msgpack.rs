@@ -41,6 +41,8 @@ struct InputHeader {
 #[derive(Deserialize)]
 struct OutputHeader {
     name: String,
+    #[serde(default)]
+    parameters: Params,
 }
 
 fn bad(e: impl fmt::Display) -> Error {
@@ -76,6 +78,17 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
         model_version: version,
         id: header.id,
         inputs,
+        classification: match &header.outputs {
+            None => Vec::new(),
+            Some(outs) => outs
+                .iter()
+                .filter_map(|o| {
+                    super::decode::param_u64(&o.parameters, "classification")
+                        .map(|k| k.map(|k| (o.name.clone(), usize::try_from(k).unwrap_or(usize::MAX))))
+                        .transpose()
+                })
+                .collect::<Result<_, _>>()?,
+        },
         outputs: header.outputs.map(|o| o.into_iter().map(|o| o.name).collect()),
         priority: params.priority,
         timeout_us: params.timeout_us,

@@ -1,0 +1,92 @@
+//! Triton's classification extension: an output asked for with `classification: k` is answered as
+//! its top `k` entries per batch row (all of it without a batch dim), each a BYTES element
+//! `"value:index"`, or `"value:index:label"` when the output has labels (`label_filename`), highest
+//! first. Floats are written as C's `%f` (Triton's `std::to_string`), integers as they are.
+
+use crate::{engine::dtype::DataType, Error, Result, Tensor, TensorData};
+
+/// Whether outputs of `datatype` can be classified.
+pub fn classifiable(datatype: DataType) -> bool {
+    !matches!(datatype, DataType::Bytes | DataType::Bool)
+}
+
+/// `t`'s top `k` per row (rows along dim 0 when `batched`) as a BYTES tensor of shape `[rows, k']`
+/// (`[k']` without a batch dim), `k'` being `k` or the row's length if smaller.
+pub fn top_k(t: &Tensor, k: usize, batched: bool, labels: Option<&[String]>) -> Result<Tensor> {
+    if k == 0 {
+        return Err(Error::invalid(format!("output '{}': classification must ask for at least 1 class", t.name)));
+    }
+    let values = numbers(t)?;
+    let rows = if batched { t.shape.first().copied().unwrap_or(1) } else { 1 };
+    let per_row = if rows == 0 { 0 } else { values.len() / rows };
+    let k = k.min(per_row);
+    let integer = !matches!(t.datatype, DataType::Fp16 | DataType::Bf16 | DataType::Fp32 | DataType::Fp64);
+    let mut items = Vec::with_capacity(rows * k);
+    for row in values.chunks(per_row.max(1)).take(rows) {
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        // Highest first; ties in index order, NaN last.
+        order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap_or_else(|| row[a].is_nan().cmp(&row[b].is_nan())));
+        for &i in order.iter().take(k) {
+            let v = row[i];
+            let mut s = if integer { format!("{}", v as i64) } else { format!("{v:.6}") };
+            s.push_str(&format!(":{i}"));
+            if let Some(label) = labels.and_then(|l| l.get(i)) {
+                s.push(':');
+                s.push_str(label);
+            }
+            items.push(bytes::Bytes::from(s));
+        }
+    }
+    let shape = if batched { vec![rows, k] } else { vec![k] };
+    Ok(Tensor::new(&t.name, DataType::Bytes, shape, TensorData::Strings(items)))
+}
+
+/// Every element of `t` as f64 (its classification order).
+fn numbers(t: &Tensor) -> Result<Vec<f64>> {
+    let TensorData::Fixed(b) = &t.data else {
+        return Err(Error::invalid(format!("output '{}' of type {} cannot be classified", t.name, t.datatype)));
+    };
+    macro_rules! each {
+        ($ty:ty, $n:expr, $conv:expr) => {
+            b.chunks_exact($n).map(|c| $conv(<$ty>::from_le_bytes(c.try_into().unwrap()))).collect()
+        };
+    }
+    Ok(match t.datatype {
+        DataType::Fp32 => each!(f32, 4, f64::from),
+        DataType::Fp64 => each!(f64, 8, |v| v),
+        DataType::Fp16 => each!(half::f16, 2, |v: half::f16| v.to_f64()),
+        DataType::Bf16 => each!(half::bf16, 2, |v: half::bf16| v.to_f64()),
+        DataType::Int8 => each!(i8, 1, f64::from),
+        DataType::Int16 => each!(i16, 2, f64::from),
+        DataType::Int32 => each!(i32, 4, f64::from),
+        DataType::Int64 => each!(i64, 8, |v| v as f64),
+        DataType::Uint8 => each!(u8, 1, f64::from),
+        DataType::Uint16 => each!(u16, 2, f64::from),
+        DataType::Uint32 => each!(u32, 4, f64::from),
+        DataType::Uint64 => each!(u64, 8, |v| v as f64),
+        other => return Err(Error::invalid(format!("output '{}' of type {other} cannot be classified", t.name))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(t: &Tensor) -> Vec<String> {
+        let TensorData::Strings(v) = &t.data else { panic!() };
+        v.iter().map(|b| String::from_utf8(b.to_vec()).unwrap()).collect()
+    }
+
+    #[test]
+    fn top_k_per_row_in_tritons_format() {
+        let t = Tensor::from_le("y", DataType::Fp32, vec![2, 4], &[0.1f32, 0.7, 0.2, 0.7, 3.0, -1.0, 2.5, 0.0]);
+        let labels: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let out = top_k(&t, 2, true, Some(&labels)).unwrap();
+        assert_eq!(out.shape, vec![2, 2]);
+        assert_eq!(strings(&out), ["0.700000:1:b", "0.700000:3:d", "3.000000:0:a", "2.500000:2:c"]);
+        let ints = Tensor::from_le("y", DataType::Int64, vec![3], &[5i64, 9, 7]);
+        let out = top_k(&ints, 5, false, None).unwrap();
+        assert_eq!((out.shape.clone(), strings(&out)), (vec![3], vec!["9:1".into(), "7:2".into(), "5:0".into()]));
+        assert!(top_k(&t, 0, true, None).is_err());
+    }
+}
