@@ -18,7 +18,7 @@ pub fn top_k(t: &Tensor, k: usize, batched: bool, labels: Option<&[String]>) -> 
     }
     let values = numbers(t)?;
     let rows = if batched { t.shape.first().copied().unwrap_or(1) } else { 1 };
-    let per_row = if rows == 0 { 0 } else { values.len() / rows };
+    let per_row = values.len().checked_div(rows).unwrap_or(0);
     let k = k.min(per_row);
     let integer = !matches!(t.datatype, DataType::Fp16 | DataType::Bf16 | DataType::Fp32 | DataType::Fp64);
     let mut items = Vec::with_capacity(rows * k);
