@@ -227,8 +227,9 @@ def write(results, args, took):
             f"{r['idle']['rss_mb']:.0f} MB RSS, {r['idle']['threads']} threads; model file {r['onnx_mb']:.1f} MB; "
             f"ONNX Runtime in-process for the chosen plan ({r['engine_plan']}): {r['engine_rss_mb']:.0f} MB peak RSS; "
             f"one request {r['request_mb']:.2f} MB. Chosen: "
-            f"intra-op threads {p.get('intra_op_thread_count')}, spinning {p.get('spinning')}, "
-            f"batch merge limit {p.get('batch_merge_limit')}{', calibrated' if 'calibrated' in p else ''}.",
+            + (f"calibrated: {p['calibrated']}." if "calibrated" in p else
+               f"intra-op threads {p.get('intra_op_thread_count')}, spinning {p.get('spinning')}, "
+               f"batch merge limit {p.get('batch_merge_limit')} (not calibrated)."),
             "",
             "| load | clients | req/s | / ceiling | / reachable | p50 ms | p99 ms | CPU cores | peak RSS MB | threads | errors |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
