@@ -79,17 +79,19 @@ impl Shared {
         }
     }
 
-    /// Wakes one worker whose turn the work in `q` is (called under the queue's lock).
-    fn wake_next(&self, q: &Queue) {
+    /// The condvar of the workers whose turn the work in `q` is, if any is queued (decided under
+    /// the queue's lock; notified after it is released, so the woken worker does not wait on it).
+    fn next_turn(&self, q: &Queue) -> Option<&Condvar> {
         if q.is_empty() {
-            return;
-        }
-        if !self.has_solo {
-            self.wake.notify_one();
+            None
+        } else if !self.has_solo {
+            Some(&self.wake)
         } else if my_turn(self, q, Role::Solo, self.limit()) {
-            self.wake_solo.notify_one();
+            Some(&self.wake_solo)
         } else if my_turn(self, q, Role::Narrow, self.limit()) {
-            self.wake.notify_one();
+            Some(&self.wake)
+        } else {
+            None
         }
     }
 }
@@ -170,7 +172,11 @@ impl Batcher {
         }
         q.push(p)?;
         self.shared.submitted.fetch_add(1, Ordering::Release);
-        self.shared.wake_next(&q);
+        let next = self.shared.next_turn(&q);
+        drop(q);
+        if let Some(c) = next {
+            c.notify_one();
+        }
         Ok(())
     }
 
@@ -302,7 +308,9 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         shared.running.fetch_add(1, Ordering::AcqRel);
                         shared.solo_running.store(role == Role::Solo, Ordering::Release);
                         // Another free instance may take the rest.
-                        shared.wake_next(&q);
+                        if let Some(c) = shared.next_turn(&q) {
+                            c.notify_one();
+                        }
                         break batch;
                     }
                     Decision::WaitUntil(when) => {
@@ -341,7 +349,11 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
             let q = shared.lock();
             shared.running.fetch_sub(1, Ordering::AcqRel);
             shared.solo_running.store(false, Ordering::Release);
-            shared.wake_next(&q);
+            let next = shared.next_turn(&q);
+            drop(q);
+            if let Some(c) = next {
+                c.notify_one();
+            }
         } else {
             shared.running.fetch_sub(1, Ordering::AcqRel);
         }
