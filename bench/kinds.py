@@ -101,7 +101,7 @@ def engine_rss(case, parameters, secs=2.0):
     return json.loads(out.splitlines()[-1])["peak_rss_mb"], f"{instances} x {threads} threads, batch {batch}"
 
 
-def serve(case, args):
+def serve(case, args, log_name="kinds"):
     model = CASES[case][0]
     repo = WORK / f"repo-{model}"
     if not (repo / model / "1" / "model.onnx").exists():
@@ -110,7 +110,7 @@ def serve(case, args):
     port, grpc_port = free_port(), free_port()
     cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
            "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "info", *args.extra.split()]
-    log = open(WORK / f"kinds-{case}.log", "w")
+    log = open(WORK / f"{log_name}-{case}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_ready(f"{base}/v2/models/{model}/ready", proc, timeout=120)

@@ -59,7 +59,7 @@ def main():
     model, inputs, _ = CASES[case]
     json_body, bin_body, header_len = bodies(case, f"profile-{case}")
     rows = []
-    proc, base, grpc = serve(case, args)
+    proc, base, grpc = serve(case, args, "profile")
     try:
         infer = f"{base}/v2/models/{model}/infer"
         pa_extra = ["--input-data", "zero", *[x for i, _, s in inputs for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]

@@ -33,7 +33,7 @@ def main():
     for case in ("detector320", "detector640"):
         _, body, header_len = bodies(case, f"soak-{case}")
         loads.append((case, body, header_len))
-    proc, base, _ = serve("detector320", args)
+    proc, base, _ = serve("detector320", args, "soak")
     url = f"{base}/v2/models/detector/infer"
     samples, results, done = [], {}, threading.Event()
 
