@@ -244,6 +244,33 @@ def lookup():
     )
     save(graph, os.path.join(ROOT, "tests", "models", "lookup", "1", "model.onnx"))
 
+def encoder():
+    """A text encoder's shape: input_ids and attention_mask INT64 [N,S] with S variable ->
+    embedding lookup in a [100,4] table (table[i] = [i, 2i, -i, 0.5i]) -> masked mean over S ->
+    embeddings FP32 [N,4]. Ids outside 0..99 are ONNX Runtime's error."""
+    i = np.arange(100, dtype=np.float32)
+    table = numpy_helper.from_array(np.stack([i, 2 * i, -i, 0.5 * i], axis=1), "table")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    last = numpy_helper.from_array(np.array([2], np.int64), "last")
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["tokens"], axis=0),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
+        helper.make_node("Mul", ["tokens", "mask3"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "axes"], ["summed"], keepdims=0),
+        helper.make_node("ReduceSum", ["mask3", "axes"], ["count"], keepdims=0),
+        helper.make_node("Div", ["summed", "count"], ["embeddings"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "encoder",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", "S"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", "S"])],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["N", 4])],
+        [table, axes, last],
+    )
+    save(graph, os.path.join(ROOT, "tests", "models", "encoder", "1", "model.onnx"))
+
 
 if __name__ == "__main__":
     mlp()
@@ -254,3 +281,4 @@ if __name__ == "__main__":
     scales()
     fpn()
     lookup()
+    encoder()
