@@ -39,3 +39,11 @@ def test_a_broken_model_fails_the_check_and_says_why(tmp_path):
 def test_an_unreadable_repository_exits_2(tmp_path):
     r = check(tmp_path / "missing")
     assert r.returncode == 2 and "cannot read model repository" in r.stderr, r.stderr
+
+
+def test_an_unread_config_pbtxt_is_said_not_ignored(tmp_path):
+    repo = make_repository(tmp_path / "repo", ("mlp",))
+    (repo / "mlp" / "config.pbtxt").write_text('name: "mlp"\nmax_batch_size: 8\n')
+    r = check(repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "config.pbtxt is not read yet" in r.stderr, r.stderr

@@ -52,6 +52,8 @@ struct CheckArgs {
 /// `ferrite check`: 0 when every model loads, 1 when one does not, 2 when the repository cannot
 /// be read.
 fn check(args: CheckArgs) -> i32 {
+    // Warnings of the loads (an unread config.pbtxt, say) go to stderr beside the report.
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(tracing::Level::WARN).init();
     let mut options = LoadOptions { calibrate: args.calibrate, ..LoadOptions::default() };
     if let Some(t) = args.threads {
         options.threads = t.max(1);

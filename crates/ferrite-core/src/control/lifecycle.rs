@@ -48,6 +48,10 @@ pub(crate) fn build(
     current: Option<&Arc<Served>>,
 ) -> (Option<Arc<Served>>, Notes) {
     let mut notes = Notes::default();
+    if repo.has_unread_pbtxt(name) {
+        tracing::warn!(model = %name, "config.pbtxt is not read yet: the model is served from its ONNX file \
+            alone; write its settings in config.toml (README: Coming from Triton)");
+    }
     let planned = (|| -> Result<(ModelConfig, String, Vec<OnDisk>)> {
         let text = sources.text?;
         let config = parse_config(&text)?;

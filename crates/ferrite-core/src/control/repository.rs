@@ -121,6 +121,12 @@ impl Repository {
         }
     }
 
+    /// Whether the model's directory holds Triton's `config.pbtxt` and no `config.toml`: the
+    /// format is not read yet, which loading says rather than serve as if it were absent.
+    pub fn has_unread_pbtxt(&self, name: &str) -> bool {
+        self.model_dir(name).is_ok_and(|d| d.join("config.pbtxt").exists() && !d.join("config.toml").exists())
+    }
+
     /// The model's version directories that hold a `model.onnx`, highest first.
     pub fn versions(&self, name: &str) -> Result<Vec<OnDisk>> {
         use std::os::unix::fs::MetadataExt;
