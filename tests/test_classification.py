@@ -64,3 +64,23 @@ def test_classification_of_a_bad_request_is_refused(labelled):
     assert e.value.code == 400 and b"cannot be classified" in e.value.read()
     with pytest.raises(InferenceServerException, match="unknown output"):
         c.infer("mlp", [i], outputs=[httpclient.InferRequestedOutput("nope", class_count=2)])
+
+
+def test_classification_over_messagepack(labelled):
+    import urllib.request
+
+    import msgpack
+    x = np.random.default_rng(5).standard_normal((1, 512)).astype(np.float32)
+    body = {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": x.ravel().tolist()}],
+            "outputs": [{"name": "output", "parameters": {"classification": 2}}]}
+    req = urllib.request.Request(f"http://{labelled.url}/v2/models/mlp/infer", msgpack.packb(body),
+                                 {"Content-Type": "application/msgpack"}, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        out = msgpack.unpackb(r.read())["outputs"][0]
+    c = httpclient.InferenceServerClient(labelled.url)
+    i = httpclient.InferInput("input", [1, 512], "FP32")
+    i.set_data_from_numpy(x)
+    plain = c.infer("mlp", [i]).as_numpy("output")
+    assert out["datatype"] == "BYTES" and list(out["shape"]) == [1, 2]
+    got = [v.encode() if isinstance(v, str) else bytes(v) for v in out["data"]]
+    assert got == list(expected(plain, 2)[0]), (got, expected(plain, 2))

@@ -255,21 +255,20 @@ fn fix_mmap_threshold() {
 
 fn main() {
     fix_mmap_threshold();
-    let args = match Cli::parse().command {
-        Command::Serve(args) => *args,
-        Command::Check(args) => {
-            if let Err(e) = ferrite_core::engine::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
-                eprintln!("ferrite: {e}");
-                std::process::exit(2);
-            }
-            std::process::exit(check(args));
-        }
-    };
+    let command = Cli::parse().command;
     // ONNX Runtime is found and loaded once, here, before any model loads.
-    if let Err(e) = ferrite_core::engine::onnx::init_runtime(args.onnxruntime_lib.as_deref()) {
+    let lib = match &command {
+        Command::Serve(args) => args.onnxruntime_lib.as_deref(),
+        Command::Check(args) => args.onnxruntime_lib.as_deref(),
+    };
+    if let Err(e) = ferrite_core::engine::onnx::init_runtime(lib) {
         eprintln!("ferrite: {e}");
         std::process::exit(2);
     }
+    let args = match command {
+        Command::Serve(args) => *args,
+        Command::Check(args) => std::process::exit(check(args)),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = runtime.block_on(async {
         let sample_rate = args

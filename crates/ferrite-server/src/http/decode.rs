@@ -42,17 +42,25 @@ pub fn param_bool(params: &Params, key: &str) -> Result<Option<bool>, Error> {
     }
 }
 
+/// A parameter as the core's wire module reads it.
+fn wire<'a>(params: &'a Params, key: &str) -> Option<WireParam<'a>> {
+    params.get(key).map(|p| match p {
+        Param::Bool(b) => WireParam::Bool(*b),
+        Param::U64(v) => WireParam::Uint(*v),
+        Param::I64(v) => WireParam::Int(*v),
+        Param::F64(v) => WireParam::Double(*v),
+        Param::Str(s) => WireParam::Str(s),
+    })
+}
+
 /// The request parameters the core honours, read as every front-end reads them.
 pub fn request_params(params: &Params) -> Result<RequestParams, Error> {
-    RequestParams::parse(|key| {
-        params.get(key).map(|p| match p {
-            Param::Bool(b) => WireParam::Bool(*b),
-            Param::U64(v) => WireParam::Uint(*v),
-            Param::I64(v) => WireParam::Int(*v),
-            Param::F64(v) => WireParam::Double(*v),
-            Param::Str(s) => WireParam::Str(s),
-        })
-    })
+    RequestParams::parse(|key| wire(params, key))
+}
+
+/// An output's `classification` parameter, read as every front-end reads it.
+pub fn classification(params: &Params) -> Result<Option<usize>, Error> {
+    ferrite_core::wire::classification(|key| wire(params, key))
 }
 
 /// Collects the scalars (or raw bytes) of one input into its datatype's little-endian layout.

@@ -110,8 +110,8 @@ pub fn parse(
                 if let Some(b) = param_bool(&o.parameters, "binary_data")? {
                     binary_outputs.named.insert(o.name.clone(), b);
                 }
-                if let Some(k) = param_u64(&o.parameters, "classification")? {
-                    classification.push((o.name.clone(), usize::try_from(k).unwrap_or(usize::MAX)));
+                if let Some(k) = super::decode::classification(&o.parameters)? {
+                    classification.push((o.name.clone(), k));
                 }
                 names.push(o.name);
             }

@@ -45,6 +45,17 @@ struct OutputHeader {
     parameters: Params,
 }
 
+/// The outputs asked for as their top k classes.
+fn classes(outputs: &[OutputHeader]) -> Result<Vec<(String, usize)>, Error> {
+    let mut out = Vec::new();
+    for o in outputs {
+        if let Some(k) = super::decode::classification(&o.parameters)? {
+            out.push((o.name.clone(), k));
+        }
+    }
+    Ok(out)
+}
+
 fn bad(e: impl fmt::Display) -> Error {
     Error::invalid(format!("invalid MessagePack request: {e}"))
 }
@@ -78,17 +89,7 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
         model_version: version,
         id: header.id,
         inputs,
-        classification: match &header.outputs {
-            None => Vec::new(),
-            Some(outs) => outs
-                .iter()
-                .filter_map(|o| {
-                    super::decode::param_u64(&o.parameters, "classification")
-                        .map(|k| k.map(|k| (o.name.clone(), usize::try_from(k).unwrap_or(usize::MAX))))
-                        .transpose()
-                })
-                .collect::<Result<_, _>>()?,
-        },
+        classification: classes(header.outputs.as_deref().unwrap_or_default())?,
         outputs: header.outputs.map(|o| o.into_iter().map(|o| o.name).collect()),
         priority: params.priority,
         timeout_us: params.timeout_us,
