@@ -143,7 +143,8 @@ struct ServeArgs {
     /// Seconds a client has for its TLS handshake and request head (slow senders are cut off).
     #[arg(long, env = "FERRITE_HTTP_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     http_header_timeout_secs: u64,
-    /// Seconds a client has to send a whole request body (408 after).
+    /// Seconds a client has to send a whole request body (408 after), and each gRPC message from
+    /// its first byte (DEADLINE_EXCEEDED after).
     #[arg(long, env = "FERRITE_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30)]
     http_body_timeout_secs: u64,
     /// Seconds a connection (HTTP or gRPC) may stay open with no request in flight (between

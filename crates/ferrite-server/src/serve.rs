@@ -95,7 +95,7 @@ pub async fn run(
     let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
-        .layer(grpc::calls::CallLayer { budget: cfg.http.body_budget.clone() })
+        .layer(grpc::calls::CallLayer { budget: cfg.http.body_budget.clone(), message_timeout: cfg.http.body_timeout })
         .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
         .add_service(grpc::service(core.clone(), &cfg.grpc))

@@ -4,8 +4,11 @@
 //! are charged to the budget of bytes in flight that all listeners share (past it, the call fails
 //! UNAVAILABLE with a retry hint). A unary call's bytes stay charged until its response is sent; a
 //! stream's are released at each message boundary (its messages in flight are capped apart).
+//! A message must arrive whole within the body timeout of its first byte (as an HTTP body must), so
+//! a client trickling a large message cannot hold the shared budget (and the stream) forever.
 
 use std::{
+    future::Future,
     pin::Pin,
     sync::{
         atomic::{AtomicU32, Ordering},
@@ -38,19 +41,21 @@ pub struct Conn {
 pub struct CallLayer {
     /// Shared with the HTTP listener's bodies; one permit per KiB.
     pub budget: Arc<Semaphore>,
+    /// Time a message has, from its first byte, to arrive whole (HTTP's body timeout).
+    pub message_timeout: Duration,
 }
 
 impl<S> tower_layer::Layer<S> for CallLayer {
     type Service = CallService<S>;
     fn layer(&self, inner: S) -> CallService<S> {
-        CallService { inner, budget: self.budget.clone() }
+        CallService { inner, layer: self.clone() }
     }
 }
 
 #[derive(Clone)]
 pub struct CallService<S> {
     inner: S,
-    budget: Arc<Semaphore>,
+    layer: CallLayer,
 }
 
 impl<S> tower_service::Service<http::Request<Body>> for CallService<S>
@@ -71,10 +76,9 @@ where
         let conn = ext.get::<Conn>().or_else(|| ext.get::<TlsConnectInfo<Conn>>().map(|c| c.get_ref()));
         let held = conn.map(|c| c.in_flight.enter());
         let streaming = req.uri().path().ends_with("/ModelStreamInfer");
-        let charge = Arc::new(Charge { budget: self.budget.clone(), permits: AtomicU32::new(0) });
-        let req = req.map(|inner| {
-            Body::new(Charged { inner, charge: charge.clone(), streaming, frame: Framing::default(), since: 0 })
-        });
+        let charge = Arc::new(Charge { budget: self.layer.budget.clone(), permits: AtomicU32::new(0) });
+        let limit = self.layer.message_timeout;
+        let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), streaming, limit)));
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await?;
@@ -132,6 +136,11 @@ struct Framing {
 }
 
 impl Framing {
+    /// Whether a message is partly received.
+    fn partial(&self) -> bool {
+        self.have > 0
+    }
+
     /// Consumes `chunk`; returns how many of its bytes follow the last message that ended in it.
     fn advance(&mut self, mut chunk: &[u8]) -> Option<usize> {
         let mut after_end = None;
@@ -160,7 +169,8 @@ impl Framing {
     }
 }
 
-/// A request body whose bytes are charged to the budget as they arrive.
+/// A request body whose bytes are charged to the budget as they arrive, and whose messages must
+/// each arrive within `limit` of their first byte.
 struct Charged {
     inner: Body,
     charge: Arc<Charge>,
@@ -168,16 +178,30 @@ struct Charged {
     frame: Framing,
     /// Bytes received since the charge was last released.
     since: usize,
+    limit: Duration,
+    /// Set while a message is partly received: when it must be whole.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Charged {
+    fn new(inner: Body, charge: Arc<Charge>, streaming: bool, limit: Duration) -> Charged {
+        Charged { inner, charge, streaming, frame: Framing::default(), since: 0, limit, deadline: None }
+    }
+
     fn account(&mut self, data: &[u8]) -> Result<(), Status> {
-        match self.streaming.then(|| self.frame.advance(data)).flatten() {
+        let after = self.frame.advance(data);
+        match after.filter(|_| self.streaming) {
             Some(after) => {
                 self.charge.release();
                 self.since = after;
             }
             None => self.since += data.len(),
+        }
+        // A message that ended here (and none begun after it) stops the clock; a new one starts it.
+        if after.is_some() && !self.frame.partial() {
+            self.deadline = None;
+        } else if after.is_some() || self.deadline.is_none() {
+            self.deadline = Some(Box::pin(tokio::time::sleep(self.limit)));
         }
         self.charge.hold(u32::try_from(self.since.div_ceil(1024)).unwrap_or(u32::MAX))
     }
@@ -190,6 +214,13 @@ impl http_body::Body for Charged {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if polled.is_pending() && this.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
+            this.deadline = None;
+            let secs = this.limit.as_secs_f64();
+            return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
+                "the request message did not arrive whole within {secs} s of its first byte"
+            )))));
+        }
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             if let Some(data) = frame.data_ref() {
                 if let Err(refused) = this.account(data) {
@@ -256,6 +287,50 @@ mod tests {
         assert_eq!(f.advance(&stream[17..23]), Some(3));
         assert_eq!(f.advance(&stream[23..]), Some(0));
         assert_eq!(f.advance(&message(4)[..6]), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_trickled_past_the_timeout_fails_and_frees_its_bytes() {
+        use http_body_util::BodyExt;
+        let budget = Arc::new(Semaphore::new(100));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
+        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
+        let charge = Arc::new(Charge { budget: budget.clone(), permits: AtomicU32::new(0) });
+        let mut body = Charged::new(inner, charge.clone(), false, Duration::from_secs(30));
+        // A whole small message, then 10 KiB of a 1 MB one, then nothing.
+        tx.send(Ok(Frame::data(Bytes::from(message(3))))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        let mut big = message(1 << 20);
+        big.truncate(10 << 10);
+        tx.send(Ok(Frame::data(Bytes::from(big)))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        assert!(budget.available_permits() < 100);
+        let started = tokio::time::Instant::now();
+        let refused = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::DeadlineExceeded, "{refused:?}");
+        assert!(started.elapsed() >= Duration::from_secs(29));
+        drop(body);
+        drop(charge);
+        assert_eq!(budget.available_permits(), 100);
+        drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn whole_messages_stop_the_clock() {
+        use http_body_util::BodyExt;
+        let budget = Arc::new(Semaphore::new(100));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
+        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
+        let charge = Arc::new(Charge { budget, permits: AtomicU32::new(0) });
+        let mut body = Charged::new(inner, charge, true, Duration::from_secs(30));
+        tx.send(Ok(Frame::data(Bytes::from(message(8))))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        // A quiet stream between whole messages is not cut.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        tx.send(Ok(Frame::data(Bytes::from(message(8))))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        drop(tx);
+        assert!(body.frame().await.is_none());
     }
 
     #[test]
