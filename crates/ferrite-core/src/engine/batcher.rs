@@ -83,12 +83,15 @@ impl Shared {
     /// the queue's lock; notified after it is released, so the woken worker does not wait on it).
     fn next_turn(&self, q: &Queue) -> Option<&Condvar> {
         if q.is_empty() {
-            None
-        } else if !self.has_solo {
-            Some(&self.wake)
-        } else if my_turn(self, q, Role::Solo, self.limit()) {
+            return None;
+        }
+        if !self.has_solo {
+            return Some(&self.wake);
+        }
+        let limit = self.limit();
+        if my_turn(self, q, Role::Solo, limit) {
             Some(&self.wake_solo)
-        } else if my_turn(self, q, Role::Narrow, self.limit()) {
+        } else if my_turn(self, q, Role::Narrow, limit) {
             Some(&self.wake)
         } else {
             None
