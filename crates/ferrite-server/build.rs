@@ -6,8 +6,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; this only tells prost-build where protoc is.
     unsafe { std::env::set_var("PROTOC", protoc) };
     let proto = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // The model config is the core's type (it builds the resolved config every front-end reports).
     tonic_prost_build::configure()
         .bytes(".")
+        .extern_path(".inference.ModelConfig", "::ferrite_core::control::triton::pb::ModelConfig")
         .compile_protos(&[proto.join("grpc_service.proto")], std::slice::from_ref(&proto))?;
     // The etcd client for --config-source: a client only.
     tonic_prost_build::configure()

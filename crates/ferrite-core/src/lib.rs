@@ -11,12 +11,12 @@
 //! | [`admission`] | request and concurrency limits, per-tenant limits, refusing deadlines that cannot be met |
 //! | [`cache`] | the response cache: keys, the in-process tier, and the trait a shared tier (Redis) implements |
 //! | [`engine`] | one model's data plane: tensors, spec, backend trait and ONNX Runtime adapter, queue, batcher |
-//! | [`control`] | the control plane: repository, configs, the registry swapped on every change, lifecycle, canary |
+//! | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
 //! | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
 //! | [`error`] | the one error enum every front-end maps |
 //!
-//! Layers depend one way: `engine` knows nothing of `control` but the version policy it reports;
-//! `control` builds `engine` models; `core` ties them together. A change to batching touches
+//! Layers depend one way: `engine` knows nothing of `control` but the version policy and warm-ups
+//! it reports; `control` builds `engine` models; `core` ties them together. A change to batching touches
 //! `engine` (and `admission` for its estimates) alone.
 
 pub mod admission;

@@ -99,7 +99,14 @@ async fn model_metadata_ready_and_config() {
         let (status, _, config) = call(&s.app, "GET", &format!("{prefix}/config"), None).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(config["max_batch_size"], 64);
-        assert_eq!(config["input"][1], json!({"name": "values", "data_type": "TYPE_FP32", "dims": [4]}));
+        let values = &config["input"][1];
+        assert_eq!(
+            (&values["name"], &values["data_type"], &values["dims"]),
+            (&json!("values"), &json!("TYPE_FP32"), &json!([4]))
+        );
+        // Triton's shape: every scalar printed, enums by name.
+        assert_eq!((&values["format"], &values["optional"]), (&json!("FORMAT_NONE"), &json!(false)));
+        assert_eq!(config["instance_group"][0]["kind"], "KIND_CPU");
         assert!(config["dynamic_batching"].is_object());
     }
     let (_, _, fixed) = call(&s.app, "GET", "/v2/models/fixed/config", None).await;

@@ -38,10 +38,45 @@ pub struct ModelConfig {
     /// `false`: when the calibration picks single-threaded instances, no solo instance on every
     /// thread is added beside them for work that arrives alone (one more session in memory).
     pub solo_instance: Option<bool>,
+    /// The file in each version directory that holds the model (default `model.onnx`).
+    pub default_model_filename: Option<String>,
     #[serde(default)]
     pub input: Vec<TensorConfig>,
     #[serde(default)]
     pub output: Vec<TensorConfig>,
+    /// Requests run on every new load before it serves (Triton's `model_warmup`); a load that
+    /// fails one is refused.
+    #[serde(default)]
+    pub warmup: Vec<WarmupConfig>,
+}
+
+/// `[[warmup]]`: one warm-up request; its inputs each of zeros, random values or a file's bytes.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupConfig {
+    pub name: String,
+    /// Rows of the request (each a copy of the inputs below); 0 means 1.
+    #[serde(default)]
+    pub batch_size: usize,
+    /// Times the request is run; 0 means once.
+    #[serde(default)]
+    pub count: usize,
+    pub inputs: std::collections::BTreeMap<String, WarmupInputConfig>,
+}
+
+/// One input of a warm-up request: `dims` without the batch dim, and exactly one data source.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupInputConfig {
+    pub datatype: String,
+    pub dims: Vec<i64>,
+    #[serde(default)]
+    pub zero_data: bool,
+    #[serde(default)]
+    pub random_data: bool,
+    /// A file of the model's `warmup/` directory: the row's raw bytes, row-major (BYTES: each
+    /// element a 4-byte little-endian length, then its bytes).
+    pub input_data_file: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -62,6 +97,9 @@ pub struct DynamicBatchingConfig {
     /// Priority levels (1 is highest); 0 or 1 means a single level.
     #[serde(default)]
     pub priority_levels: u32,
+    /// Answer a model's requests in the order they were queued (Triton's `preserve_ordering`).
+    #[serde(default)]
+    pub preserve_ordering: bool,
     /// The level of requests that name none; 0 means the lowest.
     #[serde(default)]
     pub default_priority_level: u32,
@@ -99,6 +137,7 @@ impl Default for DynamicBatchingConfig {
             max_queue_size: None,
             default_timeout_microseconds: 0,
             priority_levels: 0,
+            preserve_ordering: false,
             default_priority_level: 0,
             allow_timeout_override: true,
             timeout_action: TimeoutAction::Reject,
@@ -234,6 +273,12 @@ pub struct TensorConfig {
     pub dims: Option<Vec<i64>>,
     /// Outputs: a file in the model's directory with one class label per line (classification).
     pub label_filename: Option<String>,
+    /// The shape the model takes (inputs) or gives (outputs) for `dims`, as many elements; the
+    /// batch dim is not part of either.
+    pub reshape: Option<Vec<i64>>,
+    /// Inputs: a request may leave it out (it is then not passed to ONNX Runtime).
+    #[serde(default)]
+    pub optional: bool,
 }
 
 impl ModelSpec {
@@ -267,8 +312,12 @@ impl ModelSpec {
             datatype: t.datatype,
             dims: if max_batch_size > 0 { t.dims[1..].to_vec() } else { t.dims.clone() },
         };
-        let inputs = apply_overrides("input", io_inputs.iter().map(strip).collect(), &config.input)?;
-        let outputs = apply_overrides("output", io_outputs.iter().map(strip).collect(), &config.output)?;
+        let mut reshape = Default::default();
+        let inputs = apply_overrides("input", io_inputs.iter().map(strip).collect(), &config.input, &mut reshape)?;
+        let outputs = apply_overrides("output", io_outputs.iter().map(strip).collect(), &config.output, &mut reshape)?;
+        if let Some(o) = config.output.iter().find(|o| o.optional) {
+            return Err(Error::invalid(format!("config output '{}': only inputs can be optional", o.name)));
+        }
 
         let db = config.dynamic_batching.clone();
         let mut batch = BatchPolicy {
@@ -287,6 +336,7 @@ impl ModelSpec {
                 allow_timeout_override: db.allow_timeout_override,
                 timeout_action: db.timeout_action,
             };
+            batch.preserve_ordering = db.preserve_ordering;
             batch.priority_levels = db.priority_levels.max(1);
             if batch.priority_levels > MAX_PRIORITY_LEVELS {
                 return Err(Error::invalid(format!("priority_levels must be at most {MAX_PRIORITY_LEVELS}")));
@@ -329,6 +379,15 @@ impl ModelSpec {
             calibrated: None,
             solo_threads: 0,
             labels: Default::default(),
+            label_files: config
+                .output
+                .iter()
+                .filter_map(|o| Some((o.name.clone(), o.label_filename.clone()?)))
+                .collect(),
+            reshape,
+            optional: config.input.iter().filter(|i| i.optional).map(|i| i.name.clone()).collect(),
+            model_filename: config.default_model_filename.clone().unwrap_or_else(|| "model.onnx".into()),
+            warmup: config.warmup.clone(),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             version_policy: config
                 .version_policy
@@ -340,8 +399,15 @@ impl ModelSpec {
     }
 }
 
-/// Config entries may narrow a variable dim or restate a tensor; they may not contradict the model.
-fn apply_overrides(kind: &str, mut specs: Vec<TensorSpec>, overrides: &[TensorConfig]) -> Result<Vec<TensorSpec>> {
+/// Config entries may narrow a variable dim or restate a tensor; they may not contradict the
+/// model. An entry with `reshape` states the model's shape there and the clients' in `dims`; those
+/// go in `reshapes`.
+fn apply_overrides(
+    kind: &str,
+    mut specs: Vec<TensorSpec>,
+    overrides: &[TensorConfig],
+    reshapes: &mut std::collections::BTreeMap<String, Vec<i64>>,
+) -> Result<Vec<TensorSpec>> {
     for o in overrides {
         let spec = specs
             .iter_mut()
@@ -356,16 +422,42 @@ fn apply_overrides(kind: &str, mut specs: Vec<TensorSpec>, overrides: &[TensorCo
                 )));
             }
         }
-        if let Some(dims) = &o.dims {
-            let fits = dims.len() == spec.dims.len()
-                && dims.iter().zip(&spec.dims).all(|(&c, &m)| c >= -1 && (m == -1 || c == m));
-            if !fits {
-                return Err(Error::invalid(format!(
-                    "config {kind} '{}' dims {dims:?} do not fit the model's {:?}",
-                    o.name, spec.dims
-                )));
+        let narrow = |what: &str, dims: &[i64], model: &[i64]| {
+            let fits =
+                dims.len() == model.len() && dims.iter().zip(model).all(|(&c, &m)| c >= -1 && (m == -1 || c == m));
+            if fits {
+                Ok(())
+            } else {
+                Err(Error::invalid(format!(
+                    "config {kind} '{}' {what} {dims:?} do not fit the model's {model:?}",
+                    o.name
+                )))
             }
-            spec.dims = dims.clone();
+        };
+        match (&o.reshape, &o.dims) {
+            (Some(reshape), Some(dims)) => {
+                narrow("reshape", reshape, &spec.dims)?;
+                let known = |d: &[i64]| d.iter().all(|&x| x >= 0).then(|| d.iter().product::<i64>());
+                let variable = |d: &[i64]| d.iter().filter(|&&x| x < 0).count();
+                let counts_differ = matches!((known(dims), known(reshape)), (Some(a), Some(b)) if a != b);
+                if counts_differ || dims.iter().any(|&d| d < -1) || variable(reshape) > 1 {
+                    return Err(Error::invalid(format!(
+                        "config {kind} '{}': dims {dims:?} cannot be reshaped to {reshape:?} (the same number of \
+                         elements, at most one variable dim in reshape)",
+                        o.name
+                    )));
+                }
+                reshapes.insert(o.name.clone(), reshape.clone());
+                spec.dims = dims.clone();
+            }
+            (Some(_), None) => {
+                return Err(Error::invalid(format!("config {kind} '{}' has a reshape but no dims", o.name)))
+            }
+            (None, Some(dims)) => {
+                narrow("dims", dims, &spec.dims)?;
+                spec.dims = dims.clone();
+            }
+            (None, None) => {}
         }
     }
     Ok(specs)
@@ -452,5 +544,16 @@ mod tests {
         let bad: ModelConfig = toml::from_str("[[input]]\nname = \"x\"\ndatatype = \"INT8\"").unwrap();
         assert!(ModelSpec::resolve("m", 1, &bad, &io, &[], 1).is_err());
         assert!(toml::from_str::<ModelConfig>("max_batch = 3").is_err());
+    }
+
+    #[test]
+    fn reshape_keeps_the_element_count_and_fits_the_model() {
+        let io = [spec("x", DataType::Fp32, &[-1, 4])];
+        let resolve = |t: &str| ModelSpec::resolve("m", 1, &toml::from_str(t).unwrap(), &io, &[], 1);
+        let s = resolve("[[input]]\nname = \"x\"\ndims = [2, 2]\nreshape = [4]").unwrap();
+        assert_eq!((s.inputs[0].dims.clone(), s.reshape["x"].clone()), (vec![2, 2], vec![4]));
+        assert!(resolve("[[input]]\nname = \"x\"\ndims = [3]\nreshape = [4]").is_err());
+        assert!(resolve("[[input]]\nname = \"x\"\ndims = [4]\nreshape = [5]").is_err());
+        assert!(resolve("[[input]]\nname = \"x\"\nreshape = [4]").is_err());
     }
 }

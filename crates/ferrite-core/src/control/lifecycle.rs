@@ -1,5 +1,5 @@
-//! Building what a model should serve now: its config (from `config.toml`, or from the external
-//! config source), the versions its policy selects, each one loaded and validated beside the
+//! Building what a model should serve now: its config (from `config.toml` or Triton's
+//! `config.pbtxt`, or from the external config source), the versions its policy selects, each one loaded and validated beside the
 //! running ones, and its canary. Versions whose files and config did not change are kept as they
 //! are; a version that fails to load or validate leaves the running one (if any) in service and
 //! a note for the repository index.
@@ -11,7 +11,7 @@ use crate::{
         canary::Canary,
         config::ModelConfig,
         registry::{Notes, Served},
-        repository::{parse_config, OnDisk, Repository},
+        repository::{ConfigFile, ConfigFormat, OnDisk, Repository, DEFAULT_MODEL_FILENAME},
     },
     Error, Model, Result,
 };
@@ -20,16 +20,21 @@ use crate::{
 /// its config text and its version files. A model is rebuilt when this changes.
 pub(crate) struct Sources {
     text: Result<String>,
+    config: Result<ModelConfig>,
     disk: Result<Vec<OnDisk>>,
 }
 
 impl Sources {
+    /// `config_text`: the external source's `config.toml` for the model, which replaces the file's.
     pub(crate) fn read(repo: &Repository, name: &str, config_text: Option<&str>) -> Sources {
-        let text = match config_text {
-            Some(t) => Ok(t.to_string()),
-            None => repo.config_text(name),
+        let file = match config_text {
+            Some(t) => Ok(ConfigFile { format: ConfigFormat::Toml, text: t.to_string() }),
+            None => repo.config_file(name),
         };
-        Sources { text, disk: repo.versions(name) }
+        let config = file.as_ref().map_err(Clone::clone).and_then(|f| f.parse(name));
+        let filename = config.as_ref().ok().and_then(|c| c.default_model_filename.as_deref());
+        let disk = repo.versions(name, filename.unwrap_or(DEFAULT_MODEL_FILENAME));
+        Sources { text: file.map(|f| f.text), config, disk }
     }
 
     pub(crate) fn signature(&self) -> u64 {
@@ -48,16 +53,13 @@ pub(crate) fn build(
     current: Option<&Arc<Served>>,
 ) -> (Option<Arc<Served>>, Notes) {
     let mut notes = Notes::default();
-    if repo.has_unread_pbtxt(name) {
-        tracing::warn!(model = %name, "config.pbtxt is not read yet: the model is served from its ONNX file \
-            alone; write its settings in config.toml (README: Coming from Triton)");
-    }
     let planned = (|| -> Result<(ModelConfig, String, Vec<OnDisk>)> {
         let text = sources.text?;
-        let config = parse_config(&text)?;
+        let config = sources.config?;
         let disk = sources.disk?;
         if disk.is_empty() {
-            return Err(Error::invalid("no version directory (a positive integer) holds a model.onnx"));
+            let file = config.default_model_filename.as_deref().unwrap_or(DEFAULT_MODEL_FILENAME);
+            return Err(Error::invalid(format!("no version directory (a positive integer) holds a {file}")));
         }
         Ok((config, text, disk))
     })();
@@ -131,7 +133,10 @@ pub(crate) fn build(
 }
 
 /// A replacement for a served version must keep its interface (publish a new version to change
-/// it), and every new load whose input dims are all known must answer a synthetic warm-up request.
+/// it). Every new load runs the config's warm-up requests, and fails if one fails (as Triton's
+/// `model_warmup`). Without any, a load whose input dims are all known runs a synthetic request;
+/// its failure refuses a replacement (the running version keeps serving) but not a first load:
+/// ONNX Runtime has already checked the model as it loaded it, and made-up data proves little.
 fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
     if let Some(old) = old {
         let sig = |m: &Model| {
@@ -147,11 +152,24 @@ fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
             )));
         }
     }
+    for (name, count, inputs) in &model.warmups {
+        for _ in 0..*count {
+            model.warm_up(inputs.clone()).map_err(|e| Error::invalid(format!("warm-up '{name}' failed: {e}")))?;
+        }
+    }
     // Synthetic data only where every dim is known: a graph that takes variable sizes (a detector
     // whose feature maps must line up, say) may refuse any size made up here, though it serves
-    // real inputs, and ONNX Runtime has already checked the model as it loaded it.
-    if model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)) {
-        model.warm_up().map_err(|e| Error::invalid(format!("warm-up inference failed: {e}")))?;
+    // real inputs.
+    let known = model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0));
+    if model.warmups.is_empty() && known {
+        let inputs = crate::engine::model::synthetic_inputs(&model.spec, 1);
+        if let Err(e) = model.warm_up(inputs) {
+            if old.is_some() {
+                return Err(Error::invalid(format!("synthetic warm-up inference failed: {e}")));
+            }
+            tracing::warn!(model = %model.spec.name, version = model.spec.version, error = %e,
+                "a synthetic warm-up request failed; the model serves anyway (state a warm-up in its config to check it)");
+        }
     }
     Ok(model)
 }

@@ -8,6 +8,7 @@ pub mod config;
 mod lifecycle;
 pub mod registry;
 pub mod repository;
+pub mod triton;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -147,7 +148,7 @@ impl Core {
         if !repository::is_model_name(name) {
             return Err(Error::invalid(format!("'{name}' is not a valid model name")));
         }
-        repo.versions(name)?;
+        repo.versions(name, repository::DEFAULT_MODEL_FILENAME)?;
         let mut lc = self.lifecycle();
         lc.wanted.insert(name.to_string());
         let _ = self.rebuild(repo, &mut lc, &[name.to_string()], false);

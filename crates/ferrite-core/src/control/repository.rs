@@ -16,6 +16,9 @@ use crate::{
     Backend, Error, Model, Result,
 };
 
+/// The model file of a version directory unless the config names another.
+pub const DEFAULT_MODEL_FILENAME: &str = "model.onnx";
+
 /// How models are loaded when their config does not say.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -110,25 +113,34 @@ impl Repository {
         }
     }
 
-    /// The model's `config.toml` text ("" when it has none).
-    pub fn config_text(&self, name: &str) -> Result<String> {
-        let path = self.model_dir(name)?.join("config.toml");
-        match self.inside(&path)? {
-            None => Ok(String::new()),
-            Some(p) => {
-                std::fs::read_to_string(&p).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))
+    /// The model's config file: Ferrite's `config.toml` or Triton's `config.pbtxt` (an empty
+    /// `config.toml` when it has neither). Both in one directory is an error naming both.
+    pub fn config_file(&self, name: &str) -> Result<ConfigFile> {
+        let dir = self.model_dir(name)?;
+        let read = |file: &str| -> Result<Option<String>> {
+            let path = dir.join(file);
+            match self.inside(&path)? {
+                None => Ok(None),
+                Some(p) => std::fs::read_to_string(&p)
+                    .map(Some)
+                    .map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display()))),
             }
+        };
+        match (read("config.toml")?, read("config.pbtxt")?) {
+            (Some(_), Some(_)) => {
+                Err(Error::invalid("the model's directory holds both config.toml and config.pbtxt; keep one of them"))
+            }
+            (None, Some(text)) => Ok(ConfigFile { format: ConfigFormat::Pbtxt, text }),
+            (toml, None) => Ok(ConfigFile { format: ConfigFormat::Toml, text: toml.unwrap_or_default() }),
         }
     }
 
-    /// Whether the model's directory holds Triton's `config.pbtxt` and no `config.toml`: the
-    /// format is not read yet, which loading says rather than serve as if it were absent.
-    pub fn has_unread_pbtxt(&self, name: &str) -> bool {
-        self.model_dir(name).is_ok_and(|d| d.join("config.pbtxt").exists() && !d.join("config.toml").exists())
-    }
-
-    /// The model's version directories that hold a `model.onnx`, highest first.
-    pub fn versions(&self, name: &str) -> Result<Vec<OnDisk>> {
+    /// The model's version directories that hold its model file (`filename`, normally
+    /// `model.onnx`), highest first.
+    pub fn versions(&self, name: &str, filename: &str) -> Result<Vec<OnDisk>> {
+        if Path::new(filename).components().count() != 1 || filename.starts_with('.') {
+            return Err(Error::invalid(format!("default_model_filename '{filename}' must be a file name")));
+        }
         use std::os::unix::fs::MetadataExt;
         let dir = self.model_dir(name)?;
         let entries =
@@ -138,7 +150,7 @@ impl Repository {
             let Some(version) = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()).filter(|&v| v > 0) else {
                 continue;
             };
-            let Some(onnx) = self.inside(&e.path().join("model.onnx"))? else { continue };
+            let Some(onnx) = self.inside(&e.path().join(filename))? else { continue };
             let Ok(meta) = std::fs::metadata(&onnx) else { continue };
             if !meta.is_file() {
                 continue;
@@ -159,16 +171,51 @@ impl Repository {
     }
 }
 
-/// Parses a model config; "" is the empty config.
+/// The format of a model's config file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigFormat {
+    /// Ferrite's `config.toml`.
+    Toml,
+    /// Triton's `config.pbtxt`.
+    Pbtxt,
+}
+
+/// A model's config file as read.
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    pub format: ConfigFormat,
+    pub text: String,
+}
+
+impl ConfigFile {
+    /// The config of the model in directory `name`.
+    pub fn parse(&self, name: &str) -> Result<ModelConfig> {
+        match self.format {
+            ConfigFormat::Toml => parse_config(&self.text),
+            ConfigFormat::Pbtxt => {
+                let config = crate::control::triton::to_config(&crate::control::triton::parse(&self.text)?, name)?;
+                check_config(&config)?;
+                Ok(config)
+            }
+        }
+    }
+}
+
+/// Parses a `config.toml`; "" is the empty config.
 pub fn parse_config(text: &str) -> Result<ModelConfig> {
     let config: ModelConfig = toml::from_str(text).map_err(|e| Error::invalid(format!("config.toml: {e}")))?;
+    check_config(&config)?;
+    Ok(config)
+}
+
+fn check_config(config: &ModelConfig) -> Result<()> {
     if let Some(c) = &config.canary {
         c.check()?;
     }
     if let Some(p) = &config.version_policy {
         p.resolve()?;
     }
-    Ok(config)
+    Ok(())
 }
 
 /// Loads a model directory (its highest version) or a single `.onnx` file (as version 1), with
@@ -187,12 +234,13 @@ pub fn load_with(
         let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let repo = Repository::open(parent, options.clone())?;
         let dir_name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let latest = repo
-            .versions(dir_name)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::invalid("no version directory (a positive integer) holds a model.onnx"))?;
-        (parse_config(&repo.config_text(dir_name)?)?, latest.version, latest.onnx)
+        let config = repo.config_file(dir_name)?.parse(dir_name)?;
+        let filename = config.default_model_filename.as_deref().unwrap_or(DEFAULT_MODEL_FILENAME);
+        let latest =
+            repo.versions(dir_name, filename)?.into_iter().next().ok_or_else(|| {
+                Error::invalid(format!("no version directory (a positive integer) holds a {filename}"))
+            })?;
+        (config, latest.version, latest.onnx)
     } else {
         (ModelConfig::default(), 1, path.to_path_buf())
     };
@@ -271,14 +319,135 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
         }
     };
     let cache = options.cache.clone().filter(|_| spec.cache);
+    let warmups = warmup_samples(&spec, onnx)?;
     let mut model = Model::start(spec, &backend, solo)?;
     model.cache = cache;
+    model.warmups = warmups;
     model.content = content;
     crate::telemetry::metrics::global()
         .model_load_duration
         .with_label_values(&[name, version.to_string().as_str()])
         .set(started.elapsed().as_secs_f64());
     Ok(model)
+}
+
+/// The most bytes one warm-up input may hold (a file's, or made up).
+const MAX_WARMUP_BYTES: usize = 256 << 20;
+
+/// The config's warm-up requests as tensors (Triton's `model_warmup`): each input of zeros,
+/// random values, or the bytes of a file in the model's `warmup/` directory, repeated for the
+/// sample's batch size.
+fn warmup_samples(spec: &ModelSpec, onnx: &Path) -> Result<Vec<(String, usize, Vec<crate::Tensor>)>> {
+    use crate::{DataType, Tensor, TensorData};
+    let dir = onnx.parent().and_then(Path::parent).unwrap_or(Path::new(".")).join("warmup");
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut random = move || {
+        // xorshift: warm-up data needs no quality, only values that are not all alike.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut samples = Vec::new();
+    for w in &spec.warmup {
+        let bad = |why: String| Error::invalid(format!("warm-up '{}': {why}", w.name));
+        let rows = w.batch_size.max(1);
+        if !spec.batched() && rows > 1 {
+            return Err(bad("batch_size must be 1 for a model that does not batch".into()));
+        }
+        let mut inputs = Vec::new();
+        for (name, i) in &w.inputs {
+            let dt = DataType::parse(&i.datatype).ok_or_else(|| bad(format!("input '{name}': unknown datatype")))?;
+            if i.dims.iter().any(|&d| d < 0) {
+                return Err(bad(format!("input '{name}': dims {:?} must all be known", i.dims)));
+            }
+            let n = i.dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d as usize)).unwrap_or(usize::MAX);
+            if n.saturating_mul(dt.size().unwrap_or(1)).saturating_mul(rows) > MAX_WARMUP_BYTES {
+                return Err(bad(format!("input '{name}' is larger than {MAX_WARMUP_BYTES} bytes")));
+            }
+            let shape: Vec<usize> =
+                spec.batched().then_some(rows).into_iter().chain(i.dims.iter().map(|&d| d as usize)).collect();
+            let sources = [i.zero_data, i.random_data, i.input_data_file.is_some()];
+            if sources.iter().filter(|&&s| s).count() != 1 {
+                return Err(bad(format!(
+                    "input '{name}' needs exactly one of zero_data, random_data, input_data_file"
+                )));
+            }
+            let data = if let Some(file) = &i.input_data_file {
+                if Path::new(file).components().count() != 1 || file.starts_with('.') {
+                    return Err(bad(format!("input_data_file '{file}' must name a file of the warmup/ directory")));
+                }
+                let path = dir.join(file);
+                let size = std::fs::metadata(&path).map(|m| m.len() as usize).unwrap_or(usize::MAX);
+                if size > MAX_WARMUP_BYTES {
+                    return Err(bad(format!("cannot read {} (or it is larger than allowed)", path.display())));
+                }
+                let bytes = std::fs::read(&path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+                match dt.size() {
+                    Some(width) if bytes.len() == n * width => TensorData::Fixed(bytes.repeat(rows).into()),
+                    Some(width) => {
+                        return Err(bad(format!(
+                            "{file} holds {} bytes; dims {:?} of {dt} take {}",
+                            bytes.len(),
+                            i.dims,
+                            n * width
+                        )))
+                    }
+                    None => {
+                        // BYTES: each element a 4-byte little-endian length, then its bytes.
+                        let mut items = Vec::with_capacity(n);
+                        let mut rest = &bytes[..];
+                        while rest.len() >= 4 && items.len() < n {
+                            let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                            let item = rest
+                                .get(4..4 + len)
+                                .ok_or_else(|| bad(format!("{file}: an element runs past the end")))?;
+                            items.push(bytes::Bytes::copy_from_slice(item));
+                            rest = &rest[4 + len..];
+                        }
+                        if items.len() != n || !rest.is_empty() {
+                            return Err(bad(format!("{file} does not hold exactly {n} BYTES elements")));
+                        }
+                        TensorData::Strings((0..rows).flat_map(|_| items.iter().cloned()).collect())
+                    }
+                }
+            } else if dt == DataType::Bytes {
+                // Triton falls back to zero data for strings: empty elements.
+                TensorData::Strings(vec![bytes::Bytes::new(); n * rows])
+            } else if i.zero_data {
+                TensorData::Fixed(vec![0u8; n * rows * dt.size().unwrap_or(1)].into())
+            } else {
+                random_data(dt, n * rows, &mut random)
+            };
+            inputs.push(Tensor::new(name.clone(), dt, shape, data));
+        }
+        samples.push((w.name.clone(), w.count.max(1), inputs));
+    }
+    Ok(samples)
+}
+
+/// `n` random values of `dt`: floats in [0, 1), integers in 0..8 (small enough to index any
+/// table a model looks ids up in), booleans.
+fn random_data(dt: crate::DataType, n: usize, random: &mut impl FnMut() -> u64) -> crate::TensorData {
+    use crate::DataType as D;
+    let mut out = Vec::with_capacity(n * dt.size().unwrap_or(1));
+    for _ in 0..n {
+        let r = random();
+        let unit = (r >> 40) as f32 / (1u64 << 24) as f32;
+        match dt {
+            D::Fp32 => out.extend_from_slice(&unit.to_le_bytes()),
+            D::Fp64 => out.extend_from_slice(&f64::from(unit).to_le_bytes()),
+            D::Fp16 => out.extend_from_slice(&half::f16::from_f32(unit).to_le_bytes()),
+            D::Bf16 => out.extend_from_slice(&half::bf16::from_f32(unit).to_le_bytes()),
+            D::Bool => out.push((r & 1) as u8),
+            other => {
+                let mut v = vec![0u8; other.size().unwrap_or(1)];
+                v[0] = (r % 8) as u8;
+                out.extend_from_slice(&v);
+            }
+        }
+    }
+    crate::TensorData::Fixed(out.into())
 }
 
 /// The class labels of outputs that name a `label_filename`: a file of the model's directory (the

@@ -4,7 +4,6 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use ferrite_core::{
-    control::config::VersionPolicy,
     engine::spec::TensorSpec,
     engine::tensor::parse_header,
     telemetry::stats::StatsSnapshot,
@@ -191,109 +190,6 @@ pub fn metadata(m: &Model, versions: &[u64]) -> pb::ModelMetadataResponse {
         platform: m.spec.platform.to_string(),
         inputs: tensors(&m.spec.inputs),
         outputs: tensors(&m.spec.outputs),
-    }
-}
-
-fn config_type(dt: DataType) -> pb::DataType {
-    match dt {
-        DataType::Bool => pb::DataType::TypeBool,
-        DataType::Uint8 => pb::DataType::TypeUint8,
-        DataType::Uint16 => pb::DataType::TypeUint16,
-        DataType::Uint32 => pb::DataType::TypeUint32,
-        DataType::Uint64 => pb::DataType::TypeUint64,
-        DataType::Int8 => pb::DataType::TypeInt8,
-        DataType::Int16 => pb::DataType::TypeInt16,
-        DataType::Int32 => pb::DataType::TypeInt32,
-        DataType::Int64 => pb::DataType::TypeInt64,
-        DataType::Fp16 => pb::DataType::TypeFp16,
-        DataType::Bf16 => pb::DataType::TypeBf16,
-        DataType::Fp32 => pb::DataType::TypeFp32,
-        DataType::Fp64 => pb::DataType::TypeFp64,
-        DataType::Bytes => pb::DataType::TypeString,
-    }
-}
-
-pub fn config(m: &Model) -> pb::ModelConfig {
-    let spec = &m.spec;
-    let b = &spec.batch;
-    pb::ModelConfig {
-        name: spec.name.clone(),
-        platform: spec.platform.to_string(),
-        backend: spec.backend.to_string(),
-        version_policy: Some(pb::ModelVersionPolicy {
-            policy_choice: Some(match &spec.version_policy {
-                VersionPolicy::Latest(n) => {
-                    pb::model_version_policy::PolicyChoice::Latest(pb::model_version_policy::Latest {
-                        num_versions: u32::try_from(*n).unwrap_or(u32::MAX),
-                    })
-                }
-                VersionPolicy::All => pb::model_version_policy::PolicyChoice::All(pb::model_version_policy::All {}),
-                VersionPolicy::Specific(v) => {
-                    pb::model_version_policy::PolicyChoice::Specific(pb::model_version_policy::Specific {
-                        versions: v.iter().map(|&v| v as i64).collect(),
-                    })
-                }
-            }),
-        }),
-        max_batch_size: i32::try_from(b.max_batch_size).unwrap_or(i32::MAX),
-        input: spec
-            .inputs
-            .iter()
-            .map(|t| pb::ModelInput {
-                name: t.name.clone(),
-                data_type: config_type(t.datatype) as i32,
-                dims: t.dims.clone(),
-            })
-            .collect(),
-        output: spec
-            .outputs
-            .iter()
-            .map(|t| pb::ModelOutput {
-                name: t.name.clone(),
-                data_type: config_type(t.datatype) as i32,
-                dims: t.dims.clone(),
-            })
-            .collect(),
-        instance_group: vec![pb::ModelInstanceGroup {
-            name: spec.name.clone(),
-            count: i32::try_from(spec.instance_count).unwrap_or(i32::MAX),
-            kind: pb::model_instance_group::Kind::Cpu as i32,
-        }],
-        scheduling_choice: b.dynamic.then(|| {
-            pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {
-                preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| p as i32).collect(),
-                max_queue_delay_microseconds: b.max_queue_delay_us,
-                preserve_ordering: false,
-                priority_levels: b.priority_levels as u64,
-                default_priority_level: b.default_priority_level as u64,
-                default_queue_policy: Some(queue_policy(&b.queue)),
-                priority_queue_policy: b
-                    .level_queues
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, q)| **q != b.queue)
-                    .map(|(i, q)| (i as u64 + 1, queue_policy(q)))
-                    .collect(),
-            })
-        }),
-        parameters: spec
-            .parameters()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), pb::ModelParameter { string_value: v }))
-            .collect(),
-    }
-}
-
-fn queue_policy(q: &ferrite_core::engine::spec::QueuePolicy) -> pb::ModelQueuePolicy {
-    use pb::model_queue_policy::TimeoutAction;
-    pb::ModelQueuePolicy {
-        timeout_action: match q.timeout_action {
-            ferrite_core::engine::spec::TimeoutAction::Reject => TimeoutAction::Reject,
-            ferrite_core::engine::spec::TimeoutAction::Delay => TimeoutAction::Delay,
-        } as i32,
-        default_timeout_microseconds: q.default_timeout_us,
-        allow_timeout_override: q.allow_timeout_override,
-        max_queue_size: u32::try_from(q.max_queue_size).unwrap_or(u32::MAX),
     }
 }
 

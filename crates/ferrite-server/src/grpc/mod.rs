@@ -312,7 +312,7 @@ impl GrpcInferenceService for Service {
         r: Request<pb::ModelConfigRequest>,
     ) -> Result<Response<pb::ModelConfigResponse>, Status> {
         let r = r.into_inner();
-        let config = convert::config(self.model(&r.name, &r.version)?.as_ref());
+        let config = ferrite_core::control::triton::resolved(&self.model(&r.name, &r.version)?.spec);
         Ok(Response::new(pb::ModelConfigResponse { config: Some(config) }))
     }
 

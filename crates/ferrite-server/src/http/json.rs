@@ -264,6 +264,76 @@ fn push_data(out: &mut String, t: &Tensor) {
     }
 }
 
+/// A model config in Triton's JSON shape: protobuf's JSON with the proto's field names, every
+/// scalar, list and map printed (defaults too), messages and oneof members only when set, enums
+/// by name, and 64-bit integers as numbers (as Triton prints them, not as protobuf's strings).
+pub fn config(config: &ferrite_core::control::triton::pb::ModelConfig) -> serde_json::Value {
+    use prost::Message;
+    let message = prost_reflect::DynamicMessage::decode(
+        ferrite_core::control::triton::descriptor(),
+        config.encode_to_vec().as_slice(),
+    )
+    .expect("a config encoded from its own type decodes");
+    message_json(&message)
+}
+
+fn message_json(m: &prost_reflect::DynamicMessage) -> serde_json::Value {
+    use prost_reflect::{Kind, ReflectMessage};
+    let mut out = serde_json::Map::new();
+    for f in m.descriptor().fields() {
+        let singular_message = matches!(f.kind(), Kind::Message(_)) && !f.is_list() && !f.is_map();
+        if (singular_message || f.containing_oneof().is_some()) && !m.has_field(&f) {
+            continue;
+        }
+        out.insert(f.name().to_string(), value_json(&m.get_field(&f), &f.kind()));
+    }
+    serde_json::Value::Object(out)
+}
+
+fn value_json(v: &prost_reflect::Value, kind: &prost_reflect::Kind) -> serde_json::Value {
+    use prost_reflect::{Kind, MapKey, Value as V};
+    use serde_json::json;
+    match v {
+        V::Bool(b) => json!(b),
+        V::I32(n) => json!(n),
+        V::I64(n) => json!(n),
+        V::U32(n) => json!(n),
+        V::U64(n) => json!(n),
+        V::F32(n) => json!(n),
+        V::F64(n) => json!(n),
+        V::String(s) => json!(s),
+        V::Bytes(b) => json!(String::from_utf8_lossy(b)),
+        V::EnumNumber(n) => match kind {
+            Kind::Enum(e) => e.get_value(*n).map_or(json!(n), |v| json!(v.name())),
+            _ => json!(n),
+        },
+        V::Message(m) => message_json(m),
+        V::List(items) => serde_json::Value::Array(items.iter().map(|i| value_json(i, kind)).collect()),
+        V::Map(entries) => {
+            let value_kind = match kind {
+                Kind::Message(entry) => entry.map_entry_value_field().kind(),
+                other => other.clone(),
+            };
+            let mut keyed: Vec<(String, serde_json::Value)> = entries
+                .iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        MapKey::Bool(b) => b.to_string(),
+                        MapKey::I32(n) => n.to_string(),
+                        MapKey::I64(n) => n.to_string(),
+                        MapKey::U32(n) => n.to_string(),
+                        MapKey::U64(n) => n.to_string(),
+                        MapKey::String(s) => s.clone(),
+                    };
+                    (key, value_json(v, &value_kind))
+                })
+                .collect();
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(keyed.into_iter().collect())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

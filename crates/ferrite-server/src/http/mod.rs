@@ -13,7 +13,7 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferrite_core::{control::config::VersionPolicy, Core, Model};
+use ferrite_core::{Core, Model};
 
 use crate::auth::{Auth, Denied, Scope};
 use serde::Deserialize;
@@ -311,51 +311,7 @@ async fn model_metadata(State(s): State<AppState>, Path(p): Path<ModelPath>) -> 
 
 async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
     let m = s.model(&p)?;
-    let spec = &m.spec;
-    let tensors = |specs: &[ferrite_core::engine::spec::TensorSpec]| {
-        specs
-            .iter()
-            .map(|t| json!({"name": t.name, "data_type": t.datatype.config_name(), "dims": t.dims}))
-            .collect::<Vec<_>>()
-    };
-    let mut config = json!({
-        "name": spec.name,
-        "platform": spec.platform,
-        "backend": spec.backend,
-        "max_batch_size": spec.batch.max_batch_size,
-        "input": tensors(&spec.inputs),
-        "output": tensors(&spec.outputs),
-        "instance_group": [{"name": spec.name, "kind": "KIND_CPU", "count": spec.instance_count}],
-        "version_policy": match &spec.version_policy {
-            VersionPolicy::Latest(n) => json!({"latest": {"num_versions": n}}),
-            VersionPolicy::All => json!({"all": {}}),
-            VersionPolicy::Specific(v) => json!({"specific": {"versions": v}}),
-        },
-        "parameters": spec.parameters().into_iter().map(|(k, v)| (k.to_string(), json!({"string_value": v}))).collect::<serde_json::Map<_, _>>(),
-    });
-    if spec.batch.dynamic {
-        config["dynamic_batching"] = json!({
-            "preferred_batch_size": spec.batch.preferred_batch_sizes,
-            "max_queue_delay_microseconds": spec.batch.max_queue_delay_us,
-            "priority_levels": spec.batch.priority_levels,
-            "default_priority_level": spec.batch.default_priority_level,
-            "default_queue_policy": queue_policy(&spec.batch.queue),
-            "priority_queue_policy": spec.batch.level_queues.iter().enumerate()
-                .filter(|(_, q)| **q != spec.batch.queue)
-                .map(|(i, q)| ((i + 1).to_string(), queue_policy(q)))
-                .collect::<serde_json::Map<_, _>>(),
-        });
-    }
-    Ok(Json(config))
-}
-
-fn queue_policy(q: &ferrite_core::engine::spec::QueuePolicy) -> Value {
-    json!({
-        "max_queue_size": q.max_queue_size,
-        "default_timeout_microseconds": q.default_timeout_us,
-        "allow_timeout_override": q.allow_timeout_override,
-        "timeout_action": q.timeout_action.as_str(),
-    })
+    Ok(Json(json::config(&ferrite_core::control::triton::resolved(&m.spec))))
 }
 
 async fn model_stats(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
