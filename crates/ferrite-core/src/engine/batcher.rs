@@ -56,6 +56,11 @@ struct Shared {
     batch_time: BatchTime,
     /// Run time per element by batch size, from which the merge limit follows.
     costs: Mutex<BatchCosts>,
+    /// With `preserve_ordering`: batches are numbered as they leave the queue (under its lock),
+    /// and each answers only after the one before it has.
+    tickets: std::sync::atomic::AtomicU64,
+    answered: Mutex<u64>,
+    answered_turn: Condvar,
     policy: BatchPolicy,
     spec: ModelSpec,
     stats: Arc<ModelStats>,
@@ -121,6 +126,9 @@ impl Batcher {
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
             batch_time: BatchTime::default(),
             costs: Mutex::default(),
+            tickets: Default::default(),
+            answered: Mutex::new(0),
+            answered_turn: Condvar::new(),
             wake: Condvar::new(),
             wake_solo: Condvar::new(),
             idle: Condvar::new(),
@@ -308,13 +316,14 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 let decision = q.next_batch(Instant::now(), &shared.policy, limit, flush);
                 match decision {
                     Decision::Run(batch) => {
+                        let ticket = shared.tickets.fetch_add(1, Ordering::AcqRel);
                         shared.running.fetch_add(1, Ordering::AcqRel);
                         shared.solo_running.store(role == Role::Solo, Ordering::Release);
                         // Another free instance may take the rest.
                         if let Some(c) = shared.next_turn(&q) {
                             c.notify_one();
                         }
-                        break batch;
+                        break (batch, ticket);
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
@@ -345,8 +354,9 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
             }
         };
+        let (batch, ticket) = batch;
         last_requests = batch.len();
-        execute(shared, instance.as_mut(), batch);
+        execute(shared, instance.as_mut(), batch, ticket);
         if shared.has_solo {
             // Under the lock, so a worker deciding its turn sees this batch finished or is woken.
             let q = shared.lock();
@@ -364,8 +374,9 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
     }
 }
 
-/// Runs one batch and answers every request in it.
-fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
+/// Runs one batch and answers every request in it (after the batches before it, with
+/// `preserve_ordering`).
+fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ticket: u64) {
     let start = Instant::now();
     for p in batch.iter().filter(|p| !p.warmup) {
         shared.stats.queue.add(start - p.enqueued);
@@ -382,8 +393,30 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>) {
         tracing::Span::none()
     };
     let _entered = batch_span.enter();
-    for (p, r) in run_isolated(shared, instance, batch) {
+    let replies = run_isolated(shared, instance, batch);
+    let _turn = shared.policy.preserve_ordering.then(|| AnswerTurn::wait(shared, ticket));
+    for (p, r) in replies {
         let _ = p.reply.send(r);
+    }
+}
+
+/// Held while a batch answers in its turn; passes the turn on when dropped.
+struct AnswerTurn<'a>(&'a Shared);
+
+impl<'a> AnswerTurn<'a> {
+    fn wait(shared: &'a Shared, ticket: u64) -> AnswerTurn<'a> {
+        let mut answered = shared.answered.lock().unwrap_or_else(|e| e.into_inner());
+        while *answered != ticket {
+            answered = shared.answered_turn.wait(answered).unwrap_or_else(|e| e.into_inner());
+        }
+        AnswerTurn(shared)
+    }
+}
+
+impl Drop for AnswerTurn<'_> {
+    fn drop(&mut self) {
+        *self.0.answered.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.answered_turn.notify_all();
     }
 }
 
@@ -419,23 +452,29 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
     let batched = spec.batched();
     let rows: usize = group.iter().map(|p| p.rows).sum();
     let counted = !group.iter().all(|p| p.warmup);
-    let inputs: Vec<BatchInput<'_>> = spec
+    // The requests of a group give the same inputs (optional ones may be left out) with the same
+    // non-batch dims.
+    let inputs: Result<Vec<BatchInput<'_>>> = group[0]
         .inputs
         .iter()
         .enumerate()
-        .map(|(i, s)| {
-            let mut shape = group[0].inputs[i].shape.clone();
+        .map(|(i, t)| {
+            let mut shape = t.shape.clone();
             if batched {
                 shape[0] = rows;
             }
-            BatchInput {
-                name: &s.name,
-                datatype: s.datatype,
+            if let Some(to) = spec.reshape.get(&t.name) {
+                shape = reshaped(&shape, batched, to)?;
+            }
+            Ok(BatchInput {
+                name: &t.name,
+                datatype: t.datatype,
                 shape,
                 parts: group.iter().map(|p| &p.inputs[i].data).collect(),
-            }
+            })
         })
         .collect();
+    let inputs = inputs?;
     let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
     let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs))).unwrap_or_else(|_| {
         // The batch fails (and is run apart); the instance and the server go on.
@@ -445,7 +484,14 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
     });
     drop(inputs);
     let done = Instant::now();
-    let outputs = result.and_then(|o| check_outputs(o, batched, rows));
+    let outputs = result.and_then(|o| check_outputs(o, batched, rows)).and_then(|mut o| {
+        for t in o.iter_mut() {
+            if let Some(dims) = spec.outputs.iter().find(|s| s.name == t.name && spec.reshape.contains_key(&s.name)) {
+                t.shape = reshaped(&t.shape, batched, &dims.dims)?;
+            }
+        }
+        Ok(o)
+    });
     let mut offset = 0;
     let outputs = outputs.map(|outputs| {
         group
@@ -479,6 +525,25 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
         m.compute.observe(start.elapsed().as_secs_f64());
     }
     outputs
+}
+
+/// `shape` (with its batch dim first when `batched`) as `to` (without it): the same elements, a
+/// variable dim of `to` (at most one) taking what the others leave.
+fn reshaped(shape: &[usize], batched: bool, to: &[i64]) -> Result<Vec<usize>> {
+    let (rows, row) = if batched { (Some(shape[0]), &shape[1..]) } else { (None, shape) };
+    let elements: usize = row.iter().product();
+    let known: usize = to.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+    let fill = match known {
+        0 => 0,
+        k if elements.is_multiple_of(k) => elements / k,
+        _ => usize::MAX,
+    };
+    let out: Vec<usize> = rows.into_iter().chain(to.iter().map(|&d| if d < 0 { fill } else { d as usize })).collect();
+    let count: usize = out.iter().skip(usize::from(batched)).product();
+    if fill == usize::MAX || count != elements {
+        return Err(Error::invalid(format!("shape {row:?} cannot be reshaped to {to:?}")));
+    }
+    Ok(out)
 }
 
 fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec<Tensor>> {

@@ -85,6 +85,8 @@ pub struct Model {
     /// A hash of the model file's bytes: part of every cache key, so a replaced model is never
     /// answered from entries of the old one, in any process sharing the cache.
     pub(crate) content: u64,
+    /// The config's warm-up requests: name, times to run, inputs.
+    pub(crate) warmups: Vec<(String, usize, Vec<Tensor>)>,
 }
 
 impl Model {
@@ -93,7 +95,7 @@ impl Model {
         let stats = Arc::new(ModelStats::default());
         let batcher = Batcher::start(&spec, backend, solo, stats.clone())?;
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
-        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0 })
+        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0, warmups: Vec::new() })
     }
 
     pub fn batcher(&self) -> &Batcher {
@@ -125,11 +127,10 @@ impl Model {
         result
     }
 
-    /// Runs one request of synthetic data (no zeros: ones, halves and "a"s, variable dims as 1)
-    /// straight through the batcher, blocking the calling thread. A model that fails this is not
-    /// put in service. Not counted in the statistics of real traffic.
-    pub fn warm_up(&self) -> Result<()> {
-        let inputs = synthetic_inputs(&self.spec, 1);
+    /// Runs one warm-up request of `inputs` (a configured sample, or [`synthetic_inputs`]) straight
+    /// through the batcher, blocking the calling thread. Not counted in the statistics of real
+    /// traffic.
+    pub fn warm_up(&self, inputs: Vec<Tensor>) -> Result<()> {
         let (inputs, rows) = self.check_inputs(inputs, &Limits::default())?;
         let (tx, rx) = oneshot::channel();
         let now = Instant::now();
@@ -279,9 +280,11 @@ impl Model {
             }
             slots[i] = Some(t);
         }
+        // Optional inputs left out are left out of the run too.
         let inputs = slots
             .into_iter()
             .zip(&spec.inputs)
+            .filter(|(t, s)| t.is_some() || !spec.optional.contains(&s.name))
             .map(|(t, s)| t.ok_or_else(|| Error::invalid(format!("missing input '{}'", s.name))))
             .collect::<Result<Vec<_>>>()?;
         let rows = if batched { inputs.first().map_or(1, |t| t.shape[0]) } else { 1 };

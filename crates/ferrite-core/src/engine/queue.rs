@@ -40,7 +40,13 @@ pub struct Pending {
 impl Pending {
     /// Whether `other` may share a batch with `self`: every non-batch dim equal.
     fn compatible(&self, other: &Pending) -> bool {
-        self.inputs.iter().zip(&other.inputs).all(|(a, b)| a.shape.get(1..) == b.shape.get(1..))
+        // The same inputs (optional ones may be left out) with the same non-batch dims.
+        self.inputs.len() == other.inputs.len()
+            && self
+                .inputs
+                .iter()
+                .zip(&other.inputs)
+                .all(|(a, b)| a.shape.get(1..) == b.shape.get(1..) && a.name == b.name)
     }
 }
 

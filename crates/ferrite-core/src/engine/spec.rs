@@ -91,6 +91,8 @@ pub struct BatchPolicy {
     pub max_queue_delay_us: u64,
     pub priority_levels: u32,
     pub default_priority_level: u32,
+    /// Requests are answered in the order they left the queue (Triton's `preserve_ordering`).
+    pub preserve_ordering: bool,
     /// The policy of levels without their own.
     pub queue: QueuePolicy,
     /// One per level, highest priority first.
@@ -106,6 +108,7 @@ impl Default for BatchPolicy {
             merge_limit: 0,
             max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
             priority_levels: 1,
+            preserve_ordering: false,
             default_priority_level: 1,
             queue: QueuePolicy::default(),
             level_queues: vec![QueuePolicy::default()],
@@ -132,6 +135,17 @@ pub struct ModelSpec {
     pub solo_threads: usize,
     /// Class labels of outputs (one per line of their `label_filename`), for classification.
     pub labels: std::collections::BTreeMap<String, Vec<String>>,
+    /// The `label_filename` of outputs that name one (as the config states it).
+    pub label_files: std::collections::BTreeMap<String, String>,
+    /// Tensors whose shape in the model differs from the clients' (`dims`): the model's shape,
+    /// without the batch dim (Triton's `reshape`).
+    pub reshape: std::collections::BTreeMap<String, Vec<i64>>,
+    /// Inputs a request may leave out.
+    pub optional: std::collections::BTreeSet<String>,
+    /// The file each version directory holds the model in.
+    pub model_filename: String,
+    /// The warm-up requests the config states (run at each load).
+    pub warmup: Vec<crate::control::config::WarmupConfig>,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
     pub version_policy: VersionPolicy,
