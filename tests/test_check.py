@@ -41,9 +41,13 @@ def test_an_unreadable_repository_exits_2(tmp_path):
     assert r.returncode == 2 and "cannot read model repository" in r.stderr, r.stderr
 
 
-def test_an_unread_config_pbtxt_is_said_not_ignored(tmp_path):
+def test_a_config_pbtxt_is_read(tmp_path):
     repo = make_repository(tmp_path / "repo", ("mlp",))
-    (repo / "mlp" / "config.pbtxt").write_text('name: "mlp"\nmax_batch_size: 8\n')
+    (repo / "mlp" / "config.pbtxt").write_text('name: "mlp"\nmax_batch_size: 8\ninput [ { name: "input" dims: [ 512 ] } ]\n')
     r = check(repo)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "config.pbtxt is not read yet" in r.stderr, r.stderr
+    row = r.stdout.splitlines()[1]
+    assert "READY" in row and "max 8" in row and "dynamic" not in row, row
+    (repo / "mlp" / "config.pbtxt").write_text('name: "mlp"\nensemble_scheduling { }\n')
+    r = check(repo)
+    assert r.returncode == 1 and "'ensemble_scheduling' is not supported" in r.stdout, r.stdout

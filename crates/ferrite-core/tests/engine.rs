@@ -723,3 +723,62 @@ async fn a_solo_instance_takes_lone_work_and_never_runs_beside_the_others() {
     assert_eq!(turns.solo_runs.load(SeqCst) + turns.narrow_runs.load(SeqCst), 50);
     assert!(!turns.overlapped.load(SeqCst), "the solo instance ran beside another");
 }
+
+/// A backend that sleeps as many milliseconds as its first input value says, then echoes it: a
+/// slow and a fast request on two instances finish in the opposite order of their arrival.
+struct Sleepy(Vec<TensorSpec>);
+struct SleepyInstance;
+
+impl Backend for Sleepy {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok(Box::new(SleepyInstance))
+    }
+}
+
+impl Instance for SleepyInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        let ferrite_core::TensorData::Fixed(b) = inputs[0].parts[0] else { unreachable!() };
+        let ms = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        std::thread::sleep(Duration::from_millis(ms as u64));
+        Ok(vec![Tensor::new("x", DataType::Fp32, inputs[0].shape.clone(), inputs[0].parts[0].clone())])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preserve_ordering_answers_in_the_order_requests_left_the_queue() {
+    for preserve in [false, true] {
+        let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+        let config: ModelConfig = toml::from_str(&format!(
+            "max_batch_size = 1\ninstance_count = 2\n[dynamic_batching]\nmax_queue_delay_microseconds = 0\npreserve_ordering = {preserve}"
+        ))
+        .unwrap();
+        let spec = ModelSpec::resolve("sleepy", 1, &config, &specs, &specs, 1).unwrap();
+        let model = Arc::new(Model::start(spec, &Sleepy(specs), None).unwrap());
+        let core = Core::from_models([("sleepy".to_string(), model)].into(), Default::default(), Limits::default());
+        let core = Arc::new(core);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for ms in [300f32, 0.0] {
+            let (core, order) = (core.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                let req = InferRequest {
+                    model_name: "sleepy".into(),
+                    inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[ms])],
+                    ..Default::default()
+                };
+                core.infer(req).await.unwrap();
+                order.lock().unwrap().push(ms as u32);
+            }));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        futures_join(tasks).await;
+        let expected = if preserve { [300, 0] } else { [0, 300] };
+        assert_eq!(*order.lock().unwrap(), expected, "preserve_ordering = {preserve}");
+    }
+}
