@@ -181,6 +181,11 @@ fn config(data: &[u8]) {
     if let Ok(cfg) = toml::from_str::<ModelConfig>(text) {
         let _ = ModelSpec::resolve("m", 1, &cfg, &io, &io, 1);
     }
+    // Triton's config.pbtxt, read as the repository reads it.
+    let triton = ferrite_core::control::triton::parse(text);
+    if let Ok(cfg) = triton.and_then(|c| ferrite_core::control::triton::to_config(&c, "m")) {
+        let _ = ModelSpec::resolve("m", 1, &cfg, &io, &io, 1);
+    }
     let _ = ferrite_core::admission::tenant::TenantConfig::parse(text);
 }
 
