@@ -2,7 +2,9 @@
 scope and with the right one; gRPC too, through tritonclient and the raw health service."""
 
 import json
+import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -158,3 +160,30 @@ def test_grpc_with_the_right_token(secured):
     assert call_with(c, "ModelInfer", headers).as_numpy("output").shape == (1, 10)
     with grpc.insecure_channel(s.grpc_url) as ch:
         assert ch.unary_unary("/grpc.health.v1.Health/Check")(b"", metadata=[("authorization", f"Bearer {INFER}")]) == b"\x08\x01"
+
+
+def test_a_changed_token_file_is_used_without_a_restart(secured, tmp_path):
+    s = secured()
+    model = f"http://{s.url}/v2/models/mlp"
+    assert http("GET", model, INFER) == 200
+    rotated = "rotated-token-0123456789abcdef"
+
+    def replace(text):
+        # As a Kubernetes Secret update does: the new file takes the old one's place.
+        (tmp_path / "tokens.new").write_text(text)
+        os.replace(tmp_path / "tokens.new", tmp_path / "tokens")
+
+    replace(f"{rotated}\n{METRICS} metrics\n")
+    deadline = time.time() + 15
+    while http("GET", model, rotated) != 200 and time.time() < deadline:
+        time.sleep(0.2)
+    assert http("GET", model, rotated) == 200
+    assert http("GET", model, INFER) == 401, "the old token stops working"
+    # A file that does not parse leaves the tokens in use as they were.
+    replace("too-short\n")
+    deadline = time.time() + 15
+    while "cannot be used" not in s.logs() and time.time() < deadline:
+        time.sleep(0.2)
+    assert "cannot be used" in s.logs()
+    assert http("GET", model, rotated) == 200 and http("GET", model, INFER) == 401
+    assert rotated not in s.logs()

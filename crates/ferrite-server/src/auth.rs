@@ -2,9 +2,13 @@
 //! line as `<token> [scope,scope] [tenant=NAME]` (scopes: infer, metrics, admin; default infer).
 //! A token with a tenant acts for that tenant whatever header its requests send; the tenants the
 //! tenant config lists can only be acted for by their tokens. Comparison is constant-time, and
-//! tokens are never logged.
+//! tokens are never logged. The file is re-read when it changes (a Kubernetes Secret update): a
+//! file that no longer parses leaves the tokens in use as they were, and says so in the log.
 
-use std::{path::Path, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
 
 use ferrite_core::admission::tenant::{Tenants, MAX_TENANT_NAME};
 
@@ -42,16 +46,32 @@ pub enum Denied {
     Forbidden,
 }
 
+type Tokens = Vec<(Vec<u8>, Vec<Scope>, Principal)>;
+
 pub struct Auth {
-    tokens: Vec<(Vec<u8>, Vec<Scope>, Principal)>,
+    tokens: arc_swap::ArcSwap<Tokens>,
     /// Health endpoints answer without a token.
     pub allow_health: bool,
+    /// The file the tokens came from, and its state when last read.
+    file: Option<(PathBuf, Mutex<Option<FileStamp>>)>,
+}
+
+/// What changes when a file is rewritten or replaced (a Secret update swaps a symlink).
+type FileStamp = (u64, i64, i64, u64);
+
+fn stamp(path: &Path) -> Option<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
 }
 
 impl std::fmt::Debug for Auth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the tokens themselves.
-        f.debug_struct("Auth").field("tokens", &self.tokens.len()).field("allow_health", &self.allow_health).finish()
+        f.debug_struct("Auth")
+            .field("tokens", &self.tokens.load().len())
+            .field("allow_health", &self.allow_health)
+            .finish()
     }
 }
 
@@ -66,11 +86,58 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 
 impl Auth {
     pub fn from_file(path: &Path, allow_health: bool) -> Result<Arc<Auth>, String> {
+        let before = stamp(path);
         let text = std::fs::read_to_string(path).map_err(|e| format!("--auth-token-file {}: {e}", path.display()))?;
-        Auth::parse(&text, allow_health)
+        let tokens = Auth::tokens(&text)?;
+        Ok(Arc::new(Auth {
+            tokens: arc_swap::ArcSwap::from_pointee(tokens),
+            allow_health,
+            file: Some((path.to_path_buf(), Mutex::new(before))),
+        }))
     }
 
     pub fn parse(text: &str, allow_health: bool) -> Result<Arc<Auth>, String> {
+        Ok(Arc::new(Auth { tokens: arc_swap::ArcSwap::from_pointee(Auth::tokens(text)?), allow_health, file: None }))
+    }
+
+    /// Re-reads the token file if it changed since it was last read. `Ok(true)`: the new tokens
+    /// are in use; an error leaves the old ones in use (a half-written file never locks everyone
+    /// out, nor lets anyone in).
+    pub fn reload_if_changed(&self) -> Result<bool, String> {
+        let Some((path, last)) = &self.file else { return Ok(false) };
+        let now = stamp(path);
+        let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+        if now == *last {
+            return Ok(false);
+        }
+        *last = now;
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        self.tokens.store(Arc::new(Auth::tokens(&text)?));
+        Ok(true)
+    }
+
+    /// Re-reads the token file every `every` while the process runs.
+    pub fn watch(self: &Arc<Self>, every: std::time::Duration) {
+        if self.file.is_none() {
+            return;
+        }
+        let auth = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(auth) = auth.upgrade() else { return };
+                match auth.reload_if_changed() {
+                    Ok(true) => tracing::info!(tokens = auth.tokens.load().len(), "auth token file re-read"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "auth token file changed but cannot be used; the previous tokens stay in use")
+                    }
+                }
+            }
+        });
+    }
+
+    fn tokens(text: &str) -> Result<Tokens, String> {
         let mut tokens = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -107,7 +174,7 @@ impl Auth {
         if tokens.is_empty() {
             return Err("the token file holds no token".into());
         }
-        Ok(Arc::new(Auth { tokens, allow_health }))
+        Ok(tokens)
     }
 
     /// Checks an `Authorization` header value against `scope`.
@@ -115,7 +182,8 @@ impl Auth {
         let given = authorization.and_then(|v| v.strip_prefix("Bearer ")).map(str::trim).unwrap_or_default();
         // Compare with every token, so the time does not tell which one matched.
         let mut found: Option<(&Vec<Scope>, &Principal)> = None;
-        for (token, scopes, principal) in &self.tokens {
+        let tokens = self.tokens.load();
+        for (token, scopes, principal) in tokens.iter() {
             if ct_eq(given.as_bytes(), token) {
                 found = Some((scopes, principal));
             }
@@ -191,5 +259,26 @@ mod tests {
         assert!(!ct_eq(b"", b"a"));
         // Lengths that differ by a multiple of 256 still differ.
         assert!(!ct_eq(&[0u8; 256], b""));
+    }
+
+    #[test]
+    fn a_changed_token_file_is_re_read_and_a_broken_one_keeps_the_old_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens");
+        std::fs::write(&path, "first-token-0123456789 infer\n").unwrap();
+        let auth = Auth::from_file(&path, false).unwrap();
+        let bearer = |t: &str| format!("Bearer {t}");
+        assert!(auth.check(Some(&bearer("first-token-0123456789")), Scope::Infer).is_ok());
+        assert_eq!(auth.reload_if_changed(), Ok(false));
+        // A Secret update replaces the file (a new inode), as a rename does.
+        std::fs::write(dir.path().join("next"), "second-token-0123456789 infer\n").unwrap();
+        std::fs::rename(dir.path().join("next"), &path).unwrap();
+        assert_eq!(auth.reload_if_changed(), Ok(true));
+        assert!(auth.check(Some(&bearer("second-token-0123456789")), Scope::Infer).is_ok());
+        assert_eq!(auth.check(Some(&bearer("first-token-0123456789")), Scope::Infer), Err(Denied::Unauthenticated));
+        std::fs::write(dir.path().join("next"), "short\n").unwrap();
+        std::fs::rename(dir.path().join("next"), &path).unwrap();
+        assert!(auth.reload_if_changed().is_err());
+        assert!(auth.check(Some(&bearer("second-token-0123456789")), Scope::Infer).is_ok());
     }
 }

@@ -28,6 +28,9 @@ pub struct ServeConfig {
     pub metrics_port: Option<u16>,
     /// Also serve `/metrics` on the HTTP port.
     pub metrics_on_http: bool,
+    /// How `ferrite_desired_replicas` is computed, and over what window.
+    pub scale: ferrite_core::telemetry::scale::ScalePolicy,
+    pub scale_window: Duration,
     /// Bearer tokens required on every listener, when set.
     pub auth: Option<std::sync::Arc<crate::auth::Auth>>,
     /// TLS (and client certificates, when mutual) on every listener, when set.
@@ -59,6 +62,27 @@ pub async fn bind(cfg: &ServeConfig) -> io::Result<Bound> {
     Ok(Bound { http_addr: http.local_addr()?, grpc_addr: grpc.local_addr()?, metrics_addr, http, grpc, metrics })
 }
 
+/// Keeps `ferrite_desired_replicas` up to date: a reading of the request metrics every tenth of
+/// the window (at least every second), the rule applied to the window's rate and p99.
+fn desired_replicas(policy: ferrite_core::telemetry::scale::ScalePolicy, window: Duration) {
+    use ferrite_core::telemetry::{metrics, scale};
+    let m = metrics::global();
+    m.desired_replicas.set(scale::desired_replicas(&policy, 0.0, None) as i64);
+    tokio::spawn(async move {
+        let mut readings = scale::Window::default();
+        let mut tick = tokio::time::interval((window / 10).min(Duration::from_secs(1)));
+        loop {
+            tick.tick().await;
+            readings.push(std::time::Instant::now(), m.request_reading(), window);
+            let (rps, p99) = readings.rate_and_p99();
+            m.desired_replicas.set(scale::desired_replicas(&policy, rps, p99).min(i64::MAX as u64) as i64);
+        }
+    });
+}
+
+/// How often `--auth-token-file` is checked for a change.
+const AUTH_FILE_CHECK: Duration = Duration::from_secs(2);
+
 type InferenceServer = grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>;
 
 /// Serves until `stop` completes, then shuts down as the module says. Returns how many queued
@@ -73,6 +97,10 @@ pub async fn run(
     // arriving meanwhile get a clear 503 / UNAVAILABLE rather than a refused connection.
     let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(auth) = &cfg.auth {
+        auth.watch(AUTH_FILE_CHECK);
+    }
+    desired_replicas(cfg.scale.clone(), cfg.scale_window);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<InferenceServer>().await;
     let shutdown_core = core.clone();
