@@ -108,3 +108,38 @@ def test_json_logs_one_line_per_request_without_tensor_data(tmp_path):
     f = requests[0]["fields"]
     assert f["model"] == "mixed" and f["id"] == "req-42" and f["outcome"] == "success"
     assert "1234567" not in s.log_path.read_text()
+
+
+def test_desired_replicas_follow_the_load(start_server):
+    s = start_server("--scale-capacity-rps", "20", "--scale-window-secs", "3", "--scale-min-replicas", "1",
+                     "--scale-max-replicas", "50", models=("mlp",))
+    desired = lambda: value(scrape(s.metrics_url), "ferrite_desired_replicas")  # noqa: E731
+    assert desired() == 1, "idle: the minimum"
+    x = np.zeros((1, 512), np.float32)
+    stop = time.time() + 4
+    counts = []
+
+    def load():
+        c = httpclient.InferenceServerClient(s.url)
+        n = 0
+        while time.time() < stop:
+            infer(c, x)
+            n += 1
+        counts.append(n)
+
+    import threading
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    under_load = desired()
+    for t in threads:
+        t.join()
+    rate = sum(counts) / 4
+    assert rate > 60, f"the load generator managed only {rate:.0f} req/s"
+    # ceil(rate / 20) over the window, give or take the window's edges.
+    assert under_load >= 3 and abs(under_load - rate / 20) <= max(2, rate / 20 * 0.5), (under_load, rate)
+    deadline = time.time() + 10
+    while desired() != 1 and time.time() < deadline:
+        time.sleep(0.5)
+    assert desired() == 1, "back to the minimum once the load is gone"

@@ -132,6 +132,8 @@ fn serve(
         exit_timeout: Duration::from_secs_f64(exit_timeout.max(0.0)),
         metrics_port: None,
         metrics_on_http: true,
+        scale: Default::default(),
+        scale_window: Duration::from_secs(30),
         auth,
         tls,
     };

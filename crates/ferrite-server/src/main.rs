@@ -224,6 +224,20 @@ struct ServeArgs {
     /// Log format: `text` for people, `json` for log pipelines.
     #[arg(long, env = "FERRITE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Autoscaling: requests per second one replica serves within its latency target, from which
+    /// `ferrite_desired_replicas` follows; 0 (default): it stays at --scale-min-replicas.
+    #[arg(long, env = "FERRITE_SCALE_CAPACITY_RPS", default_value_t = 0.0)]
+    scale_capacity_rps: f64,
+    /// Autoscaling: p99 latency target; over it, the desired replicas are 1.8 times more. 0: none.
+    #[arg(long, env = "FERRITE_SCALE_P99_TARGET_MS", default_value_t = 0.0)]
+    scale_p99_target_ms: f64,
+    #[arg(long, env = "FERRITE_SCALE_MIN_REPLICAS", default_value_t = 1)]
+    scale_min_replicas: u64,
+    #[arg(long, env = "FERRITE_SCALE_MAX_REPLICAS", default_value_t = 100)]
+    scale_max_replicas: u64,
+    /// Autoscaling: the window the request rate and p99 are measured over.
+    #[arg(long, env = "FERRITE_SCALE_WINDOW_SECS", default_value_t = 30.0)]
+    scale_window_secs: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -391,6 +405,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         exit_timeout: Duration::from_secs(args.exit_timeout_secs),
         metrics_port: (!args.no_metrics).then_some(args.metrics_port),
         metrics_on_http: args.metrics_on_http,
+        scale: ferrite_core::telemetry::scale::ScalePolicy {
+            capacity_rps: args.scale_capacity_rps,
+            p99_target_s: args.scale_p99_target_ms / 1000.0,
+            min: args.scale_min_replicas,
+            max: args.scale_max_replicas,
+        },
+        scale_window: Duration::from_secs_f64(args.scale_window_secs.clamp(1.0, 3600.0)),
         auth: args
             .auth_token_file
             .as_deref()

@@ -150,6 +150,14 @@ const OVERFLOW: &str = "\u{0}overflow";
 
 impl Tenants {
     pub fn new(config: TenantConfig, header: &str) -> Arc<Tenants> {
+        // Every series a refusal can count in starts at 0, so dashboards and alerts see it before
+        // the first refusal.
+        let refusals = &crate::telemetry::metrics::global().tenant_refusals;
+        for tenant in config.tenants.keys().map(String::as_str).chain(["other"]) {
+            for limit in ["rate", "concurrency"] {
+                refusals.with_label_values(&[tenant, limit]);
+            }
+        }
         Arc::new(Tenants { config, header: header.to_ascii_lowercase(), buckets: Mutex::default() })
     }
 

@@ -53,6 +53,10 @@ pub(crate) fn build(
     current: Option<&Arc<Served>>,
 ) -> (Option<Arc<Served>>, Notes) {
     let mut notes = Notes::default();
+    // The model's failure counters exist (at 0) from its first load on, for dashboards and alerts.
+    let m = crate::telemetry::metrics::global();
+    m.model_load_failures.with_label_values(&[name]);
+    m.canary_rollbacks.with_label_values(&[name]);
     let planned = (|| -> Result<(ModelConfig, String, Vec<OnDisk>)> {
         let text = sources.text?;
         let config = sources.config?;

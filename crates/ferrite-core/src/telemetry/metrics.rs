@@ -27,6 +27,7 @@ pub struct Metrics {
     pub cache_misses: IntCounterVec,
     pub redis_errors: prometheus::IntCounter,
     pub redis_up: prometheus::IntGauge,
+    pub desired_replicas: prometheus::IntGauge,
     pub model_ready: IntGaugeVec,
     pub model_load_duration: prometheus::GaugeVec,
     pub tenant_refusals: IntCounterVec,
@@ -107,6 +108,14 @@ impl Metrics {
                 registry.register(Box::new(g.clone()))?;
                 g
             },
+            desired_replicas: {
+                let g = prometheus::IntGauge::new(
+                    "ferrite_desired_replicas",
+                    "Replicas this process's load calls for: ceil(req/s / per-replica capacity), x1.8 while p99 is over its target, within [min, max] (--scale-* flags).",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
             model_ready: gauge("ferrite_model_ready", "1 while a model version serves, 0 once it stopped.")?,
             model_load_duration: {
                 let g = prometheus::GaugeVec::new(Opts::new("ferrite_model_load_duration_seconds", "How long loading a model version took."), MODEL)?;
@@ -162,6 +171,27 @@ impl ModelMetrics {
             .requests
             .with_label_values(&[self.labels[0].as_str(), self.labels[1].as_str(), "failure", reason])
             .inc();
+    }
+}
+
+impl Metrics {
+    /// Requests answered so far, and their latency histogram, over every model.
+    pub fn request_reading(&self) -> super::scale::Reading {
+        use prometheus::core::Collector;
+        let mut reading = super::scale::Reading::default();
+        for family in self.request_duration.collect() {
+            for m in family.get_metric() {
+                let h = m.get_histogram();
+                reading.count += h.get_sample_count();
+                for (i, b) in h.get_bucket().iter().enumerate() {
+                    match reading.buckets.get_mut(i) {
+                        Some(slot) => slot.1 += b.cumulative_count(),
+                        None => reading.buckets.push((b.upper_bound(), b.cumulative_count())),
+                    }
+                }
+            }
+        }
+        reading
     }
 }
 

@@ -1,5 +1,7 @@
 //! What the engine reports about itself: Prometheus metrics for the process, and per-model
-//! statistics in the shape of Triton's statistics extension.
+//! statistics in the shape of Triton's statistics extension, and the replica count its load calls
+//! for.
 
 pub mod metrics;
+pub mod scale;
 pub mod stats;
