@@ -4,13 +4,14 @@ mod decode;
 mod error;
 pub(crate) mod json;
 pub(crate) mod msgpack;
+pub mod openapi;
 
 use axum::{
     body::Bytes,
     extract::{rejection::BytesRejection, DefaultBodyLimit, Path, State},
     http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
-    routing::{get, post},
+    routing::{get, post, MethodRouter},
     Json, Router,
 };
 use ferrite_core::{Core, Model};
@@ -228,25 +229,135 @@ async fn metrics(State(s): State<AppState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
+/// Every route of the HTTP API, each with its description: `app` serves these, and
+/// `/v2/openapi.json` describes exactly these (and `/metrics`, served by `metrics_app`).
+fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
+    use openapi::Doc;
+    let doc = |method, path, summary: &str, scope, body, answer| Doc {
+        method,
+        path,
+        summary: summary.to_string(),
+        scope,
+        body,
+        answer,
+    };
+    let (user, admin) = (Some("infer"), Some("admin"));
+    let live = || async { axum::Json(serde_json::json!({"live": true})) };
+    let mut routes = vec![
+        (doc("get", "/v2", "Server metadata: name, version, extensions", user, None, "ServerMetadata"), get(server_metadata)),
+        (doc("get", "/v2/health/live", "Liveness: 200 while the process serves (no token with --auth-allow-health)", user, None, "Live"), get(live)),
+        (doc("get", "/v2/health/ready", "Readiness: 200 when the models are loaded, 503 while loading or draining (no token with --auth-allow-health)", user, None, "Ready"), get(server_ready)),
+        (doc("get", "/v2/models/stats", "Statistics of every model (Triton's statistics extension)", user, None, "Statistics"), get(all_stats)),
+        (doc("post", "/v2/repository/index", "Every model on disk or served: each version's state and reason", admin, Some("RepositoryIndexRequest"), "RepositoryIndex"), post(repository_index)),
+        (doc("post", "/v2/repository/models/{model}/load", "Loads or reloads a model from the repository (explicit mode)", admin, Some("RepositoryRequest"), "Empty"), post(repository_load)),
+        (doc("post", "/v2/repository/models/{model}/unload", "Stops serving a model (explicit mode)", admin, Some("RepositoryRequest"), "Empty"), post(repository_unload)),
+        (doc("post", "/v2/repository/models/{model}/promote", "Makes a model's canary candidate its stable version (explicit mode)", admin, None, "Empty"), post(repository_promote)),
+        (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, "OpenApi"), get(openapi_json)),
+        (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, "html"), get(docs_page)),
+    ];
+    // Each model route, for the model's default version and for a named one.
+    for (prefix, metadata, ready, config, stats, infer_path) in [
+        (
+            "",
+            "/v2/models/{model}",
+            "/v2/models/{model}/ready",
+            "/v2/models/{model}/config",
+            "/v2/models/{model}/stats",
+            "/v2/models/{model}/infer",
+        ),
+        (
+            " (of one version)",
+            "/v2/models/{model}/versions/{version}",
+            "/v2/models/{model}/versions/{version}/ready",
+            "/v2/models/{model}/versions/{version}/config",
+            "/v2/models/{model}/versions/{version}/stats",
+            "/v2/models/{model}/versions/{version}/infer",
+        ),
+    ] {
+        let summary = |s: &str| format!("{s}{prefix}");
+        routes.extend([
+            (
+                doc(
+                    "get",
+                    metadata,
+                    &summary("Model metadata: inputs, outputs, versions"),
+                    user,
+                    None,
+                    "ModelMetadata",
+                ),
+                get(model_metadata),
+            ),
+            (doc("get", ready, &summary("Model readiness: 200 when ready"), user, None, "Empty"), get(model_ready)),
+            (
+                doc(
+                    "get",
+                    config,
+                    &summary("The resolved model configuration, in Triton's JSON shape"),
+                    user,
+                    None,
+                    "ModelConfig",
+                ),
+                get(model_config),
+            ),
+            (
+                doc(
+                    "get",
+                    stats,
+                    &summary("Model statistics (Triton's statistics extension)"),
+                    user,
+                    None,
+                    "Statistics",
+                ),
+                get(model_stats),
+            ),
+            (
+                doc(
+                    "post",
+                    infer_path,
+                    &summary("Inference: JSON, binary tensors (Inference-Header-Content-Length) or MessagePack"),
+                    user,
+                    Some("InferenceRequest"),
+                    "InferenceResponse",
+                ),
+                post(infer),
+            ),
+        ]);
+    }
+    routes
+}
+
+/// The OpenAPI description of `routes()` and `/metrics`, made once.
+fn openapi_document() -> &'static str {
+    static DOC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DOC.get_or_init(|| {
+        let mut docs: Vec<openapi::Doc> = routes().into_iter().map(|(d, _)| d).collect();
+        docs.push(openapi::Doc {
+            method: "get",
+            path: "/metrics",
+            summary: "Prometheus metrics (on --metrics-port; on the HTTP port too with --metrics-on-http)".into(),
+            scope: Some("metrics"),
+            body: None,
+            answer: "text",
+        });
+        openapi::document(&docs).to_string()
+    })
+}
+
+async fn openapi_json() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], openapi_document()).into_response()
+}
+
+async fn docs_page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], openapi::DOCS_PAGE).into_response()
+}
+
 /// The whole V2 REST surface.
 pub fn app(core: Core, limits: &HttpLimits) -> Router {
-    let model_routes = Router::new()
-        .route("/", get(model_metadata))
-        .route("/ready", get(model_ready))
-        .route("/config", get(model_config))
-        .route("/stats", get(model_stats))
-        .route("/infer", post(infer));
-    Router::new()
-        .route("/v2", get(server_metadata))
-        .route("/v2/health/live", get(|| async { axum::Json(serde_json::json!({"live": true})) }))
-        .route("/v2/health/ready", get(server_ready))
-        .route("/v2/models/stats", get(all_stats))
-        .route("/v2/repository/index", post(repository_index))
-        .route("/v2/repository/models/{model}/load", post(repository_load))
-        .route("/v2/repository/models/{model}/unload", post(repository_unload))
-        .route("/v2/repository/models/{model}/promote", post(repository_promote))
-        .nest("/v2/models/{model}", model_routes.clone())
-        .nest("/v2/models/{model}/versions/{version}", model_routes)
+    let mut router = Router::new();
+    for (doc, handler) in routes() {
+        router = router.route(doc.path, handler);
+    }
+    router
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(Arc::new(limits.clone()), read_body))
