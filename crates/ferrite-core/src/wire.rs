@@ -4,6 +4,20 @@
 
 use crate::{Error, Result};
 
+/// The protocol extensions the server metadata lists (Triton's names), over every front-end.
+pub const EXTENSIONS: &[&str] = &[
+    "classification",
+    "model_repository",
+    "schedule_policy",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+];
+
+/// Ferrite's version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// One request parameter as a front-end decoded it (JSON, MessagePack or protobuf).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Param<'a> {

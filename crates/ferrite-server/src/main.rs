@@ -18,10 +18,18 @@ use ferrite_core::{
 use ferrite_redis::RedisTier;
 
 #[derive(Parser)]
-#[command(name = "ferrite", version, about = "Real-time inference server for ONNX models (KServe V2 protocol)")]
+#[command(
+    name = "ferrite",
+    about = "Real-time inference server for ONNX models (KServe V2 protocol)",
+    disable_version_flag = true,
+    arg_required_else_help = true
+)]
 struct Cli {
+    /// Print Ferrite's version and the ONNX Runtime library's it would load (path and version).
+    #[arg(short = 'V', long)]
+    version: bool,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -52,7 +60,7 @@ struct CheckArgs {
 /// `ferrite check`: 0 when every model loads, 1 when one does not, 2 when the repository cannot
 /// be read.
 fn check(args: CheckArgs) -> i32 {
-    // Warnings of the loads (an unread config.pbtxt, say) go to stderr beside the report.
+    // Warnings of the loads (a config.pbtxt setting that has no effect here, say) go to stderr.
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(tracing::Level::WARN).init();
     let mut options = LoadOptions { calibrate: args.calibrate, ..LoadOptions::default() };
     if let Some(t) = args.threads {
@@ -268,9 +276,34 @@ fn fix_mmap_threshold() {
     }
 }
 
+/// `ferrite --version`: Ferrite's version, and the ONNX Runtime library found (as `serve` would find
+/// it without --onnxruntime-lib) with its version, or why none fits. Exits 1 when none does.
+fn print_version() {
+    use ferrite_core::engine::onnx;
+    println!("ferrite {}", ferrite_core::wire::VERSION);
+    match onnx::find_library(None) {
+        None => {
+            println!("onnxruntime: not found ({})", onnx::INSTALL_HINT);
+            std::process::exit(1);
+        }
+        Some(path) => match onnx::library_version(&path) {
+            Ok(v) => println!("onnxruntime {v} ({})", path.display()),
+            Err(e) => {
+                println!("onnxruntime: {e}");
+                std::process::exit(1);
+            }
+        },
+    }
+}
+
 fn main() {
     fix_mmap_threshold();
-    let command = Cli::parse().command;
+    let cli = Cli::parse();
+    if cli.version {
+        print_version();
+        return;
+    }
+    let Some(command) = cli.command else { return };
     // ONNX Runtime is found and loaded once, here, before any model loads.
     let lib = match &command {
         Command::Serve(args) => args.onnxruntime_lib.as_deref(),
@@ -282,7 +315,14 @@ fn main() {
     }
     let args = match command {
         Command::Serve(args) => *args,
-        Command::Check(args) => std::process::exit(check(args)),
+        Command::Check(args) => {
+            eprintln!(
+                "ferrite {}, onnxruntime {}",
+                ferrite_core::wire::VERSION,
+                ferrite_core::engine::onnx::runtime_version().unwrap_or("?")
+            );
+            std::process::exit(check(args))
+        }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = runtime.block_on(async {

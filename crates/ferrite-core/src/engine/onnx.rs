@@ -27,7 +27,54 @@ use crate::{
 pub const INSTALL_HINT: &str =
     "ONNX Runtime not found: run `python3 -m pip install onnxruntime==1.31.*` or pass --onnxruntime-lib PATH (env ORT_DYLIB_PATH)";
 
-static RUNTIME: OnceLock<std::result::Result<(PathBuf, Environment), String>> = OnceLock::new();
+/// The ONNX Runtime releases Ferrite is built for (the `ort` crate's API 31; the pinned wheel is
+/// `onnxruntime==1.31.*`): 1.31 and later 1.x, older ones refused.
+pub const SUPPORTED_MINOR: u32 = 31;
+
+/// The loaded library: its path, its version, and the environment every session shares.
+struct Runtime {
+    path: PathBuf,
+    version: String,
+    env: Environment,
+}
+
+static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
+
+/// The version `libonnxruntime` at `path` says it is (`OrtGetApiBase()->GetVersionString()`),
+/// checked against the supported range: an error says what was found, what is needed and how to
+/// install it, rather than fail later inside the library.
+pub fn library_version(path: &Path) -> std::result::Result<String, String> {
+    // SAFETY: opening the library runs its initialisers, as loading it for use does right after;
+    // OrtGetApiBase takes nothing and returns a pointer to a static table whose GetVersionString
+    // returns a static NUL-terminated string.
+    let version = unsafe {
+        let lib = libloading::Library::new(path)
+            .map_err(|e| format!("cannot load ONNX Runtime from {}: {e}. {INSTALL_HINT}", path.display()))?;
+        let get: libloading::Symbol<unsafe extern "C" fn() -> *const ort::sys::OrtApiBase> =
+            lib.get(b"OrtGetApiBase").map_err(|_| {
+                format!("{} is not an ONNX Runtime library (no OrtGetApiBase). {INSTALL_HINT}", path.display())
+            })?;
+        let base = get();
+        if base.is_null() {
+            return Err(format!("{} returned no ONNX Runtime API", path.display()));
+        }
+        std::ffi::CStr::from_ptr(((*base).GetVersionString)()).to_string_lossy().into_owned()
+    };
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(1), Some(minor)) if minor >= SUPPORTED_MINOR => Ok(version),
+        _ => Err(format!(
+            "ONNX Runtime {version} found at {}; Ferrite needs 1.{SUPPORTED_MINOR} or a later 1.x: run \
+             `python3 -m pip install onnxruntime==1.{SUPPORTED_MINOR}.*` or pass --onnxruntime-lib PATH",
+            path.display()
+        )),
+    }
+}
+
+/// The version of the ONNX Runtime library loaded at start-up, if one is.
+pub fn runtime_version() -> Option<&'static str> {
+    RUNTIME.get().and_then(|r| r.as_ref().ok()).map(|r| r.version.as_str())
+}
 
 /// Finds `libonnxruntime`: `explicit`, then `ORT_DYLIB_PATH`, then the `onnxruntime` package of the
 /// `python3` on PATH (`capi/libonnxruntime.so.*`).
@@ -58,29 +105,33 @@ pub fn find_library(explicit: Option<&Path>) -> Option<PathBuf> {
 /// Finds (see `find_library`) and loads ONNX Runtime once per process, and returns the library's
 /// path. Called at start-up; later calls return the first outcome.
 pub fn init_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
-    runtime(explicit).map(|(path, _)| path.clone())
+    runtime(explicit).map(|r| r.path.clone())
 }
 
 /// The process's ONNX Runtime environment. The binary and the Python package load the library
 /// once at start-up (`init_runtime`); model loading never searches for it.
-fn environment() -> Result<&'static (PathBuf, Environment)> {
+fn environment() -> Result<&'static Environment> {
     match RUNTIME.get() {
-        Some(r) => r.as_ref().map_err(|e| Error::Internal(e.clone())),
+        Some(r) => r.as_ref().map(|r| &r.env).map_err(|e| Error::Internal(e.clone())),
         None => Err(Error::Internal(format!("ONNX Runtime was not loaded at start-up. {INSTALL_HINT}"))),
     }
 }
 
-fn runtime(explicit: Option<&Path>) -> Result<&'static (PathBuf, Environment)> {
+fn runtime(explicit: Option<&Path>) -> Result<&'static Runtime> {
     RUNTIME
         .get_or_init(|| {
             let path = find_library(explicit).ok_or_else(|| INSTALL_HINT.to_string())?;
             if !path.exists() {
                 return Err(format!("ONNX Runtime library {} does not exist. {INSTALL_HINT}", path.display()));
             }
+            let version = library_version(&path)?;
+            if !version.starts_with(&format!("1.{SUPPORTED_MINOR}.")) {
+                tracing::warn!(%version, tested = %format!("1.{SUPPORTED_MINOR}"), "ONNX Runtime is newer than the release Ferrite is tested with");
+            }
             let builder =
                 ort::init_from(&path).map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", path.display()))?;
             let env = builder.with_name("ferrite").build().map_err(|e| format!("cannot start ONNX Runtime: {e}"))?;
-            Ok((path, env))
+            Ok(Runtime { path, version, env })
         })
         .as_ref()
         .map_err(|e| Error::Internal(e.clone()))
@@ -209,7 +260,7 @@ fn open(path: &Path, options: &OnnxOptions) -> Result<Session> {
         2 => GraphOptimizationLevel::Level2,
         _ => GraphOptimizationLevel::Level3,
     };
-    let builder = Session::builder(&environment()?.1).map_err(ort_err)?;
+    let builder = Session::builder(environment()?).map_err(ort_err)?;
     let builder = builder.with_optimization_level(level).map_err(ort_err)?;
     let builder = builder.with_intra_threads(options.intra_threads).map_err(ort_err)?;
     let builder = builder.with_inter_threads(options.inter_threads.max(1)).map_err(ort_err)?;

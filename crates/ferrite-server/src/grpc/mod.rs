@@ -232,8 +232,9 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<pb::ServerMetadataResponse>, Status> {
         Ok(Response::new(pb::ServerMetadataResponse {
             name: "ferrite".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            extensions: ["model_configuration", "statistics", "binary_tensor_data"].map(String::from).to_vec(),
+            version: ferrite_core::wire::VERSION.into(),
+            extensions: ferrite_core::wire::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+            onnxruntime_version: ferrite_core::engine::onnx::runtime_version().unwrap_or_default().into(),
         }))
     }
 

@@ -379,8 +379,9 @@ impl AppState {
 async fn server_metadata() -> Json<Value> {
     Json(json!({
         "name": "ferrite",
-        "version": env!("CARGO_PKG_VERSION"),
-        "extensions": ["model_configuration", "statistics", "binary_tensor_data"],
+        "version": ferrite_core::wire::VERSION,
+        "extensions": ferrite_core::wire::EXTENSIONS,
+        "onnxruntime_version": ferrite_core::engine::onnx::runtime_version().unwrap_or_default(),
     }))
 }
 
