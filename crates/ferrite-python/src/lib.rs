@@ -61,6 +61,13 @@ fn init_runtime(path: PathBuf) -> PyResult<String> {
     ferrite_core::engine::onnx::init_runtime(Some(&path)).map(|p| p.display().to_string()).map_err(py_err)
 }
 
+/// The version `libonnxruntime` at `path` reports, checked against the range Ferrite supports
+/// (an InvalidInput error says what was found and what is needed).
+#[pyfunction]
+fn library_version(path: PathBuf) -> PyResult<String> {
+    ferrite_core::engine::onnx::library_version(&path).map_err(InvalidInput::new_err)
+}
+
 /// A model repository loaded in-process: every model of `<repository>/<name>/<version>/model.onnx`.
 #[pyclass(frozen, module = "ferrite._native")]
 struct Engine {
@@ -70,17 +77,70 @@ struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (model_repository, *, threads=None, max_request_elements=None))]
+    #[pyo3(signature = (model_repository, *, threads=None, max_request_elements=None, cache_bytes=None, cache_ttl=300.0, redis_url=None, redis_timeout_ms=5, cache_max_value_bytes=1048576))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model_repository: PathBuf,
         threads: Option<usize>,
         max_request_elements: Option<usize>,
+        cache_bytes: Option<u64>,
+        cache_ttl: f64,
+        redis_url: Option<String>,
+        redis_timeout_ms: u64,
+        cache_max_value_bytes: usize,
     ) -> PyResult<Self> {
-        let options = load_options(threads);
+        let mut options = load_options(threads);
+        // The server's two-tier response cache, for the models whose config enables it: in-process
+        // (`cache_bytes`), and Redis shared with other processes (`redis_url`) when given.
+        if cache_bytes.is_some() || redis_url.is_some() {
+            let shared_timeout = Duration::from_millis(redis_timeout_ms.max(1));
+            let redis = match &redis_url {
+                Some(url) => {
+                    let _context = runtime().enter();
+                    let tier =
+                        ferrite_redis::RedisTier::start(url, shared_timeout * 4).map_err(InvalidInput::new_err)?;
+                    Some(tier as Arc<dyn ferrite_core::cache::SharedTier>)
+                }
+                None => None,
+            };
+            let cache = ferrite_core::cache::ResponseCache::new(
+                &ferrite_core::cache::CacheOptions {
+                    local_bytes: cache_bytes.unwrap_or(256 << 20),
+                    ttl: Duration::from_secs_f64(cache_ttl.clamp(1.0, 1e9)),
+                    shared_timeout,
+                    max_value_bytes: cache_max_value_bytes,
+                },
+                redis,
+            );
+            options.cache = Some(Arc::new(cache));
+        }
         let limits = limits(max_request_elements);
         let core = py.detach(|| Core::load(&model_repository, &options, limits)).map_err(py_err)?;
         Ok(Engine { core })
+    }
+
+    /// The response cache's state (None without one): entries and bytes in process, Redis's
+    /// state and calls, and the lookups of every model that hit and missed.
+    fn cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(cache) = self.core.cache() else { return Ok(None) };
+        let s = cache.snapshot();
+        let d = PyDict::new(py);
+        let (mut hits, mut misses) = (0u64, 0u64);
+        for m in self.core.models() {
+            let snap = m.stats.snapshot(&m.spec.name, m.spec.version);
+            hits += snap.inference_stats.cache_hit.count;
+            misses += snap.inference_stats.cache_miss.count;
+        }
+        d.set_item("hits", hits)?;
+        d.set_item("misses", misses)?;
+        d.set_item("local_entries", s.local_entries)?;
+        d.set_item("local_bytes", s.local_bytes)?;
+        d.set_item("redis", s.redis)?;
+        d.set_item("redis_hits", s.redis_hits)?;
+        d.set_item("redis_misses", s.redis_misses)?;
+        d.set_item("redis_errors", s.redis_errors)?;
+        Ok(Some(d))
     }
 
     /// Names of the models that loaded.
@@ -205,6 +265,23 @@ impl Model {
     #[getter]
     fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The inputs a request may leave out (`optional` in the model's config).
+    fn _optional_inputs(&self) -> PyResult<Vec<String>> {
+        Ok(self.model()?.spec.optional.iter().cloned().collect())
+    }
+
+    /// (inferences, executions, cache hits, cache misses) of the model so far.
+    fn _stats(&self) -> PyResult<(u64, u64, u64, u64)> {
+        let m = self.model()?;
+        let s = m.stats.snapshot(&m.spec.name, m.spec.version);
+        Ok((
+            s.inference_count,
+            s.execution_count,
+            s.inference_stats.cache_hit.count,
+            s.inference_stats.cache_miss.count,
+        ))
     }
 
     /// (name, version, platform, max_batch_size, inputs, outputs) with tensors as
@@ -426,6 +503,9 @@ impl Completer {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(init_runtime, m)?)?;
+    m.add_function(wrap_pyfunction!(library_version, m)?)?;
+    m.add("__version__", ferrite_core::wire::VERSION)?;
+    m.add("SUPPORTED_ONNXRUNTIME", format!("1.{}", ferrite_core::engine::onnx::SUPPORTED_MINOR))?;
     #[cfg(feature = "serve")]
     serving::register(m)?;
     m.add_class::<Engine>()?;
