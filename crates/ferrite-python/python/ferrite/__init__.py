@@ -16,13 +16,15 @@ import asyncio
 import glob
 import itertools
 import os
+import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Protocol, Sequence, Tuple, Union, overload
 
 import numpy as np
 
 from . import _native
+from ._signature import Signature, field_name
 from ._native import (
     DeadlineExceeded,
     FerriteError,
@@ -34,10 +36,19 @@ from ._native import (
     Unsupported,
 )
 
+__version__: str = _native.__version__
+
 __all__ = [
+    "__version__",
+    "check_environment",
+    "onnxruntime_version",
     "Engine",
     "Model",
     "ModelMetadata",
+    "ModelStats",
+    "Signature",
+    "TypedInputs",
+    "field_name",
     "TensorSpec",
     "Server",
     "serve",
@@ -56,20 +67,72 @@ __all__ = [
 _runtime_path: Optional[str] = None
 
 
+def _library_path() -> str:
+    """The ONNX Runtime library to load: ORT_DYLIB_PATH, else the one the `onnxruntime` package ships."""
+    path = os.environ.get("ORT_DYLIB_PATH")
+    if path:
+        return path
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise FerriteError(
+            f"the onnxruntime package is not installed: pip install 'onnxruntime=={_native.SUPPORTED_ONNXRUNTIME}.*'"
+        ) from e
+    libs = sorted(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), "capi", "libonnxruntime.so*")))
+    if not libs:
+        raise FerriteError(
+            f"the onnxruntime package has no capi/libonnxruntime.so*; reinstall onnxruntime=={_native.SUPPORTED_ONNXRUNTIME}.*"
+        )
+    return libs[-1]
+
+
 def _init_runtime() -> None:
-    """Loads the ONNX Runtime library that the `onnxruntime` package ships (once)."""
+    """Loads the ONNX Runtime library (once), after checking its version: a library outside the
+    supported range raises InvalidInput saying what was found and what to install."""
     global _runtime_path
     if _runtime_path is not None:
         return
-    path = os.environ.get("ORT_DYLIB_PATH")
-    if not path:
+    path = _library_path()
+    _native.library_version(path)
+    _runtime_path = _native.init_runtime(path)
+
+
+def onnxruntime_version() -> str:
+    """The version of the ONNX Runtime library Ferrite loads (or would load), as it reports it."""
+    return _native.library_version(_library_path())
+
+
+def check_environment(file: Any = None) -> bool:
+    """Prints Python, NumPy, ONNX Runtime (package and library) and Ferrite versions, and whether
+    each fits what Ferrite needs; returns True when all do."""
+    out = file if file is not None else sys.stdout
+    rows = []
+    python = ".".join(map(str, sys.version_info[:3]))
+    rows.append(("python", python, sys.version_info >= (3, 9), ">= 3.9"))
+    numpy_major_minor = tuple(int(p) for p in np.__version__.split(".")[:2])
+    rows.append(("numpy", np.__version__, numpy_major_minor >= (1, 21), ">= 1.21"))
+    wanted = _native.SUPPORTED_ONNXRUNTIME
+    try:
         import onnxruntime
 
-        libs = sorted(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), "capi", "libonnxruntime.so*")))
-        if not libs:
-            raise FerriteError("the onnxruntime package has no capi/libonnxruntime.so*; reinstall onnxruntime==1.31.*")
-        path = libs[-1]
-    _runtime_path = _native.init_runtime(path)
+        package = getattr(onnxruntime, "__version__", "?")
+        rows.append(("onnxruntime (package)", package, package.startswith(wanted + "."), f"{wanted}.*"))
+    except ImportError:
+        rows.append(("onnxruntime (package)", "not installed", False, f"pip install 'onnxruntime=={wanted}.*'"))
+    try:
+        path = _library_path()
+        try:
+            rows.append(("onnxruntime (library)", f"{_native.library_version(path)} at {path}", True, f">= {wanted}"))
+        except InvalidInput as e:
+            rows.append(("onnxruntime (library)", path, False, str(e)))
+    except FerriteError as e:
+        rows.append(("onnxruntime (library)", "not found", False, str(e)))
+    rows.append(("ferrite", __version__, True, ""))
+    width = max(len(r[0]) for r in rows)
+    for name, version, fits, needed in rows:
+        note = "ok" if fits else f"NEEDS {needed}"
+        print(f"{name:<{width}}  {version}  {note}", file=out)
+    return all(r[2] for r in rows)
 
 
 @dataclass(frozen=True)
@@ -88,6 +151,20 @@ class ModelMetadata:
     max_batch_size: int
     inputs: Tuple[TensorSpec, ...]
     outputs: Tuple[TensorSpec, ...]
+
+
+class TypedInputs(Protocol):
+    """An instance of a model's `signature.Inputs`."""
+
+    __ferrite_fields__: Tuple[Tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    inferences: int
+    executions: int
+    cache_hits: int
+    cache_misses: int
 
 
 class _LoopState:
@@ -133,6 +210,7 @@ class Model:
     def __init__(self, native: Any) -> None:
         self._native = native
         self._metadata: Optional[ModelMetadata] = None
+        self._signature: Optional[Signature] = None
 
     @staticmethod
     def load(
@@ -165,6 +243,27 @@ class Model:
         return self._native.name
 
     @property
+    def signature(self) -> Signature:
+        """Dataclass types generated from the model's metadata: `signature.Inputs` and
+        `signature.Outputs`, a field per tensor (ferrite._signature states the naming rule), each
+        a NumPy array of the tensor's dtype. `Inputs(...)` validates on construction (unknown or
+        missing fields, dtype, shape: the server's messages); `infer(signature.Inputs(...))`
+        returns `signature.Outputs`."""
+        if self._signature is None:
+            meta = self.metadata
+            self._signature = Signature(meta.name, meta.inputs, meta.outputs, self._native._optional_inputs())
+        return self._signature
+
+    def pydantic_models(self) -> Tuple[Any, Any]:
+        """(Request, Response) Pydantic v2 models of the model's JSON bodies, for FastAPI routes
+        (documented schemas, 422 with the reason for a bad body); see `Signature.pydantic_models`."""
+        return self.signature.pydantic_models(self.metadata)
+
+    def stats(self) -> ModelStats:
+        """Rows inferred, batches executed, and response-cache hits and misses so far."""
+        return ModelStats(*self._native._stats())
+
+    @property
     def metadata(self) -> ModelMetadata:
         if self._metadata is None:
             name, version, platform, mbs, inputs, outputs = self._native._metadata()
@@ -178,6 +277,7 @@ class Model:
             )
         return self._metadata
 
+    @overload
     def infer(
         self,
         inputs: Mapping[str, Any],
@@ -187,19 +287,46 @@ class Model:
         timeout_us: Optional[int] = None,
         priority: int = 0,
         traceparent: Optional[str] = None,
-    ) -> Dict[str, np.ndarray]:
+    ) -> Dict[str, np.ndarray]: ...
+
+    @overload
+    def infer(
+        self,
+        inputs: TypedInputs,
+        outputs: Optional[Sequence[str]] = None,
+        *,
+        copy: bool = False,
+        timeout_us: Optional[int] = None,
+        priority: int = 0,
+        traceparent: Optional[str] = None,
+    ) -> Any: ...
+
+    def infer(
+        self,
+        inputs: Union[Mapping[str, Any], TypedInputs],
+        outputs: Optional[Sequence[str]] = None,
+        *,
+        copy: bool = False,
+        timeout_us: Optional[int] = None,
+        priority: int = 0,
+        traceparent: Optional[str] = None,
+    ) -> Any:
         """Runs one request. Arrays are read in place when C-contiguous and of the model's dtype;
         anything else raises TypeError/ValueError unless `copy=True`. Ctrl-C interrupts the wait.
-        `traceparent` (W3C) makes the request's spans children of the caller's span."""
-        return self._native.infer(
-            dict(inputs),
+        `traceparent` (W3C) makes the request's spans children of the caller's span.
+        Given a `signature.Inputs`, returns a `signature.Outputs`."""
+        typed = getattr(inputs, "__ferrite_fields__", None) is not None
+        result = self._native.infer(
+            self.signature.to_tensors(inputs) if typed else dict(inputs),  # type: ignore[arg-type]
             list(outputs) if outputs is not None else None,
             copy=copy,
             timeout_us=timeout_us,
             priority=priority,
             traceparent=traceparent,
         )
+        return self.signature.outputs(result) if typed else result
 
+    @overload
     async def infer_async(
         self,
         inputs: Mapping[str, Any],
@@ -209,9 +336,40 @@ class Model:
         timeout_us: Optional[int] = None,
         priority: int = 0,
         traceparent: Optional[str] = None,
-    ) -> Dict[str, np.ndarray]:
+    ) -> Dict[str, np.ndarray]: ...
+
+    @overload
+    async def infer_async(
+        self,
+        inputs: TypedInputs,
+        outputs: Optional[Sequence[str]] = None,
+        *,
+        copy: bool = False,
+        timeout_us: Optional[int] = None,
+        priority: int = 0,
+        traceparent: Optional[str] = None,
+    ) -> Any: ...
+
+    async def infer_async(
+        self,
+        inputs: Union[Mapping[str, Any], TypedInputs],
+        outputs: Optional[Sequence[str]] = None,
+        *,
+        copy: bool = False,
+        timeout_us: Optional[int] = None,
+        priority: int = 0,
+        traceparent: Optional[str] = None,
+    ) -> Any:
         """As `infer`, without blocking the event loop. Cancelling the await drops the request if
-        it has not run yet."""
+        it has not run yet. Given a `signature.Inputs`, returns a `signature.Outputs`."""
+        if getattr(inputs, "__ferrite_fields__", None) is not None:
+            signature = self.signature
+            return signature.outputs(
+                await self.infer_async(
+                    signature.to_tensors(inputs), outputs, copy=copy, timeout_us=timeout_us, priority=priority,
+                    traceparent=traceparent,
+                )
+            )
         loop = asyncio.get_running_loop()
         state = _loop_state(loop)
         token = next(_tokens)
@@ -219,7 +377,7 @@ class Model:
         state.futures[token] = fut
         try:
             pending = self._native._submit(
-                dict(inputs),
+                dict(inputs),  # type: ignore[arg-type]
                 list(outputs) if outputs is not None else None,
                 copy,
                 timeout_us,
@@ -262,9 +420,30 @@ class Engine:
         *,
         threads: Optional[int] = None,
         max_request_elements: Optional[int] = None,
+        cache_bytes: Optional[int] = None,
+        cache_ttl: float = 300.0,
+        redis_url: Optional[str] = None,
+        redis_timeout_ms: int = 5,
+        cache_max_value_bytes: int = 1 << 20,
     ) -> None:
+        """`cache_bytes` and/or `redis_url` give the engine the server's two-tier response cache
+        (in-process, then Redis shared with other processes), used by the models whose config
+        says `[cache] enabled = true` (Triton's `response_cache { enable: true }`)."""
         _init_runtime()
-        self._native = _native.Engine(os.fspath(model_repository), threads=threads, max_request_elements=max_request_elements)
+        self._native = _native.Engine(
+            os.fspath(model_repository),
+            threads=threads,
+            max_request_elements=max_request_elements,
+            cache_bytes=cache_bytes,
+            cache_ttl=cache_ttl,
+            redis_url=redis_url,
+            redis_timeout_ms=redis_timeout_ms,
+            cache_max_value_bytes=cache_max_value_bytes,
+        )
+
+    def cache_stats(self) -> Optional[Dict[str, Any]]:
+        """The response cache's state and the lookups that hit and missed; None without a cache."""
+        return self._native.cache_stats()
 
     @property
     def models(self) -> Tuple[str, ...]:
