@@ -760,25 +760,33 @@ async fn preserve_ordering_answers_in_the_order_requests_left_the_queue() {
         .unwrap();
         let spec = ModelSpec::resolve("sleepy", 1, &config, &specs, &specs, 1).unwrap();
         let model = Arc::new(Model::start(spec, &Sleepy(specs), None).unwrap());
-        let core = Core::from_models([("sleepy".to_string(), model)].into(), Default::default(), Limits::default());
-        let core = Arc::new(core);
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let mut tasks = Vec::new();
-        for ms in [300f32, 0.0] {
-            let (core, order) = (core.clone(), order.clone());
-            tasks.push(tokio::spawn(async move {
-                let req = InferRequest {
-                    model_name: "sleepy".into(),
-                    inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[ms])],
-                    ..Default::default()
-                };
-                core.infer(req).await.unwrap();
-                order.lock().unwrap().push(ms as u32);
-            }));
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let core = Arc::new(Core::from_models(
+            [("sleepy".to_string(), model.clone())].into(),
+            Default::default(),
+            Limits::default(),
+        ));
+        let request = |ms: f32| InferRequest {
+            model_name: "sleepy".into(),
+            inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[ms])],
+            ..Default::default()
+        };
+        // A slow request (1 s) runs on one instance; then a fast one arrives and runs on the other.
+        let slow = tokio::spawn({
+            let core = core.clone();
+            async move { core.infer(request(1000.0)).await.unwrap() }
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while model.batcher().running() == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        futures_join(tasks).await;
-        let expected = if preserve { [300, 0] } else { [0, 300] };
-        assert_eq!(*order.lock().unwrap(), expected, "preserve_ordering = {preserve}");
+        let started = Instant::now();
+        core.infer(request(0.0)).await.unwrap();
+        let fast = started.elapsed();
+        slow.await.unwrap();
+        if preserve {
+            assert!(fast >= Duration::from_millis(700), "the fast answer waited for the slow one: {fast:?}");
+        } else {
+            assert!(fast < Duration::from_millis(500), "the fast answer did not wait: {fast:?}");
+        }
     }
 }
