@@ -14,6 +14,7 @@
 //! | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
 //! | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
 //! | [`error`] | the one error enum every front-end maps |
+//! | [`crash`] | crash reports: what a worker runs, written out by a fatal-signal handler |
 //!
 //! Layers depend one way: `engine` knows nothing of `control` but the version policy and warm-ups
 //! it reports; `control` builds `engine` models; `core` ties them together. A change to batching touches
@@ -23,6 +24,7 @@ pub mod admission;
 pub mod cache;
 pub mod control;
 pub mod core;
+pub mod crash;
 pub mod engine;
 pub mod error;
 pub mod telemetry;

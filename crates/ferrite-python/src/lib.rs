@@ -68,6 +68,13 @@ fn library_version(path: PathBuf) -> PyResult<String> {
     ferrite_core::engine::onnx::library_version(&path).map_err(InvalidInput::new_err)
 }
 
+/// Writes a crash report into `dir` should a fatal signal end the process (the Python layer has
+/// enabled faulthandler first, which then adds every Python thread's stack); returns its path.
+#[pyfunction]
+fn install_crash_handler(dir: PathBuf) -> PyResult<String> {
+    ferrite_core::crash::install(&dir).map(|p| p.display().to_string()).map_err(InvalidInput::new_err)
+}
+
 /// A model repository loaded in-process: every model of `<repository>/<name>/<version>/model.onnx`.
 #[pyclass(frozen, module = "ferrite._native")]
 struct Engine {
@@ -504,6 +511,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(init_runtime, m)?)?;
     m.add_function(wrap_pyfunction!(library_version, m)?)?;
+    m.add_function(wrap_pyfunction!(install_crash_handler, m)?)?;
     m.add("__version__", ferrite_core::wire::VERSION)?;
     m.add("SUPPORTED_ONNXRUNTIME", format!("1.{}", ferrite_core::engine::onnx::SUPPORTED_MINOR))?;
     #[cfg(feature = "serve")]

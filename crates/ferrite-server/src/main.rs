@@ -232,6 +232,10 @@ struct ServeArgs {
     /// Log format: `text` for people, `json` for log pipelines.
     #[arg(long, env = "FERRITE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Where a crash report is written should a fatal signal end the process (see README: Crash
+    /// reports); reports left by earlier processes are logged at start.
+    #[arg(long, env = "FERRITE_CRASH_DIR", default_value = ".")]
+    crash_dir: PathBuf,
     /// Autoscaling: requests per second one replica serves within its latency target, from which
     /// `ferrite_desired_replicas` follows; 0 (default): it stays at --scale-min-replicas.
     #[arg(long, env = "FERRITE_SCALE_CAPACITY_RPS", default_value_t = 0.0)]
@@ -337,6 +341,13 @@ fn main() {
             sample_rate,
         })
         .map_err(anyhow::Error::msg)?;
+        match ferrite_core::crash::install(&args.crash_dir) {
+            Ok(path) => tracing::debug!(report = %path.display(), "crash reports on"),
+            Err(e) => tracing::warn!(error = %e, "crash reports off"),
+        }
+        for earlier in ferrite_core::crash::earlier_reports(&args.crash_dir) {
+            tracing::warn!(report = %earlier.display(), "a crash report from an earlier run is there to read");
+        }
         let served = serve(args).await;
         drop(telemetry);
         served

@@ -476,12 +476,28 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
         .collect();
     let inputs = inputs?;
     let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
+    // For a crash report, should the backend take the process down (never the data).
+    crate::crash::running(|w| {
+        let thread = std::thread::current();
+        let _ = writeln!(
+            w,
+            "model '{}' version {} on worker thread {}",
+            spec.name,
+            spec.version,
+            thread.name().unwrap_or("?")
+        );
+        let _ = writeln!(w, "batch of {rows} row(s) from {} request(s)", group.len());
+        for i in &inputs {
+            let _ = writeln!(w, "input '{}' {} {:?}", i.name, i.datatype, i.shape);
+        }
+    });
     let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs))).unwrap_or_else(|_| {
         // The batch fails (and is run apart); the instance and the server go on.
         tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");
         shared.metrics.panics.inc();
         Err(Error::internal("the backend panicked while running the request"))
     });
+    crate::crash::idle();
     drop(inputs);
     let done = Instant::now();
     let outputs = result.and_then(|o| check_outputs(o, batched, rows)).and_then(|mut o| {

@@ -41,6 +41,7 @@ __version__: str = _native.__version__
 __all__ = [
     "__version__",
     "check_environment",
+    "enable_crash_reports",
     "onnxruntime_version",
     "Engine",
     "Model",
@@ -95,6 +96,20 @@ def _init_runtime() -> None:
     path = _library_path()
     _native.library_version(path)
     _runtime_path = _native.init_runtime(path)
+
+
+def enable_crash_reports(crash_dir: "os.PathLike[str] | str" = ".") -> str:
+    """Should a fatal signal (a fault inside ONNX Runtime) end the process, writes
+    `<crash_dir>/ferrite-crash-<pid>.txt` first: time, versions, the model, version and worker
+    thread that was running with its batch's input names, dtypes and shapes (never the data), the
+    native backtrace, then every Python thread's stack (faulthandler's dump; "Current thread" is
+    the one that held the GIL). Returns the report's path."""
+    import faulthandler
+
+    _init_runtime()
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+    return _native.install_crash_handler(os.fspath(crash_dir))
 
 
 def onnxruntime_version() -> str:
@@ -425,11 +440,15 @@ class Engine:
         redis_url: Optional[str] = None,
         redis_timeout_ms: int = 5,
         cache_max_value_bytes: int = 1 << 20,
+        crash_dir: "Optional[os.PathLike[str] | str]" = None,
     ) -> None:
         """`cache_bytes` and/or `redis_url` give the engine the server's two-tier response cache
         (in-process, then Redis shared with other processes), used by the models whose config
-        says `[cache] enabled = true` (Triton's `response_cache { enable: true }`)."""
+        says `[cache] enabled = true` (Triton's `response_cache { enable: true }`). `crash_dir`
+        turns crash reports on (see `enable_crash_reports`)."""
         _init_runtime()
+        if crash_dir is not None:
+            enable_crash_reports(crash_dir)
         self._native = _native.Engine(
             os.fspath(model_repository),
             threads=threads,

@@ -20,6 +20,7 @@ __all__ = [
     "Unsupported",
     "init_runtime",
     "library_version",
+    "install_crash_handler",
     "init_tracing",
     "serve",
     "shutdown_tracing",
@@ -36,6 +37,7 @@ class InternalError(FerriteError): ...
 
 def init_runtime(path: str) -> str: ...
 def library_version(path: str) -> str: ...
+def install_crash_handler(dir: str) -> str: ...
 
 __version__: str
 SUPPORTED_ONNXRUNTIME: str
