@@ -330,16 +330,26 @@ class Model:
         anything else raises TypeError/ValueError unless `copy=True`. Ctrl-C interrupts the wait.
         `traceparent` (W3C) makes the request's spans children of the caller's span.
         Given a `signature.Inputs`, returns a `signature.Outputs`."""
-        typed = getattr(inputs, "__ferrite_fields__", None) is not None
+        fields = getattr(inputs, "__ferrite_fields__", None)
+        if fields is None:
+            return self._native.infer(
+                dict(inputs),  # type: ignore[arg-type]
+                list(outputs) if outputs is not None else None,
+                copy=copy,
+                timeout_us=timeout_us,
+                priority=priority,
+                traceparent=traceparent,
+            )
+        feeds = {t: v for f, t in fields if (v := getattr(inputs, f)) is not None}
         result = self._native.infer(
-            self.signature.to_tensors(inputs) if typed else dict(inputs),  # type: ignore[arg-type]
+            feeds,
             list(outputs) if outputs is not None else None,
             copy=copy,
             timeout_us=timeout_us,
             priority=priority,
             traceparent=traceparent,
         )
-        return self.signature.outputs(result) if typed else result
+        return self.signature.outputs(result)
 
     @overload
     async def infer_async(

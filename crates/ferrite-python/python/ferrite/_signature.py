@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 import numpy as np
 import numpy.typing as npt
 
+from ._native import InvalidInput
+
 # V2 datatype -> NumPy dtype (BYTES: object arrays of bytes or str).
 DTYPES: Dict[str, Any] = {
     "BOOL": np.bool_,
@@ -37,7 +39,7 @@ DTYPES: Dict[str, Any] = {
     "BF16": np.float32,
     "BYTES": np.object_,
 }
-_NAMES = {np.dtype(v).str: k for k, v in DTYPES.items() if k not in ("BF16", "BYTES")}
+_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k not in ("BF16", "BYTES")}
 
 
 def field_name(tensor: str) -> str:
@@ -58,9 +60,10 @@ def field_name(tensor: str) -> str:
 
 def datatype_of(a: np.ndarray) -> str:
     """The V2 datatype of an array (BYTES for bytes, str and object arrays)."""
-    if a.dtype.kind in ("O", "S", "U"):
-        return "BYTES"
-    return _NAMES.get(a.dtype.str, str(a.dtype))
+    name = _NAMES.get(a.dtype)
+    if name is not None:
+        return name
+    return "BYTES" if a.dtype.kind in ("O", "S", "U") else str(a.dtype)
 
 
 def _fits(shape: Tuple[int, ...], expected: Tuple[int, ...]) -> bool:
@@ -69,8 +72,6 @@ def _fits(shape: Tuple[int, ...], expected: Tuple[int, ...]) -> bool:
 
 def check(kind: str, tensor: str, value: Any, datatype: str, shape: Tuple[int, ...]) -> None:
     """Raises the server's error for a value that is not an array of the tensor's datatype and shape."""
-    from . import InvalidInput
-
     if not isinstance(value, np.ndarray):
         raise InvalidInput(f"{kind} '{tensor}': expected a numpy array of {datatype}, got {type(value).__name__}")
     got = datatype_of(value)
@@ -100,6 +101,7 @@ class Signature:
             stem = "Model" + stem
         self.Inputs: Type[Any] = self._make(f"{stem}Inputs", inputs, set(optional), "input", validate=True)
         self.Outputs: Type[Any] = self._make(f"{stem}Outputs", outputs, set(), "output", validate=False)
+        self._output_fields: Tuple[Tuple[str, str], ...] = self.Outputs.__ferrite_fields__
 
     def tensor_name(self, field: str) -> str:
         """The tensor a field stands for."""
@@ -156,7 +158,7 @@ class Signature:
     def outputs(self, tensors: Mapping[str, Any]) -> Any:
         """The outputs dict of a request as an `Outputs` instance (the engine's arrays, not copied)."""
         obj = object.__new__(self.Outputs)
-        obj.__dict__.update({field: tensors.get(tensor) for field, tensor in self.Outputs.__ferrite_fields__})
+        obj.__dict__.update({field: tensors.get(tensor) for field, tensor in self._output_fields})
         return obj
 
     def pydantic_models(self, metadata: Any) -> Tuple[Type[Any], Type[Any]]:
