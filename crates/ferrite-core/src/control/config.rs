@@ -48,6 +48,10 @@ pub struct ModelConfig {
     /// fails one is refused.
     #[serde(default)]
     pub warmup: Vec<WarmupConfig>,
+    /// What reading the config found worth saying (settings that have no effect here), logged
+    /// when the model loads, not each time the file is read.
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
 
 /// `[[warmup]]`: one warm-up request; its inputs each of zeros, random values or a file's bytes.

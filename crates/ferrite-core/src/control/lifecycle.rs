@@ -78,6 +78,9 @@ pub(crate) fn build(
             return (current.cloned(), notes);
         }
     };
+    for note in &config.notes {
+        tracing::warn!(model = %name, "{note}");
+    }
     let policy = config.version_policy.as_ref().and_then(|p| p.resolve().ok()).unwrap_or_default();
     let candidate = config.canary.as_ref().map(|c| c.version);
     // The policy picks the stable versions; a canary's candidate is served on top of them.

@@ -118,7 +118,7 @@ fn queue_policy(q: &pb::ModelQueuePolicy) -> QueuePolicyConfig {
 }
 
 /// Settings that change nothing here (GPU-only, TensorRT-only, metrics presentation): accepted,
-/// and said once at load so that nobody expects them to act.
+/// and said at each load (the config's `notes`) so that nobody expects them to act.
 fn inert(c: &pb::ModelConfig) -> Vec<&'static str> {
     let mut inert = Vec::new();
     if let Some(o) = &c.optimization {
@@ -300,7 +300,9 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         _ => None,
     };
 
-    let mut onnxruntime = onnxruntime_parameters(&c.parameters)?;
+    let mut notes: Vec<String> =
+        inert(c).into_iter().map(|what| format!("config.pbtxt: {what} has no effect on a CPU-only server")).collect();
+    let mut onnxruntime = onnxruntime_parameters(&c.parameters, &mut notes)?;
     if let Some(g) = &optimization.graph {
         // The onnxruntime backend's levels: -1 basic only, 1 basic and extended, 0 all (default).
         onnxruntime.graph_optimization_level = Some(
@@ -367,17 +369,18 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         input,
         output,
         warmup,
+        notes,
     };
-    for what in inert(c) {
-        tracing::warn!(model = %dir, setting = what, "config.pbtxt: this setting has no effect on a CPU-only server");
-    }
     Ok(config)
 }
 
 /// The onnxruntime backend's `parameters` onto ONNX Runtime's session settings. Keys Triton's
 /// backend reads only on GPU are accepted and have no effect; other keys are ignored by Triton
-/// too, and are said at load.
-fn onnxruntime_parameters(params: &std::collections::HashMap<String, pb::ModelParameter>) -> Result<OnnxRuntimeConfig> {
+/// too; both go into `notes`, said at load.
+fn onnxruntime_parameters(
+    params: &std::collections::HashMap<String, pb::ModelParameter>,
+    notes: &mut Vec<String>,
+) -> Result<OnnxRuntimeConfig> {
     let mut o = OnnxRuntimeConfig::default();
     let mut keys: Vec<&String> = params.keys().collect();
     keys.sort();
@@ -418,13 +421,10 @@ fn onnxruntime_parameters(params: &std::collections::HashMap<String, pb::ModelPa
             | "do_copy_in_default_stream"
             | "enable_cuda_graph"
             | "cudnn_conv1d_pad_to_nc1d" => {}
-            other => {
-                tracing::warn!(
-                    parameter = other,
-                    "config.pbtxt: this parameter is not an onnxruntime backend setting \
-                    Ferrite knows; it has no effect (as in Triton, which ignores it too)"
-                )
-            }
+            other => notes.push(format!(
+                "config.pbtxt: parameter '{other}' is not an onnxruntime backend setting Ferrite knows; it has no \
+                 effect (Triton ignores it too)"
+            )),
         }
     }
     Ok(o)
@@ -615,6 +615,7 @@ model_warmup [ { name: "w" batch_size: 2 inputs { key: "images" value: { data_ty
         assert_eq!(ort.execution_mode.as_deref(), Some("parallel"));
         assert_eq!(ort.graph_optimization_level.as_deref(), Some("extended"));
         assert!(c.cache.unwrap().enabled);
+        assert!(c.notes.is_empty(), "{:?}", c.notes);
         assert_eq!(c.version_policy.unwrap().resolve().unwrap(), VersionPolicy::Latest(2));
         assert_eq!(c.warmup[0].inputs["images"].dims, vec![3, 64, 64]);
         assert!(c.warmup[0].inputs["images"].random_data);
@@ -638,6 +639,16 @@ model_warmup [ { name: "w" batch_size: 2 inputs { key: "images" value: { data_ty
         // A field Triton's schema does not have is a parse error that names it.
         let e = parse("name: \"m\"\nmax_batch: 4").unwrap_err().to_string();
         assert!(e.contains("max_batch"), "{e}");
+    }
+
+    #[test]
+    fn settings_without_effect_are_noted_for_the_load_to_say() {
+        let text = "parameters { key: \"my_key\" value: { string_value: \"1\" } }\n\
+                    parameters { key: \"gpu_mem_limit\" value: { string_value: \"1\" } }\n\
+                    metric_tags { key: \"team\" value: \"a\" }\noptimization { cuda { graphs: true } }";
+        let c = to_config(&parse(text).unwrap(), "m").unwrap();
+        assert_eq!(c.notes.len(), 3, "{:?}", c.notes);
+        assert!(c.notes.iter().any(|n| n.contains("'my_key'")) && c.notes.iter().any(|n| n.contains("metric_tags")));
     }
 
     #[test]
