@@ -377,6 +377,9 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
 /// Runs one batch and answers every request in it (after the batches before it, with
 /// `preserve_ordering`).
 fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ticket: u64) {
+    // Held from here, so that a batch that unwinds still passes the turn on (its drop waits for
+    // it): a lost turn would stall every later batch of the model.
+    let mut turn = shared.policy.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
     let start = Instant::now();
     for p in batch.iter().filter(|p| !p.warmup) {
         shared.stats.queue.add(start - p.enqueued);
@@ -394,29 +397,39 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ti
     };
     let _entered = batch_span.enter();
     let replies = run_isolated(shared, instance, batch);
-    let _turn = shared.policy.preserve_ordering.then(|| AnswerTurn::wait(shared, ticket));
+    if let Some(t) = turn.as_mut() {
+        t.wait();
+    }
     for (p, r) in replies {
         let _ = p.reply.send(r);
     }
 }
 
-/// Held while a batch answers in its turn; passes the turn on when dropped.
-struct AnswerTurn<'a>(&'a Shared);
+/// A batch's turn to answer with `preserve_ordering`: `wait` blocks until every earlier batch has
+/// answered; dropping it (after waiting, if it had not) passes the turn to the next.
+struct AnswerTurn<'a> {
+    shared: &'a Shared,
+    ticket: u64,
+    held: bool,
+}
 
-impl<'a> AnswerTurn<'a> {
-    fn wait(shared: &'a Shared, ticket: u64) -> AnswerTurn<'a> {
-        let mut answered = shared.answered.lock().unwrap_or_else(|e| e.into_inner());
-        while *answered != ticket {
-            answered = shared.answered_turn.wait(answered).unwrap_or_else(|e| e.into_inner());
+impl AnswerTurn<'_> {
+    fn wait(&mut self) {
+        let mut answered = self.shared.answered.lock().unwrap_or_else(|e| e.into_inner());
+        while *answered != self.ticket {
+            answered = self.shared.answered_turn.wait(answered).unwrap_or_else(|e| e.into_inner());
         }
-        AnswerTurn(shared)
+        self.held = true;
     }
 }
 
 impl Drop for AnswerTurn<'_> {
     fn drop(&mut self) {
-        *self.0.answered.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.0.answered_turn.notify_all();
+        if !self.held {
+            self.wait();
+        }
+        *self.shared.answered.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.shared.answered_turn.notify_all();
     }
 }
 
