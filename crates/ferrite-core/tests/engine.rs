@@ -790,3 +790,25 @@ async fn preserve_ordering_answers_in_the_order_requests_left_the_queue() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_shape_the_reshape_cannot_take_is_refused_before_it_joins_a_batch() {
+    // Clients send ids with any number of elements per row; the model takes 4.
+    let dir = repo(&[("mixed", Some("[[input]]\nname = \"ids\"\ndims = [-1]\nreshape = [4]\n"))]);
+    let core = load(dir.path());
+    let req = |n: usize| InferRequest {
+        model_name: "mixed".into(),
+        inputs: vec![
+            Tensor::from_le("ids", DataType::Int64, vec![1, n], &vec![1i64; n]),
+            Tensor::from_le("values", DataType::Fp32, vec![1, 4], &[1f32; 4]),
+        ],
+        ..Default::default()
+    };
+    let err = core.infer(req(3)).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)) && err.to_string().contains("input 'ids'"), "{err}");
+    assert!(err.to_string().contains("cannot be reshaped to [4]"), "{err}");
+    let model = core.model("mixed", None).unwrap();
+    assert_eq!(model.stats.snapshot("mixed", 1).execution_count, 0, "refused before any run");
+    let ok = core.infer(req(4)).await.unwrap();
+    assert_eq!(ok.outputs[1].shape, vec![1, 1]);
+}

@@ -26,7 +26,7 @@ use crate::{
         backend::{BatchInput, Instance},
         costs::BatchCosts,
         queue::{Decision, Pending, Queue, RETRY_AFTER},
-        spec::{BatchPolicy, ModelSpec, TimeoutAction},
+        spec::{reshaped, BatchPolicy, ModelSpec, TimeoutAction},
     },
     telemetry::{metrics::ModelMetrics, stats::ModelStats},
     Backend, Error, Result, Tensor,
@@ -554,25 +554,6 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
         m.compute.observe(start.elapsed().as_secs_f64());
     }
     outputs
-}
-
-/// `shape` (with its batch dim first when `batched`) as `to` (without it): the same elements, a
-/// variable dim of `to` (at most one) taking what the others leave.
-fn reshaped(shape: &[usize], batched: bool, to: &[i64]) -> Result<Vec<usize>> {
-    let (rows, row) = if batched { (Some(shape[0]), &shape[1..]) } else { (None, shape) };
-    let elements: usize = row.iter().product();
-    let known: usize = to.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
-    let fill = match known {
-        0 => 0,
-        k if elements.is_multiple_of(k) => elements / k,
-        _ => usize::MAX,
-    };
-    let out: Vec<usize> = rows.into_iter().chain(to.iter().map(|&d| if d < 0 { fill } else { d as usize })).collect();
-    let count: usize = out.iter().skip(usize::from(batched)).product();
-    if fill == usize::MAX || count != elements {
-        return Err(Error::invalid(format!("shape {row:?} cannot be reshaped to {to:?}")));
-    }
-    Ok(out)
 }
 
 fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec<Tensor>> {

@@ -260,6 +260,11 @@ impl Model {
                     t.name, t.shape
                 )));
             }
+            // A shape the model's reshape cannot take is refused here, before it joins a batch.
+            if let Some(to) = spec.reshape.get(&t.name) {
+                crate::engine::spec::reshaped(&t.shape, batched, to)
+                    .map_err(|e| Error::invalid(format!("input '{}': {e}", t.name)))?;
+            }
             if batched && !(1..=spec.batch.max_batch_size).contains(&t.shape[0]) {
                 return Err(Error::invalid(format!(
                     "input '{}': batch size {} is outside 1..={} (max_batch_size)",

@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use crate::{control::config::VersionPolicy, engine::onnx::OnnxOptions, DataType};
+use crate::{control::config::VersionPolicy, engine::onnx::OnnxOptions, DataType, Error, Result};
 
 /// Defaults for a batching model whose config does not say otherwise. Chosen by the `bench/`
 /// measurements on a 2-core host (see README "Defaults"): merging up to 64 rows with no added
@@ -189,4 +189,23 @@ impl ModelSpec {
     pub fn wire_shape(&self, t: &TensorSpec) -> Vec<i64> {
         self.batched().then_some(-1).into_iter().chain(t.dims.iter().copied()).collect()
     }
+}
+
+/// `shape` (with its batch dim first when `batched`) as `to` (without it): the same elements, a
+/// variable dim of `to` (at most one) taking what the others leave.
+pub(crate) fn reshaped(shape: &[usize], batched: bool, to: &[i64]) -> Result<Vec<usize>> {
+    let (rows, row) = if batched { (Some(shape[0]), &shape[1..]) } else { (None, shape) };
+    let elements: usize = row.iter().product();
+    let known: usize = to.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+    let fill = match known {
+        0 => 0,
+        k if elements.is_multiple_of(k) => elements / k,
+        _ => usize::MAX,
+    };
+    let out: Vec<usize> = rows.into_iter().chain(to.iter().map(|&d| if d < 0 { fill } else { d as usize })).collect();
+    let count: usize = out.iter().skip(usize::from(batched)).product();
+    if fill == usize::MAX || count != elements {
+        return Err(Error::invalid(format!("shape {row:?} cannot be reshaped to {to:?}")));
+    }
+    Ok(out)
 }
