@@ -38,6 +38,17 @@ def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):
 
 class Server:
     def __init__(self, repository: Path, *args, env=None, ssl_context=None):
+        # A port found free can be taken (by any connection's local port) before the server binds
+        # it: a start that fails on exactly that is retried on fresh ports.
+        for attempt in range(3):
+            try:
+                self._start(repository, args, env, ssl_context)
+                return
+            except RuntimeError as e:
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+
+    def _start(self, repository, args, env, ssl_context):
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.grpc_port = free_port()
