@@ -33,15 +33,32 @@ def worker_thread(pid, name, timeout=30):
     raise AssertionError(f"no thread {name} in {pid}")
 
 
+def busy_worker(pid, model, timeout=30):
+    """A worker thread of `model` that is running (state R) now: inside a batch. Which instance
+    gets the work depends on the load and the machine (a solo instance may take lone batches)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                name = (task / "comm").read_text().strip()
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if name.startswith(f"ferrite-{model}-") and state == "R":
+                return int(task.name), name
+        time.sleep(0.01)
+    raise AssertionError(f"no running worker of {model} in {pid}")
+
+
 def segfault(pid, tid):
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.syscall(SYS_TGKILL, pid, tid, signal.SIGSEGV) == 0, ctypes.get_errno()
 
 
-def check_report(text):
+def check_report(text, thread):
     assert text.startswith("Ferrite crash report\nferrite 0.1.0\nonnxruntime 1.31."), text[:200]
     assert "signal 11 (SIGSEGV)" in text and "time " in text
-    assert "model 'slow' version 1 on worker thread ferrite-slow-0" in text, text
+    assert f"model 'slow' version 1 on worker thread {thread}" in text, text
     assert "input 'x' FP32 [64, 512]" in text, text
     backtrace = text.split("native backtrace:\n", 1)[1]
     assert backtrace.count("\n") >= 3, backtrace
@@ -63,27 +80,29 @@ def test_the_server_leaves_a_report_and_names_it_at_the_next_start(tmp_path):
                 break
         except Exception:
             time.sleep(0.2)
-    tid = worker_thread(proc.pid, "ferrite-slow-0")
+    worker_thread(proc.pid, "ferrite-slow-0")
 
     def load():
         x = np.ones((64, 512), np.float32)
+        own = httpclient.InferenceServerClient(f"127.0.0.1:{port}")  # a client is not shared by threads
         for _ in range(20):
             try:
                 i = httpclient.InferInput("x", [64, 512], "FP32")
                 i.set_data_from_numpy(x)
-                c.infer("slow", [i])
+                own.infer("slow", [i])
             except Exception:
                 return
 
     # Three callers keep a request always queued behind the running batch (about 0.4 s each), so
-    # the worker goes from batch to batch: a signal a second in lands inside one.
+    # a worker goes from batch to batch: the signal goes to one seen running, inside a batch.
     for _ in range(3):
         threading.Thread(target=load, daemon=True).start()
     time.sleep(1.0)
+    tid, thread = busy_worker(proc.pid, "slow")
     segfault(proc.pid, tid)
     assert proc.wait(timeout=60) == -signal.SIGSEGV
     report = crashes / f"ferrite-crash-{proc.pid}.txt"
-    check_report(report.read_text())
+    check_report(report.read_text(), thread)
     assert "1.0, 1.0" not in report.read_text(), "no tensor data"
     # The next start names it.
     again = subprocess.Popen(args + ["--http-port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -123,12 +142,13 @@ def test_the_python_package_adds_every_python_threads_stack(tmp_path):
                              stderr=subprocess.PIPE, text=True)
     line = child.stdout.readline()
     assert line.startswith("report "), line + child.stderr.read()
-    tid = worker_thread(child.pid, "ferrite-slow-0")
+    worker_thread(child.pid, "ferrite-slow-0")
     time.sleep(1.5)
+    tid, thread = busy_worker(child.pid, "slow")
     segfault(child.pid, tid)
     assert child.wait(timeout=60) == -signal.SIGSEGV
     text = (crashes / f"ferrite-crash-{child.pid}.txt").read_text()
-    check_report(text)
+    check_report(text, thread)
     # faulthandler's dump follows: the Python threads, with the caller's frames.
     python = text.split("native backtrace:\n", 1)[1]
     assert "Fatal Python error" in python or "most recent call first" in python, python[-2000:]
