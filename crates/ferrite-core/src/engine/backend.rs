@@ -36,4 +36,11 @@ pub trait Instance: Send {
     fn input_time(&self) -> Duration {
         Duration::ZERO
     }
+
+    /// After a failed `run`: the rows of the batch that failed on their own, each with its error,
+    /// where the backend can tell (a pipeline's per-row steps). The batcher then fails the
+    /// requests those rows belong to and runs the others again. Empty: the batch failed as a whole.
+    fn failed_rows(&mut self) -> Vec<(usize, crate::Error)> {
+        Vec::new()
+    }
 }

@@ -441,7 +441,12 @@ fn run_isolated(
     instance: &mut dyn Instance,
     mut batch: Vec<Pending>,
 ) -> Vec<(Pending, Result<Vec<Tensor>>)> {
-    match run(shared, instance, &batch) {
+    let result = run(shared, instance, &batch);
+    let rows = if result.is_err() { instance.failed_rows() } else { Vec::new() };
+    if !rows.is_empty() {
+        return run_without(shared, instance, batch, rows);
+    }
+    match result {
         Ok(outputs) => batch.into_iter().zip(outputs.into_iter().map(Ok)).collect(),
         Err(e) if batch.len() == 1 => {
             tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
@@ -455,6 +460,41 @@ fn run_isolated(
             replies
         }
     }
+}
+
+/// Fails the requests that `rows` (of the failed run of `batch`) belong to, each with its first
+/// row's error (saying which of its rows, when it has several), and runs the rest again.
+fn run_without(
+    shared: &Shared,
+    instance: &mut dyn Instance,
+    batch: Vec<Pending>,
+    mut rows: Vec<(usize, Error)>,
+) -> Vec<(Pending, Result<Vec<Tensor>>)> {
+    rows.sort_by_key(|(r, _)| *r);
+    let (mut failed, mut rest, mut offset) = (Vec::new(), Vec::new(), 0);
+    for p in batch {
+        let span = offset..offset + p.rows;
+        offset += p.rows;
+        match rows.iter().find(|(r, _)| span.contains(r)) {
+            Some((r, e)) => {
+                let e = match e {
+                    Error::InvalidInput(m) if p.rows > 1 => Error::InvalidInput(format!("row {}: {m}", r - span.start)),
+                    other => other.clone(),
+                };
+                failed.push((p, Err(e)));
+            }
+            None => rest.push(p),
+        }
+    }
+    if failed.is_empty() {
+        // The rows named belong to no request: trust none of it, and fail the batch as it is.
+        let e = Error::internal("a failed batch named rows outside it");
+        return rest.into_iter().map(|p| (p, Err(e.clone()))).collect();
+    }
+    if !rest.is_empty() {
+        failed.extend(run_isolated(shared, instance, rest));
+    }
+    failed
 }
 
 /// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;
