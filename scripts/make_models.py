@@ -272,6 +272,163 @@ def encoder():
     save(graph, os.path.join(ROOT, "tests", "models", "encoder", "1", "model.onnx"))
 
 
+def tiny_cnn():
+    """The bundled image pipeline's classifier: pixels FP32 [N,3,32,32] -> Conv 3x3 (8 channels) ->
+    Relu -> GlobalAveragePool -> Flatten -> Gemm 10 -> logits FP32 [N,10]."""
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) / 5).astype(np.float32), "w")
+    b = numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b")
+    fc = numpy_helper.from_array((rng.standard_normal((8, 10)) / 2).astype(np.float32), "fc")
+    fb = numpy_helper.from_array((rng.standard_normal(10) * 0.1).astype(np.float32), "fb")
+    nodes = [
+        helper.make_node("Conv", ["pixels", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc", "fb"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "tiny_cnn",
+        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["N", 3, 32, 32])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        [w, b, fc, fb],
+    )
+    save(graph, os.path.join(ROOT, "models", "tiny_cnn", "1", "model.onnx"))
+    labels = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    write(os.path.join(ROOT, "models", "image_classifier", "labels.txt"), "\n".join(labels) + "\n")
+
+
+WORDS = """the a an and or of to in on at for with from by is are was were be been it this that these those
+i you he she we they my your his her our their me him us them what which who where when why how not no yes
+do does did have has had can could will would should may might must shall one two three four five six seven
+eight nine ten cat cats dog dogs bird fish car cars road city house home tree trees sun moon sky sea water
+fire food eat eats ate drink run runs ran walk walks fast slow big small good bad new old red blue green black
+white day night time year people man woman child world life hand part place case week work point number
+question answer text model server image images fast inference batch token tokens sentence sentences
+embedding embeddings search query document documents hello world love like play plays sleep sleeps""".split()
+
+
+def tokenizer_json(path):
+    """A BERT-style WordPiece tokenizer (lower-casing, [CLS] ... [SEP]), built with the tokenizers
+    package from a fixed vocabulary, saved as sentence-transformers ship theirs: truncating and
+    padding to 128 (a pipeline's tokenize step overrides both)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-:;()\"")
+    vocab = specials + sorted(set(WORDS)) + chars + ["##" + c for c in chars]
+    vocab = list(dict.fromkeys(vocab))
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab.index("[CLS]")), ("[SEP]", vocab.index("[SEP]"))])
+    tok.decoder = decoders.WordPiece()
+    tok.enable_truncation(max_length=128)
+    tok.enable_padding(pad_id=0, pad_token="[PAD]", length=128)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tok.save(path)
+    print("wrote", os.path.relpath(path, ROOT))
+    return len(vocab)
+
+
+def text_encoder():
+    """A small BERT-shaped encoder for the bundled text pipeline: input_ids, attention_mask,
+    token_type_ids INT64 [N,S] -> word + position + type embeddings -> LayerNorm -> one masked
+    self-attention block with a residual -> LayerNorm -> last_hidden_state FP32 [N,S,32]."""
+    vocab = tokenizer_json(os.path.join(ROOT, "models", "text_embedder", "tokenizer.json"))
+    rng = np.random.default_rng(2)
+    h = 32
+    f = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    inits = [numpy_helper.from_array(v, n) for n, v in [
+        ("word", f(vocab, h)), ("pos", f(512, h)), ("type", f(2, h)), ("wq", f(h, h)), ("wk", f(h, h)),
+        ("wv", f(h, h)), ("gamma", np.ones(h, np.float32)), ("beta", np.zeros(h, np.float32)),
+        ("scale", np.array(1 / np.sqrt(h), np.float32)), ("neg", np.array(-10000.0, np.float32)),
+        ("one", np.array(1.0, np.float32)), ("zero", np.array(0, np.int64)), ("step", np.array(1, np.int64)),
+        ("dim1", np.array([1], np.int64)), ("ax1", np.array([1], np.int64)),
+    ]]
+    nodes = [
+        helper.make_node("Gather", ["word", "input_ids"], ["we"], axis=0),
+        helper.make_node("Gather", ["type", "token_type_ids"], ["te"], axis=0),
+        helper.make_node("Shape", ["input_ids"], ["shape"]),
+        helper.make_node("Gather", ["shape", "dim1"], ["s1"], axis=0),
+        helper.make_node("Squeeze", ["s1"], ["s"]),
+        helper.make_node("Range", ["zero", "s", "step"], ["positions"]),
+        helper.make_node("Gather", ["pos", "positions"], ["pe"], axis=0),
+        helper.make_node("Add", ["we", "te"], ["e1"]),
+        helper.make_node("Add", ["e1", "pe"], ["e2"]),
+        helper.make_node("LayerNormalization", ["e2", "gamma", "beta"], ["x"], axis=-1),
+        helper.make_node("MatMul", ["x", "wq"], ["q"]),
+        helper.make_node("MatMul", ["x", "wk"], ["k"]),
+        helper.make_node("MatMul", ["x", "wv"], ["v"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+        helper.make_node("Mul", ["qk", "scale"], ["scores"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "ax1"], ["mask3"]),
+        helper.make_node("Sub", ["one", "mask3"], ["inverse"]),
+        helper.make_node("Mul", ["inverse", "neg"], ["bias"]),
+        helper.make_node("Add", ["scores", "bias"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["ctx"]),
+        helper.make_node("Add", ["x", "ctx"], ["res"]),
+        helper.make_node("LayerNormalization", ["res", "gamma", "beta"], ["last_hidden_state"], axis=-1),
+    ]
+    ints = lambda n: helper.make_tensor_value_info(n, TensorProto.INT64, ["N", "S"])
+    graph = helper.make_graph(
+        nodes, "text_encoder", [ints("input_ids"), ints("attention_mask"), ints("token_type_ids")],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", "S", h])], inits)
+    save(graph, os.path.join(ROOT, "models", "text_encoder", "1", "model.onnx"))
+
+
+def detector(layout):
+    """A detector's output layout for the NMS tests: images FP32 [N,3,H,W] -> output0, YOLOv8's
+    [N, 4+3, 6] (cx, cy, w, h, then a score per class) or YOLOv5's [N, 6, 5+3] (with objectness).
+    Boxes are fixed (in the pixels of a 64x64 input; two of class 0 overlap, one of class 1
+    overlaps them); scores are sigmoid(bias + 4 * mean(image)), so brighter images score higher."""
+    boxes = np.array([[20, 20, 16, 16], [21, 21, 16, 16], [22, 20, 16, 16], [48, 48, 10, 10], [10, 50, 8, 6],
+                      [40, 12, 12, 12]], np.float32).T.reshape(1, 4, 6)
+    bias = np.array([[2.0, 1.5, -3.0, 1.0, -0.5, -4.0], [-4.0, -3.0, 1.8, -4.0, -4.0, 0.5],
+                     [-4.0, -4.0, -4.0, -1.0, 0.2, -4.0]], np.float32).reshape(1, 3, 6)
+    inits = [numpy_helper.from_array(boxes, "boxes"), numpy_helper.from_array(bias, "bias"),
+             numpy_helper.from_array(np.array(4.0, np.float32), "gain"),
+             numpy_helper.from_array(np.zeros((1, 1, 6), np.float32), "zeros"),
+             numpy_helper.from_array(np.array([-1, 1, 1], np.int64), "to3")]
+    nodes = [
+        helper.make_node("ReduceMean", ["images"], ["m4"], axes=[1, 2, 3], keepdims=1),  # [N,1,1,1]
+        helper.make_node("Reshape", ["m4", "to3"], ["m"]),  # [N,1,1]
+        helper.make_node("Mul", ["m", "gain"], ["mg"]),
+        helper.make_node("Add", ["mg", "bias"], ["logit"]),
+        helper.make_node("Sigmoid", ["logit"], ["scores"]),  # [N,3,6]
+        helper.make_node("Mul", ["m", "zeros"], ["nz"]),  # [N,1,6] zeros
+        helper.make_node("Add", ["nz", "boxes"], ["b"]),  # [N,4,6]
+    ]
+    if layout == "v8":
+        nodes.append(helper.make_node("Concat", ["b", "scores"], ["output0"], axis=1))
+        shape = ["N", 7, 6]
+    else:
+        inits.append(numpy_helper.from_array(np.array(0.9, np.float32), "objectness"))
+        nodes += [
+            helper.make_node("Add", ["nz", "objectness"], ["obj"]),
+            helper.make_node("Concat", ["b", "obj", "scores"], ["fields"], axis=1),
+            helper.make_node("Transpose", ["fields"], ["output0"], perm=[0, 2, 1]),
+        ]
+        shape = ["N", 6, 8]
+    graph = helper.make_graph(
+        nodes, f"detector_{layout}",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("output0", TensorProto.FLOAT, shape)], inits)
+    save(graph, os.path.join(ROOT, "tests", "models", f"yolo_{layout}", "1", "model.onnx"))
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    print("wrote", os.path.relpath(path, ROOT))
+
+
 if __name__ == "__main__":
     mlp()
     mixed()
@@ -282,3 +439,7 @@ if __name__ == "__main__":
     fpn()
     lookup()
     encoder()
+    tiny_cnn()
+    text_encoder()
+    detector("v8")
+    detector("v5")

@@ -28,7 +28,8 @@ pub struct Core {
 
 pub(crate) struct Inner {
     pub(crate) cache: Option<Arc<ResponseCache>>,
-    pub(crate) registry: ArcSwap<Registry>,
+    /// Shared with pipelines, whose model steps find the model serving now in it.
+    pub(crate) registry: Arc<ArcSwap<Registry>>,
     /// Where models are (re)loaded from; `None` for a core over models loaded elsewhere.
     pub(crate) repository: Option<Repository>,
     /// Serializes loads, reloads and unloads.
@@ -113,7 +114,7 @@ impl Core {
         Core {
             inner: Arc::new(Inner {
                 cache,
-                registry: ArcSwap::from_pointee(registry),
+                registry: Arc::new(ArcSwap::from_pointee(registry)),
                 repository,
                 lifecycle: Mutex::new(Lifecycle::default()),
                 accepting: AtomicBool::new(true),

@@ -13,6 +13,7 @@
 //! | [`engine`] | one model's data plane: tensors, spec, backend trait and ONNX Runtime adapter, queue, batcher |
 //! | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
 //! | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
+//! | [`pipeline`] | pipelines: native pre- and post-processing steps and calls to other models, served as a model |
 //! | [`error`] | the one error enum every front-end maps |
 //! | [`crash`] | crash reports: what a worker runs, written out by a fatal-signal handler |
 //!
@@ -27,6 +28,7 @@ pub mod core;
 pub mod crash;
 pub mod engine;
 pub mod error;
+pub mod pipeline;
 pub mod telemetry;
 pub mod wire;
 

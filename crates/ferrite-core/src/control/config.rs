@@ -48,6 +48,10 @@ pub struct ModelConfig {
     /// fails one is refused.
     #[serde(default)]
     pub warmup: Vec<WarmupConfig>,
+    /// A pipeline's steps (native operations and other models' calls) in place of a model file;
+    /// its outputs are the `[[output]]` names given, else what the last step writes.
+    #[serde(default)]
+    pub steps: Vec<crate::pipeline::StepConfig>,
     /// What reading the config found worth saying (settings that have no effect here), logged
     /// when the model loads, not each time the file is read.
     #[serde(skip)]
@@ -392,6 +396,7 @@ impl ModelSpec {
             optional: config.input.iter().filter(|i| i.optional).map(|i| i.name.clone()).collect(),
             model_filename: config.default_model_filename.clone().unwrap_or_else(|| "model.onnx".into()),
             warmup: config.warmup.clone(),
+            uses: Vec::new(),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             version_policy: config
                 .version_policy

@@ -6,11 +6,13 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
+use arc_swap::ArcSwap;
+
 use crate::{
     control::{
         canary::Canary,
         config::ModelConfig,
-        registry::{Notes, Served},
+        registry::{Notes, Registry, Served},
         repository::{ConfigFile, ConfigFormat, OnDisk, Repository, DEFAULT_MODEL_FILENAME},
     },
     Error, Model, Result,
@@ -33,8 +35,16 @@ impl Sources {
         };
         let config = file.as_ref().map_err(Clone::clone).and_then(|f| f.parse(name));
         let filename = config.as_ref().ok().and_then(|c| c.default_model_filename.as_deref());
-        let disk = repo.versions(name, filename.unwrap_or(DEFAULT_MODEL_FILENAME));
+        let disk = match &config {
+            Ok(c) if !c.steps.is_empty() => repo.pipeline_versions(name),
+            _ => repo.versions(name, filename.unwrap_or(DEFAULT_MODEL_FILENAME)),
+        };
         Sources { text: file.map(|f| f.text), config, disk }
+    }
+
+    /// Whether the model is a pipeline (built after the models it calls).
+    pub(crate) fn is_pipeline(&self) -> bool {
+        self.config.as_ref().is_ok_and(|c| !c.steps.is_empty())
     }
 
     pub(crate) fn signature(&self) -> u64 {
@@ -46,11 +56,15 @@ impl Sources {
 }
 
 /// What `name` should serve given `sources`, built beside `current`. `None` when nothing can serve.
+/// A pipeline finds the models it calls in `models` (what will serve beside it) and, when it
+/// runs, in `registry`.
 pub(crate) fn build(
     repo: &Repository,
     name: &str,
     sources: Sources,
     current: Option<&Arc<Served>>,
+    models: &Registry,
+    registry: &Arc<ArcSwap<Registry>>,
 ) -> (Option<Arc<Served>>, Notes) {
     let mut notes = Notes::default();
     // The model's failure counters exist (at 0) from its first load on, for dashboards and alerts.
@@ -93,7 +107,15 @@ pub(crate) fn build(
             notes.model = Some(format!("canary version {c} has no model.onnx"));
         }
     }
-    let config_hash = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+    let mut config_hash = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+    // A pipeline is rebuilt when a model it calls changed (its interface, its cached answers).
+    for step in &config.steps {
+        if let crate::pipeline::StepConfig::Model(m) = step {
+            let served = models.models.get(&m.model);
+            let prints: Vec<u64> = served.iter().flat_map(|s| s.versions.values().map(|v| v.fingerprint)).collect();
+            config_hash = xxhash_rust::xxh3::xxh3_64(format!("{config_hash}{}{prints:?}", m.model).as_bytes());
+        }
+    }
     let mut versions = BTreeMap::new();
     for v in wanted {
         let Some(d) = disk.iter().find(|d| d.version == v) else { continue };
@@ -104,7 +126,12 @@ pub(crate) fn build(
             versions.insert(v, old.clone());
             continue;
         }
-        match repo.load_version(name, d, &config, fingerprint).and_then(|m| validate(m, old.map(|o| o.as_ref()))) {
+        let loaded = if config.steps.is_empty() {
+            repo.load_version(name, d, &config, fingerprint)
+        } else {
+            repo.load_pipeline(name, v, &config, fingerprint, models, registry.clone())
+        };
+        match loaded.and_then(|m| validate(m, old.map(|o| o.as_ref()))) {
             Ok(m) => {
                 tracing::info!(model = %name, version = v, replaced = old.is_some(), "model version ready");
                 versions.insert(v, Arc::new(m));
@@ -167,7 +194,8 @@ fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
     // Synthetic data only where every dim is known: a graph that takes variable sizes (a detector
     // whose feature maps must line up, say) may refuse any size made up here, though it serves
     // real inputs.
-    let known = model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0));
+    // (A pipeline takes images and texts, which made-up data is not.)
+    let known = model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)) && !model.spec.is_pipeline();
     if model.warmups.is_empty() && known {
         let inputs = crate::engine::model::synthetic_inputs(&model.spec, 1);
         if let Err(e) = model.warm_up(inputs) {

@@ -101,13 +101,29 @@ impl Core {
         let mut next = (*current).clone();
         let mut signatures = Vec::new();
         let mut failed = Vec::new();
-        for name in names {
-            if !lc.wanted.contains(name) {
-                continue;
+        // Pipelines that call a model being rebuilt are rebuilt with it, and every pipeline after
+        // the models it calls.
+        let mut names: Vec<String> = names.to_vec();
+        for (pipeline, served) in &current.models {
+            let calls = |m: &Arc<crate::Model>| m.spec.uses.iter().any(|u| names.contains(u));
+            if !names.contains(pipeline) && served.versions.values().any(calls) {
+                names.push(pipeline.clone());
             }
-            let sources = lifecycle::Sources::read(repo, name, lc.configs.get(name).map(String::as_str));
+        }
+        let mut planned: Vec<(String, lifecycle::Sources)> = names
+            .into_iter()
+            .filter(|n| lc.wanted.contains(n))
+            .map(|n| {
+                let sources = lifecycle::Sources::read(repo, &n, lc.configs.get(&n).map(String::as_str));
+                (n, sources)
+            })
+            .collect();
+        planned.sort_by_key(|(_, s)| s.is_pipeline());
+        for (name, sources) in planned {
+            let name = &name;
             signatures.push((name.clone(), sources.signature()));
-            let (served, notes) = lifecycle::build(repo, name, sources, current.models.get(name));
+            let (served, notes) =
+                lifecycle::build(repo, name, sources, current.models.get(name), &next, &self.inner.registry);
             match served {
                 Some(s) => next.models.insert(name.clone(), s),
                 None => next.models.remove(name),

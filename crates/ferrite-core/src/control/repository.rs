@@ -163,6 +163,92 @@ impl Repository {
         Ok(found)
     }
 
+    /// A pipeline's versions: its positive-integer directories (Triton's ensembles have an empty
+    /// `1/`), else version 1. The fingerprint follows the files of its directory (tokenizer,
+    /// labels), whose `onnx` path it carries.
+    pub fn pipeline_versions(&self, name: &str) -> Result<Vec<OnDisk>> {
+        use std::os::unix::fs::MetadataExt;
+        let dir = self.model_dir(name)?;
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| Error::invalid(format!("cannot read {}: {e}", dir.display())))?;
+        let mut versions = Vec::new();
+        let mut stamps = Vec::new();
+        for e in entries.filter_map(|e| e.ok()) {
+            let name = e.file_name().to_string_lossy().to_string();
+            match name.parse::<u64>() {
+                Ok(v) if v > 0 => versions.push(v),
+                _ => {
+                    if let Some(m) = std::fs::metadata(e.path()).ok().filter(|m| m.is_file()) {
+                        stamps.push((name, m.len(), m.mtime(), m.mtime_nsec(), m.ino()));
+                    }
+                }
+            }
+        }
+        stamps.sort();
+        let fingerprint = xxhash_rust::xxh3::xxh3_64(format!("{stamps:?}").as_bytes());
+        if versions.is_empty() {
+            versions.push(1);
+        }
+        versions.sort_by_key(|&v| std::cmp::Reverse(v));
+        Ok(versions.into_iter().map(|version| OnDisk { version, onnx: dir.clone(), fingerprint }).collect())
+    }
+
+    /// Builds the pipeline `name` (version `version`) from `config.steps`; `models` is what serves
+    /// beside it (its model steps' models), `registry` where its steps find them at run time.
+    pub fn load_pipeline(
+        &self,
+        name: &str,
+        version: u64,
+        config: &ModelConfig,
+        fingerprint: u64,
+        models: &crate::Registry,
+        registry: Arc<arc_swap::ArcSwap<crate::Registry>>,
+    ) -> Result<Model> {
+        let dir = self.model_dir(name)?;
+        // Its tensors follow from its steps: the config names its outputs, nothing more.
+        if let Some(i) = config.input.first() {
+            return Err(Error::invalid(format!("input '{}': a pipeline's inputs follow from its steps", i.name)));
+        }
+        if let Some(o) = config.output.iter().find(|o| {
+            o.datatype.is_some() || o.dims.is_some() || o.label_filename.is_some() || o.reshape.is_some() || o.optional
+        }) {
+            return Err(Error::invalid(format!(
+                "output '{}': a pipeline's output takes a name only (its type follows from its steps)",
+                o.name
+            )));
+        }
+        let outputs: Vec<String> = config.output.iter().map(|o| o.name.clone()).collect();
+        let pipeline = crate::pipeline::Pipeline::build(name, &dir, &config.steps, &outputs, models, registry)?;
+        let batched = |t: &crate::engine::spec::TensorSpec| crate::engine::spec::TensorSpec {
+            dims: std::iter::once(-1).chain(t.dims.iter().copied()).collect(),
+            ..t.clone()
+        };
+        let inputs: Vec<_> = pipeline.inputs().iter().map(batched).collect();
+        let outputs: Vec<_> = pipeline.outputs().iter().map(batched).collect();
+        // Its workers run the native steps: as many as the CPU budget has threads, unless set.
+        let mut plain = config.clone();
+        plain.input.clear();
+        plain.output.clear();
+        plain.instance_count = Some(config.instance_count.unwrap_or(self.options.threads).max(1));
+        let mut spec = ModelSpec::resolve(name, version, &plain, &inputs, &outputs, 1)?;
+        spec.platform = "ensemble";
+        spec.backend = "ferrite";
+        spec.uses = pipeline.uses.clone();
+        // Cached answers follow the pipeline's files and config and the models it calls.
+        let mut content = fingerprint;
+        for m in &spec.uses {
+            if let Ok(model) = models.model(m, None) {
+                content = xxhash_rust::xxh3::xxh3_64(&[content.to_le_bytes(), model.content.to_le_bytes()].concat());
+            }
+        }
+        let cache = self.options.cache.clone().filter(|_| spec.cache);
+        let mut model = Model::start(spec, &pipeline, None)?;
+        model.cache = cache;
+        model.content = content;
+        model.fingerprint = fingerprint;
+        Ok(model)
+    }
+
     /// Loads one version with `config`, as `name`, and starts its batcher.
     pub fn load_version(&self, name: &str, disk: &OnDisk, config: &ModelConfig, fingerprint: u64) -> Result<Model> {
         let mut model = load_version(&disk.onnx, name, disk.version, config, &self.options)?;

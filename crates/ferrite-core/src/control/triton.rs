@@ -354,6 +354,7 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
     }
 
     let config = ModelConfig {
+        steps: Vec::new(),
         backend: None,
         max_batch_size,
         instance_count,

@@ -278,7 +278,7 @@ impl Model {
             t.check_size()?;
             // ONNX Runtime's strings are UTF-8: a BYTES element that is not would fail the whole
             // batch it joined, so it is refused here, before it can share one.
-            if let TensorData::Strings(items) = &t.data {
+            if let (false, TensorData::Strings(items)) = (spec.is_pipeline(), &t.data) {
                 if let Some(n) = items.iter().position(|b| std::str::from_utf8(b).is_err()) {
                     return Err(Error::invalid(format!("input '{}': BYTES element {n} is not UTF-8", t.name)));
                 }

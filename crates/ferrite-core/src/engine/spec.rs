@@ -146,6 +146,8 @@ pub struct ModelSpec {
     pub model_filename: String,
     /// The warm-up requests the config states (run at each load).
     pub warmup: Vec<crate::control::config::WarmupConfig>,
+    /// The models a pipeline's steps call (empty for a model).
+    pub uses: Vec<String>,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
     pub version_policy: VersionPolicy,
@@ -155,6 +157,11 @@ impl ModelSpec {
     /// Whether dim 0 of every input and output is the batch dim (`max_batch_size > 0`).
     pub fn batched(&self) -> bool {
         self.batch.max_batch_size > 0
+    }
+
+    /// Whether this is a pipeline (its BYTES inputs are encoded images or texts, checked by its steps).
+    pub fn is_pipeline(&self) -> bool {
+        self.platform == "ensemble"
     }
 
     /// The settings chosen for this model that Triton's config shows as `parameters` (the

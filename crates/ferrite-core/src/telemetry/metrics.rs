@@ -33,6 +33,7 @@ pub struct Metrics {
     pub tenant_refusals: IntCounterVec,
     pub model_load_failures: IntCounterVec,
     pub canary_rollbacks: IntCounterVec,
+    pub pipeline_step_duration: HistogramVec,
 }
 
 const MODEL: &[&str] = &["model", "version"];
@@ -115,6 +116,18 @@ impl Metrics {
                 )?;
                 registry.register(Box::new(g.clone()))?;
                 g
+            },
+            pipeline_step_duration: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(
+                        "ferrite_pipeline_step_duration_seconds",
+                        "Time a pipeline step took per batch (a model step: its queue and run in that model's batcher).",
+                    )
+                    .buckets(DURATION_BUCKETS.to_vec()),
+                    &["model", "step"],
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                h
             },
             model_ready: gauge("ferrite_model_ready", "1 while a model version serves, 0 once it stopped.")?,
             model_load_duration: {

@@ -1,0 +1,561 @@
+//! Image steps: `decode_image` (JPEG, PNG, WebP; limits checked before decoding; EXIF
+//! orientation; grayscale and alpha to RGB), `resize`, `pad`, `crop` and `normalize`. Each image
+//! carries its geometry, so post-steps can map boxes back to the pixels of the image as sent.
+
+use std::{collections::BTreeMap, io::Cursor};
+
+use fast_image_resize as fr;
+use image::{DynamicImage, ImageDecoder, RgbImage};
+use serde::Deserialize;
+
+use super::{per_row, Kind, RowErrors, Value};
+use crate::{DataType, Error, Result, Tensor, TensorData};
+
+/// A decoded image and how its pixels map to the image as it was sent.
+#[derive(Clone)]
+pub(crate) struct Picture {
+    pub pixels: RgbImage,
+    pub geometry: Geometry,
+}
+
+/// `x_now = x_sent * scale_x + offset_x` (likewise y), and the size of the image as sent
+/// (after its EXIF orientation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Geometry {
+    pub sent: (u32, u32),
+    pub scale: (f64, f64),
+    pub offset: (f64, f64),
+}
+
+impl Geometry {
+    /// A point of the image now, in the pixels of the image as sent (clipped to it).
+    pub fn back(&self, x: f32, y: f32) -> (f32, f32) {
+        let bx = (x as f64 - self.offset.0) / self.scale.0;
+        let by = (y as f64 - self.offset.1) / self.scale.1;
+        (bx.clamp(0.0, self.sent.0 as f64) as f32, by.clamp(0.0, self.sent.1 as f64) as f32)
+    }
+}
+
+fn default_image() -> String {
+    "image".into()
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeConfig {
+    pub name: Option<String>,
+    /// The BYTES input holding one encoded image per row (default `image`).
+    #[serde(default = "default_image")]
+    pub input: String,
+    /// Where the decoded images go (default: the input's name).
+    pub output: Option<String>,
+    /// Largest encoded image accepted (default 20 MiB).
+    pub max_bytes: Option<usize>,
+    /// Largest width x height accepted, read from the header before decoding (default 40 million).
+    pub max_pixels: Option<u64>,
+}
+
+impl DecodeConfig {
+    pub(crate) fn input(&self) -> &str {
+        &self.input
+    }
+
+    pub(crate) fn output(&self) -> &str {
+        self.output.as_deref().unwrap_or(&self.input)
+    }
+}
+
+pub(crate) struct Decode {
+    input: String,
+    output: String,
+    max_bytes: usize,
+    max_pixels: u64,
+}
+
+impl Decode {
+    pub fn new(c: &DecodeConfig) -> Result<Decode> {
+        Ok(Decode {
+            input: c.input.clone(),
+            output: c.output().to_string(),
+            max_bytes: c.max_bytes.unwrap_or(20 << 20),
+            max_pixels: c.max_pixels.unwrap_or(40_000_000),
+        })
+    }
+
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+        let rows = super::rows_of(values, &self.input)?;
+        let pictures = per_row(rows, |t| {
+            let TensorData::Strings(items) = &t.data else { return Err(Error::invalid("the image is not BYTES")) };
+            let [bytes] = items.as_slice() else {
+                return Err(Error::invalid(format!("one image per row expected, got {} elements", items.len())));
+            };
+            self.decode(bytes)
+        })?;
+        values.insert(self.output.clone(), Value::Images(pictures));
+        Ok(())
+    }
+
+    fn decode(&self, bytes: &[u8]) -> Result<Picture> {
+        if bytes.is_empty() {
+            return Err(Error::invalid("the image is empty"));
+        }
+        if bytes.len() > self.max_bytes {
+            return Err(Error::invalid(format!("the image has {} bytes, more than {}", bytes.len(), self.max_bytes)));
+        }
+        let bad = |e: image::ImageError| Error::invalid(format!("cannot decode the image: {e}"));
+        let mut reader =
+            image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.into()))?;
+        match reader.format() {
+            Some(image::ImageFormat::Jpeg | image::ImageFormat::Png | image::ImageFormat::WebP) => {}
+            _ => return Err(Error::invalid("the image is not a JPEG, PNG or WebP")),
+        }
+        let mut limits = image::Limits::default();
+        limits.max_alloc = Some(self.max_pixels.saturating_mul(8).max(1 << 20));
+        reader.limits(limits);
+        let mut decoder = reader.into_decoder().map_err(bad)?;
+        let (w, h) = decoder.dimensions();
+        if w == 0 || h == 0 {
+            return Err(Error::invalid("the image has no pixels"));
+        }
+        if u64::from(w) * u64::from(h) > self.max_pixels {
+            return Err(Error::invalid(format!("the image is {w}x{h}, more than {} pixels", self.max_pixels)));
+        }
+        let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
+        let mut img = DynamicImage::from_decoder(decoder).map_err(bad)?;
+        img.apply_orientation(orientation);
+        let pixels = flatten(img);
+        let sent = pixels.dimensions();
+        Ok(Picture { pixels, geometry: Geometry { sent, scale: (1.0, 1.0), offset: (0.0, 0.0) } })
+    }
+}
+
+/// RGB of any decoded image: gray spread to three channels, alpha composited over white (as a
+/// browser shows a transparent PNG; Pillow's `convert("RGB")` drops it instead).
+fn flatten(img: DynamicImage) -> RgbImage {
+    if !img.color().has_alpha() {
+        return img.into_rgb8();
+    }
+    let rgba = img.into_rgba8();
+    let (w, h) = rgba.dimensions();
+    let mut out = RgbImage::new(w, h);
+    for (o, p) in out.pixels_mut().zip(rgba.pixels()) {
+        let a = p[3] as u32;
+        for c in 0..3 {
+            o[c] = ((p[c] as u32 * a + 255 * (255 - a) + 127) / 255) as u8;
+        }
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum Filter {
+    Nearest,
+    #[default]
+    Bilinear,
+    Bicubic,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum ResizeMode {
+    /// To `size = [width, height]` exactly.
+    #[default]
+    Exact,
+    /// The shorter side to `size = n`, keeping the ratio (classifiers' 256 before a 224 crop).
+    ShorterSide,
+    /// The longer side to `size = n`, keeping the ratio (a detector's letterbox, before `pad`).
+    LongerSide,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeConfig {
+    pub name: Option<String>,
+    pub input: Option<String>,
+    pub output: Option<String>,
+    #[serde(default)]
+    pub mode: ResizeMode,
+    /// `[width, height]` for `exact`, one number for the others.
+    pub size: Vec<u32>,
+    #[serde(default)]
+    pub filter: Filter,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum PadMode {
+    /// To a square of the longer side.
+    #[default]
+    Square,
+    /// Each side up to the next multiple of `multiple`.
+    Multiple,
+    /// To `size = [width, height]` (at least the image's size).
+    Size,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum Anchor {
+    /// The image in the middle (ultralytics' letterbox).
+    #[default]
+    Center,
+    /// The image at the top-left, padding right and below.
+    TopLeft,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PadConfig {
+    pub name: Option<String>,
+    pub input: Option<String>,
+    pub output: Option<String>,
+    #[serde(default)]
+    pub mode: PadMode,
+    pub multiple: Option<u32>,
+    pub size: Option<Vec<u32>>,
+    #[serde(default)]
+    pub anchor: Anchor,
+    /// The padding's value in every channel (ultralytics uses 114).
+    #[serde(default)]
+    pub value: u8,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CropConfig {
+    pub name: Option<String>,
+    pub input: Option<String>,
+    pub output: Option<String>,
+    /// `[width, height]` of the centre crop.
+    pub size: Vec<u32>,
+}
+
+/// Largest side a resize or pad may make (bounds what a step allocates per row).
+const MAX_SIDE: u32 = 16384;
+
+fn pair(size: &[u32], what: &str) -> Result<(u32, u32)> {
+    match size {
+        [w, h] if (1..=MAX_SIDE).contains(w) && (1..=MAX_SIDE).contains(h) => Ok((*w, *h)),
+        _ => Err(Error::invalid(format!("{what} must be [width, height], each 1..={MAX_SIDE}"))),
+    }
+}
+
+pub(crate) enum ImageOp {
+    Resize { input: String, output: String, mode: ResizeMode, size: Vec<u32>, filter: Filter },
+    Pad { input: String, output: String, mode: PadMode, multiple: u32, size: (u32, u32), anchor: Anchor, value: u8 },
+    Crop { input: String, output: String, size: (u32, u32) },
+}
+
+impl ImageOp {
+    /// The op and the size of the images it makes (when known for every row).
+    pub fn resize(c: &ResizeConfig, _: Option<(u32, u32)>) -> Result<(ImageOp, Option<(u32, u32)>)> {
+        let out = match c.mode {
+            ResizeMode::Exact => Some(pair(&c.size, "size")?),
+            _ => {
+                match c.size.as_slice() {
+                    [n] if (1..=MAX_SIDE).contains(n) => {}
+                    _ => return Err(Error::invalid(format!("size must be one number 1..={MAX_SIDE} for this mode"))),
+                }
+                None
+            }
+        };
+        let output = c.output.clone().unwrap_or_default();
+        Ok((
+            ImageOp::Resize { input: String::new(), output, mode: c.mode, size: c.size.clone(), filter: c.filter },
+            out,
+        ))
+    }
+
+    pub fn pad(c: &PadConfig, before: Option<(u32, u32)>) -> Result<(ImageOp, Option<(u32, u32)>)> {
+        let multiple = c.multiple.unwrap_or(32);
+        let size = match c.mode {
+            PadMode::Size => pair(c.size.as_deref().unwrap_or_default(), "size")?,
+            _ => (0, 0),
+        };
+        if c.mode == PadMode::Multiple && !(1..=1024).contains(&multiple) {
+            return Err(Error::invalid("multiple must be 1..=1024"));
+        }
+        let out = match c.mode {
+            PadMode::Size => Some(size),
+            _ => before.map(|(w, h)| padded(c.mode, multiple, size, w, h)),
+        };
+        let output = c.output.clone().unwrap_or_default();
+        let op = ImageOp::Pad {
+            input: String::new(),
+            output,
+            mode: c.mode,
+            multiple,
+            size,
+            anchor: c.anchor,
+            value: c.value,
+        };
+        Ok((op, out))
+    }
+
+    pub fn crop(c: &CropConfig, _: Option<(u32, u32)>) -> Result<(ImageOp, Option<(u32, u32)>)> {
+        let size = pair(&c.size, "size")?;
+        let output = c.output.clone().unwrap_or_default();
+        Ok((ImageOp::Crop { input: String::new(), output, size }, Some(size)))
+    }
+
+    /// Sets the input (and the output, where the config named none) once the build knows it.
+    pub fn with_input(mut self, name: &str) -> ImageOp {
+        let (ImageOp::Resize { input, output, .. }
+        | ImageOp::Pad { input, output, .. }
+        | ImageOp::Crop { input, output, .. }) = &mut self;
+        *input = name.to_string();
+        if output.is_empty() {
+            *output = name.to_string();
+        }
+        self
+    }
+
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+        let (ImageOp::Resize { input, output, .. }
+        | ImageOp::Pad { input, output, .. }
+        | ImageOp::Crop { input, output, .. }) = self;
+        let Some(Value::Images(pictures)) = values.get(input) else {
+            return Err(vec![(usize::MAX, Error::internal(format!("'{input}' is not an image")))]);
+        };
+        let out = per_row(pictures, |p| self.apply(p))?;
+        values.insert(output.clone(), Value::Images(out));
+        Ok(())
+    }
+
+    fn apply(&self, p: &Picture) -> Result<Picture> {
+        let (w, h) = p.pixels.dimensions();
+        match self {
+            ImageOp::Resize { mode, size, filter, .. } => {
+                let (nw, nh) = match mode {
+                    ResizeMode::Exact => (size[0], size[1]),
+                    ResizeMode::ShorterSide | ResizeMode::LongerSide => {
+                        let side = if *mode == ResizeMode::ShorterSide { w.min(h) } else { w.max(h) };
+                        let r = size[0] as f64 / side as f64;
+                        let f = |v: u32| ((v as f64 * r).round() as u32).clamp(1, MAX_SIDE);
+                        (f(w), f(h))
+                    }
+                };
+                let pixels = resize(&p.pixels, nw, nh, *filter)?;
+                let (sx, sy) = (nw as f64 / w as f64, nh as f64 / h as f64);
+                let g = p.geometry;
+                let geometry = Geometry {
+                    sent: g.sent,
+                    scale: (g.scale.0 * sx, g.scale.1 * sy),
+                    offset: (g.offset.0 * sx, g.offset.1 * sy),
+                };
+                Ok(Picture { pixels, geometry })
+            }
+            ImageOp::Pad { mode, multiple, size, anchor, value, .. } => {
+                let (nw, nh) = padded(*mode, *multiple, *size, w, h);
+                if nw < w || nh < h {
+                    return Err(Error::invalid(format!("the image is {w}x{h}, larger than the pad size {nw}x{nh}")));
+                }
+                if nw > MAX_SIDE || nh > MAX_SIDE {
+                    return Err(Error::invalid(format!("padding would make the image {nw}x{nh}")));
+                }
+                let (left, top) = match anchor {
+                    Anchor::Center => ((nw - w) / 2, (nh - h) / 2),
+                    Anchor::TopLeft => (0, 0),
+                };
+                let mut pixels = RgbImage::from_pixel(nw, nh, image::Rgb([*value; 3]));
+                image::imageops::replace(&mut pixels, &p.pixels, left as i64, top as i64);
+                let g = p.geometry;
+                let geometry = Geometry { offset: (g.offset.0 + left as f64, g.offset.1 + top as f64), ..g };
+                Ok(Picture { pixels, geometry })
+            }
+            ImageOp::Crop { size: (cw, ch), .. } => {
+                if *cw > w || *ch > h {
+                    return Err(Error::invalid(format!("the image is {w}x{h}, smaller than the crop {cw}x{ch}")));
+                }
+                let (left, top) = ((w - cw) / 2, (h - ch) / 2);
+                let pixels = image::imageops::crop_imm(&p.pixels, left, top, *cw, *ch).to_image();
+                let g = p.geometry;
+                let geometry = Geometry { offset: (g.offset.0 - left as f64, g.offset.1 - top as f64), ..g };
+                Ok(Picture { pixels, geometry })
+            }
+        }
+    }
+}
+
+fn padded(mode: PadMode, multiple: u32, size: (u32, u32), w: u32, h: u32) -> (u32, u32) {
+    match mode {
+        PadMode::Square => (w.max(h), w.max(h)),
+        PadMode::Multiple => (w.div_ceil(multiple) * multiple, h.div_ceil(multiple) * multiple),
+        PadMode::Size => size,
+    }
+}
+
+/// Resizes as Pillow's `Image.resize` does (convolution with the filter's support widened when
+/// shrinking), through `fast_image_resize`.
+fn resize(src: &RgbImage, w: u32, h: u32, filter: Filter) -> Result<RgbImage> {
+    let (sw, sh) = src.dimensions();
+    if (sw, sh) == (w, h) {
+        return Ok(src.clone());
+    }
+    let from = fr::images::ImageRef::new(sw, sh, src.as_raw(), fr::PixelType::U8x3)
+        .map_err(|e| Error::internal(format!("resize: {e}")))?;
+    let mut to = fr::images::Image::new(w, h, fr::PixelType::U8x3);
+    let algorithm = match filter {
+        Filter::Nearest => fr::ResizeAlg::Nearest,
+        Filter::Bilinear => fr::ResizeAlg::Convolution(fr::FilterType::Bilinear),
+        Filter::Bicubic => fr::ResizeAlg::Convolution(fr::FilterType::CatmullRom),
+    };
+    fr::Resizer::new()
+        .resize(&from, &mut to, &fr::ResizeOptions::new().resize_alg(algorithm))
+        .map_err(|e| Error::internal(format!("resize: {e}")))?;
+    RgbImage::from_raw(w, h, to.into_vec()).ok_or_else(|| Error::internal("resize: buffer size"))
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+pub enum Layout {
+    #[default]
+    #[serde(rename = "NCHW")]
+    Nchw,
+    #[serde(rename = "NHWC")]
+    Nhwc,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+pub enum Channels {
+    #[default]
+    #[serde(rename = "RGB")]
+    Rgb,
+    #[serde(rename = "BGR")]
+    Bgr,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NormalizeConfig {
+    pub name: Option<String>,
+    pub input: Option<String>,
+    /// The tensor it writes (default `pixels`).
+    pub output: Option<String>,
+    /// Each pixel value is multiplied by `scale` (default 1/255), then `(v - mean) / std` per channel.
+    pub scale: Option<f32>,
+    pub mean: Option<Vec<f32>>,
+    pub std: Option<Vec<f32>>,
+    #[serde(default)]
+    pub channels: Channels,
+    #[serde(default)]
+    pub layout: Layout,
+    /// FP32 (default), FP16 or UINT8 (the pixel values as they are: scale, mean and std unused).
+    pub dtype: Option<String>,
+}
+
+pub(crate) struct Normalize {
+    input: String,
+    output: String,
+    scale: f32,
+    mean: [f32; 3],
+    std: [f32; 3],
+    channels: Channels,
+    layout: Layout,
+    dtype: DataType,
+}
+
+impl Normalize {
+    pub fn new(c: &NormalizeConfig) -> Result<Normalize> {
+        let three = |v: &Option<Vec<f32>>, default: f32, what: &str| -> Result<[f32; 3]> {
+            match v.as_deref() {
+                None => Ok([default; 3]),
+                Some([a]) => Ok([*a; 3]),
+                Some([a, b, c]) => Ok([*a, *b, *c]),
+                Some(_) => Err(Error::invalid(format!("{what} takes 1 or 3 numbers"))),
+            }
+        };
+        let std = three(&c.std, 1.0, "std")?;
+        if std.contains(&0.0) {
+            return Err(Error::invalid("std must not be 0"));
+        }
+        let dtype = match c.dtype.as_deref().unwrap_or("FP32") {
+            "FP32" => DataType::Fp32,
+            "FP16" => DataType::Fp16,
+            "UINT8" => DataType::Uint8,
+            other => return Err(Error::invalid(format!("dtype '{other}': FP32, FP16 or UINT8"))),
+        };
+        Ok(Normalize {
+            input: c.input.clone().unwrap_or_else(|| "image".into()),
+            output: c.output.clone().unwrap_or_else(|| "pixels".into()),
+            scale: c.scale.unwrap_or(1.0 / 255.0),
+            mean: three(&c.mean, 0.0, "mean")?,
+            std,
+            channels: c.channels,
+            layout: c.layout,
+            dtype,
+        })
+    }
+
+    pub fn kind(&self, size: Option<(u32, u32)>) -> Kind {
+        let (w, h) = size.map_or((-1, -1), |(w, h)| (w as i64, h as i64));
+        let dims = match self.layout {
+            Layout::Nchw => vec![3, h, w],
+            Layout::Nhwc => vec![h, w, 3],
+        };
+        Kind::Tensor(self.dtype, dims)
+    }
+
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+        let Some(Value::Images(pictures)) = values.get(&self.input) else {
+            return Err(vec![(usize::MAX, Error::internal(format!("'{}' is not an image", self.input)))]);
+        };
+        let rows = per_row(pictures, |p| Ok(self.tensor(&p.pixels)))?;
+        values.insert(self.output.clone(), Value::Rows(rows));
+        Ok(())
+    }
+
+    fn tensor(&self, img: &RgbImage) -> Tensor {
+        let (w, h) = img.dimensions();
+        let (w, h) = (w as usize, h as usize);
+        let order: [usize; 3] = match self.channels {
+            Channels::Rgb => [0, 1, 2],
+            Channels::Bgr => [2, 1, 0],
+        };
+        let shape = match self.layout {
+            Layout::Nchw => vec![3, h, w],
+            Layout::Nhwc => vec![h, w, 3],
+        };
+        let raw = img.as_raw();
+        // Index of the value for channel slot c at pixel i, in the output.
+        let at = |c: usize, i: usize| match self.layout {
+            Layout::Nchw => c * w * h + i,
+            Layout::Nhwc => i * 3 + c,
+        };
+        if self.dtype == DataType::Uint8 {
+            let mut out = vec![0u8; w * h * 3];
+            for (i, px) in raw.chunks_exact(3).enumerate() {
+                for (c, &src) in order.iter().enumerate() {
+                    out[at(c, i)] = px[src];
+                }
+            }
+            return Tensor::new(&self.output, DataType::Uint8, shape, TensorData::Fixed(out.into()));
+        }
+        // A table per channel: 256 values, computed once.
+        let table: Vec<[f32; 256]> = order
+            .iter()
+            .map(|&src| std::array::from_fn(|v| (v as f32 * self.scale - self.mean[src]) / self.std[src]))
+            .collect();
+        let mut out = vec![0f32; w * h * 3];
+        for (i, px) in raw.chunks_exact(3).enumerate() {
+            for (c, &src) in order.iter().enumerate() {
+                out[at(c, i)] = table[c][px[src] as usize];
+            }
+        }
+        if self.dtype == DataType::Fp16 {
+            let halves: Vec<half::f16> = out.iter().map(|&v| half::f16::from_f32(v)).collect();
+            return Tensor::from_le(&self.output, DataType::Fp16, shape, &halves);
+        }
+        Tensor::new(
+            &self.output,
+            DataType::Fp32,
+            shape,
+            TensorData::Fixed(crate::engine::tensor::aligned_bytes(bytemuck_f32(&out))),
+        )
+    }
+}
+
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8; the length is exact.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}

@@ -1,0 +1,618 @@
+//! Pipelines: a model directory whose config declares `[[steps]]` — native operations (decode and
+//! prepare images, tokenize text, pool, top-k, NMS) and calls to other models of the repository —
+//! with named values flowing between them. A pipeline is served as a model like any other: it has
+//! a spec, a batcher and statistics; its instances are the worker threads its native steps run on
+//! (sized from the CPU budget, never the async runtime's), and each model step goes through that
+//! model's own batcher, so rows of many pipeline requests batch together there.
+//!
+//! Values are held per row (one tensor or image for each row of the batch), so rows whose
+//! images differ in size still share a pipeline batch; a model step groups rows of equal shapes
+//! into its calls. A step that fails for some rows names them (`Instance::failed_rows`), and the
+//! batcher runs the batch again without them: a corrupt image fails its own request alone.
+
+mod image;
+mod post;
+mod text;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Instant,
+};
+
+use arc_swap::ArcSwap;
+use serde::Deserialize;
+
+use crate::{
+    admission::Limits,
+    control::Registry,
+    engine::{
+        backend::{BatchInput, Instance},
+        spec::TensorSpec,
+    },
+    Backend, DataType, Error, InferRequest, Result, Tensor, TensorData,
+};
+
+pub use self::image::{CropConfig, DecodeConfig, NormalizeConfig, PadConfig, ResizeConfig};
+pub use post::{NmsConfig, PoolConfig, TopkConfig, UnaryConfig};
+pub use text::TokenizeConfig;
+
+/// One `[[steps]]` entry of a config: `op` names the operation; every op takes an optional
+/// `name` (for errors and metrics; default the op, with its position where the op repeats).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum StepConfig {
+    DecodeImage(DecodeConfig),
+    Resize(ResizeConfig),
+    Pad(PadConfig),
+    Crop(CropConfig),
+    Normalize(NormalizeConfig),
+    Tokenize(TokenizeConfig),
+    Model(ModelStepConfig),
+    Pool(PoolConfig),
+    Softmax(UnaryConfig),
+    Sigmoid(UnaryConfig),
+    Argmax(UnaryConfig),
+    Topk(TopkConfig),
+    Nms(NmsConfig),
+}
+
+impl StepConfig {
+    fn op(&self) -> &'static str {
+        match self {
+            StepConfig::DecodeImage(_) => "decode_image",
+            StepConfig::Resize(_) => "resize",
+            StepConfig::Pad(_) => "pad",
+            StepConfig::Crop(_) => "crop",
+            StepConfig::Normalize(_) => "normalize",
+            StepConfig::Tokenize(_) => "tokenize",
+            StepConfig::Model(_) => "model",
+            StepConfig::Pool(_) => "pool",
+            StepConfig::Softmax(_) => "softmax",
+            StepConfig::Sigmoid(_) => "sigmoid",
+            StepConfig::Argmax(_) => "argmax",
+            StepConfig::Topk(_) => "topk",
+            StepConfig::Nms(_) => "nms",
+        }
+    }
+
+    fn name(&self) -> Option<&str> {
+        match self {
+            StepConfig::DecodeImage(c) => c.name.as_deref(),
+            StepConfig::Resize(c) => c.name.as_deref(),
+            StepConfig::Pad(c) => c.name.as_deref(),
+            StepConfig::Crop(c) => c.name.as_deref(),
+            StepConfig::Normalize(c) => c.name.as_deref(),
+            StepConfig::Tokenize(c) => c.name.as_deref(),
+            StepConfig::Model(c) => c.name.as_deref(),
+            StepConfig::Pool(c) => c.name.as_deref(),
+            StepConfig::Softmax(c) | StepConfig::Sigmoid(c) | StepConfig::Argmax(c) => c.name.as_deref(),
+            StepConfig::Topk(c) => c.name.as_deref(),
+            StepConfig::Nms(c) => c.name.as_deref(),
+        }
+    }
+}
+
+/// `op = "model"`: runs another model of the repository through its own batcher. Its inputs are
+/// taken from the values of the same names, its outputs written under their names; `inputs` and
+/// `outputs` map a model tensor name to another value name.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelStepConfig {
+    pub name: Option<String>,
+    pub model: String,
+    /// A version to pin; default the one the model serves (a reload is picked up at once).
+    pub version: Option<u64>,
+    #[serde(default)]
+    pub inputs: BTreeMap<String, String>,
+    #[serde(default)]
+    pub outputs: BTreeMap<String, String>,
+}
+
+/// What flows between steps: for each row, a tensor (without the batch dim) or a decoded image.
+#[derive(Clone)]
+pub(crate) enum Value {
+    Rows(Vec<Tensor>),
+    Images(Vec<image::Picture>),
+}
+
+/// What a value is while a pipeline is built (its type, for the checks and the metadata).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Kind {
+    /// A tensor per row: datatype and dims (-1 where rows may differ).
+    Tensor(DataType, Vec<i64>),
+    /// An image per row, with its size when every row's is known.
+    Image(Option<(u32, u32)>),
+}
+
+/// Rows that a step could not process, each with its error; the rest of the batch is sound.
+pub(crate) type RowErrors = Vec<(usize, Error)>;
+
+/// A built step: its name for errors and metrics, and what it does.
+struct Step {
+    name: String,
+    op: Op,
+}
+
+enum Op {
+    Decode(image::Decode),
+    Image(image::ImageOp),
+    Normalize(image::Normalize),
+    Tokenize(Box<text::Tokenize>),
+    Model(ModelStepConfig),
+    Post(post::Post),
+}
+
+/// A pipeline as a backend: its inputs and outputs as clients see them (dims without the batch
+/// dim), and its built steps, shared by its worker instances.
+pub struct Pipeline {
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+    steps: Arc<Vec<Step>>,
+    registry: Arc<ArcSwap<Registry>>,
+    /// The models its steps call.
+    pub uses: Vec<String>,
+    label: String,
+}
+
+/// Reads a file a step names: a plain name or path inside the model's directory, never outside.
+pub(crate) fn model_file(dir: &Path, file: &str, what: &str) -> Result<PathBuf> {
+    let rel = Path::new(file);
+    if rel.is_absolute() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+        return Err(Error::invalid(format!("{what} '{file}' must name a file in the model's directory")));
+    }
+    Ok(dir.join(rel))
+}
+
+pub(crate) fn read_labels(dir: &Path, file: &str) -> Result<Vec<String>> {
+    let path = model_file(dir, file, "labels")?;
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::invalid(format!("cannot read labels {}: {e}", path.display())))?;
+    Ok(text.lines().map(str::to_string).collect())
+}
+
+impl Pipeline {
+    /// Builds the pipeline `label` of `dir` from its `steps`; `models` is what serves (for the
+    /// model steps' tensors, checked now), `registry` where model steps find their model at run
+    /// time. `outputs`: the values it answers with (default: what the last step wrote).
+    pub fn build(
+        label: &str,
+        dir: &Path,
+        steps: &[StepConfig],
+        outputs: &[String],
+        models: &Registry,
+        registry: Arc<ArcSwap<Registry>>,
+    ) -> Result<Pipeline> {
+        if steps.is_empty() {
+            return Err(Error::invalid("a pipeline needs at least one step"));
+        }
+        let mut known = Known::default();
+        let mut built = Vec::new();
+        let mut uses = Vec::new();
+        let mut last_written = Vec::new();
+        for (i, cfg) in steps.iter().enumerate() {
+            // Named by its op, or op and position where the op repeats.
+            let name = match cfg.name() {
+                Some(n) => n.to_string(),
+                None if steps.iter().filter(|s| s.op() == cfg.op()).count() > 1 => format!("{}{i}", cfg.op()),
+                None => cfg.op().to_string(),
+            };
+            if built.iter().any(|s: &Step| s.name == name) {
+                return Err(Error::invalid(format!("two steps are named '{name}'")));
+            }
+            let fail = |e: Error| Error::invalid(format!("step '{name}' ({}): {e}", cfg.op()));
+            let (op, written) = (|| -> Result<(Op, Vec<(String, Kind)>)> {
+                Ok(match cfg {
+                    StepConfig::DecodeImage(c) => {
+                        known.need(c.input(), Kind::Tensor(DataType::Bytes, vec![]))?;
+                        (Op::Decode(image::Decode::new(c)?), vec![(c.output().to_string(), Kind::Image(None))])
+                    }
+                    StepConfig::Resize(c) => {
+                        let (input, output) = (c.input.as_deref(), c.output.as_deref());
+                        image_step(&mut known, input, output, |size| image::ImageOp::resize(c, size))?
+                    }
+                    StepConfig::Pad(c) => {
+                        let (input, output) = (c.input.as_deref(), c.output.as_deref());
+                        image_step(&mut known, input, output, |size| image::ImageOp::pad(c, size))?
+                    }
+                    StepConfig::Crop(c) => {
+                        let (input, output) = (c.input.as_deref(), c.output.as_deref());
+                        image_step(&mut known, input, output, |size| image::ImageOp::crop(c, size))?
+                    }
+                    StepConfig::Normalize(c) => {
+                        let input = c.input.as_deref().unwrap_or("image");
+                        let Kind::Image(size) = known.need(input, Kind::Image(None))? else {
+                            return Err(Error::invalid(format!("'{input}' is not an image")));
+                        };
+                        let n = image::Normalize::new(c)?;
+                        let kind = n.kind(size);
+                        (Op::Normalize(n), vec![(c.output.clone().unwrap_or_else(|| "pixels".into()), kind)])
+                    }
+                    StepConfig::Tokenize(c) => {
+                        known.need(c.input(), Kind::Tensor(DataType::Bytes, vec![]))?;
+                        if let Some(pair) = &c.pair {
+                            known.need(pair, Kind::Tensor(DataType::Bytes, vec![]))?;
+                        }
+                        let t = text::Tokenize::new(dir, c)?;
+                        let written = t.outputs();
+                        (Op::Tokenize(Box::new(t)), written)
+                    }
+                    StepConfig::Model(c) => {
+                        let model =
+                            models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(|e| {
+                                Error::invalid(format!("{e} (a pipeline loads after the models its steps call)"))
+                            })?;
+                        let spec = &model.spec;
+                        if !spec.batched() {
+                            return Err(Error::invalid(format!(
+                                "model '{}' does not batch (max_batch_size 0); a pipeline's model steps take rows",
+                                c.model
+                            )));
+                        }
+                        if let Some(unknown) = c.inputs.keys().find(|k| !spec.inputs.iter().any(|t| &&t.name == k)) {
+                            return Err(Error::invalid(format!("model '{}' has no input '{unknown}'", c.model)));
+                        }
+                        if let Some(unknown) = c.outputs.keys().find(|k| !spec.outputs.iter().any(|t| &&t.name == k)) {
+                            return Err(Error::invalid(format!("model '{}' has no output '{unknown}'", c.model)));
+                        }
+                        for t in &spec.inputs {
+                            let value = c.inputs.get(&t.name).unwrap_or(&t.name);
+                            if !known.values.contains_key(value) && spec.optional.contains(&t.name) {
+                                continue;
+                            }
+                            match known.need(value, Kind::Tensor(t.datatype, t.dims.clone()))? {
+                                Kind::Tensor(d, _) if d == t.datatype => {}
+                                other => {
+                                    return Err(Error::invalid(format!(
+                                        "model '{}' input '{}' takes {}, but '{value}' is {other:?}",
+                                        c.model, t.name, t.datatype
+                                    )))
+                                }
+                            }
+                        }
+                        let written = spec
+                            .outputs
+                            .iter()
+                            .map(|t| {
+                                (
+                                    c.outputs.get(&t.name).unwrap_or(&t.name).clone(),
+                                    Kind::Tensor(t.datatype, t.dims.clone()),
+                                )
+                            })
+                            .collect();
+                        uses.push(c.model.clone());
+                        (Op::Model(c.clone()), written)
+                    }
+                    StepConfig::Pool(c) => post::Post::pool(c, &mut known)?,
+                    StepConfig::Softmax(c) => post::Post::unary(post::Unary::Softmax, c, &mut known)?,
+                    StepConfig::Sigmoid(c) => post::Post::unary(post::Unary::Sigmoid, c, &mut known)?,
+                    StepConfig::Argmax(c) => post::Post::unary(post::Unary::Argmax, c, &mut known)?,
+                    StepConfig::Topk(c) => post::Post::topk(dir, c, &mut known)?,
+                    StepConfig::Nms(c) => post::Post::nms(dir, c, &mut known)?,
+                })
+            })()
+            .map_err(fail)?;
+            last_written = written.iter().map(|(n, _)| n.clone()).collect();
+            known.values.extend(written);
+            built.push(Step { name, op });
+        }
+        let wanted = if outputs.is_empty() { last_written } else { outputs.to_vec() };
+        let outputs = wanted
+            .iter()
+            .map(|name| match known.values.get(name) {
+                Some(Kind::Tensor(datatype, dims)) => {
+                    Ok(TensorSpec { name: name.clone(), datatype: *datatype, dims: dims.clone() })
+                }
+                Some(Kind::Image(_)) => {
+                    Err(Error::invalid(format!("output '{name}' is an image; a normalize step makes it a tensor")))
+                }
+                None => Err(Error::invalid(format!("output '{name}' is written by no step"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        uses.sort();
+        uses.dedup();
+        Ok(Pipeline { inputs: known.inputs, outputs, steps: Arc::new(built), registry, uses, label: label.to_string() })
+    }
+}
+
+/// What a build knows: the values written so far, and the pipeline's inputs found.
+#[derive(Default)]
+struct Known {
+    values: BTreeMap<String, Kind>,
+    inputs: Vec<TensorSpec>,
+}
+
+impl Known {
+    /// The kind of `value`; one no earlier step wrote is a pipeline input, of the kind the step takes.
+    fn need(&mut self, value: &str, kind: Kind) -> Result<Kind> {
+        if let Some(k) = self.values.get(value) {
+            return Ok(k.clone());
+        }
+        let Kind::Tensor(datatype, dims) = &kind else {
+            return Err(Error::invalid(format!("no earlier step writes the image '{value}'")));
+        };
+        self.inputs.push(TensorSpec { name: value.to_string(), datatype: *datatype, dims: dims.clone() });
+        self.values.insert(value.to_string(), kind.clone());
+        Ok(kind)
+    }
+}
+
+/// The build of a resize, pad or crop step: image in, image out (default both `image`).
+fn image_step(
+    known: &mut Known,
+    input: Option<&str>,
+    output: Option<&str>,
+    make: impl FnOnce(Option<(u32, u32)>) -> Result<(image::ImageOp, Option<(u32, u32)>)>,
+) -> Result<(Op, Vec<(String, Kind)>)> {
+    let input = input.unwrap_or("image");
+    let Kind::Image(size) = known.need(input, Kind::Image(None))? else {
+        return Err(Error::invalid(format!("'{input}' is not an image")));
+    };
+    let (op, size) = make(size)?;
+    Ok((Op::Image(op.with_input(input)), vec![(output.unwrap_or(input).to_string(), Kind::Image(size))]))
+}
+
+impl Backend for Pipeline {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    fn instance(&self) -> Result<Box<dyn Instance>> {
+        // Each worker waits for its model steps on a runtime of its own (timers for the steps'
+        // queue timeouts), never on the server's.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| Error::internal(format!("cannot start a pipeline worker's runtime: {e}")))?;
+        Ok(Box::new(Worker {
+            steps: self.steps.clone(),
+            registry: self.registry.clone(),
+            outputs: self.outputs.iter().map(|t| t.name.clone()).collect(),
+            runtime,
+            failed: Vec::new(),
+            label: self.label.clone(),
+        }))
+    }
+}
+
+struct Worker {
+    steps: Arc<Vec<Step>>,
+    registry: Arc<ArcSwap<Registry>>,
+    outputs: Vec<String>,
+    runtime: tokio::runtime::Runtime,
+    failed: RowErrors,
+    label: String,
+}
+
+impl Instance for Worker {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
+        self.failed.clear();
+        let mut values: BTreeMap<String, Value> = BTreeMap::new();
+        let mut rows = 0;
+        for i in inputs {
+            let r = split_rows(i)?;
+            rows = r.len();
+            values.insert(i.name.to_string(), Value::Rows(r));
+        }
+        let metrics = crate::telemetry::metrics::global();
+        for step in self.steps.iter() {
+            let start = Instant::now();
+            let result = match &step.op {
+                Op::Decode(d) => d.run(&mut values),
+                Op::Image(op) => op.run(&mut values),
+                Op::Normalize(n) => n.run(&mut values),
+                Op::Tokenize(t) => t.run(&mut values),
+                Op::Model(m) => self.model_step(m, &mut values, rows).map_err(|e| vec![(usize::MAX, e)]),
+                Op::Post(p) => p.run(&mut values),
+            };
+            metrics
+                .pipeline_step_duration
+                .with_label_values(&[&self.label, &step.name])
+                .observe(start.elapsed().as_secs_f64());
+            if let Err(errors) = result {
+                let named = |e: Error| {
+                    let text = format!("step '{}': {e}", step.name);
+                    match e {
+                        Error::InvalidInput(_) => Error::InvalidInput(text),
+                        Error::Internal(_) => Error::Internal(text),
+                        other => other,
+                    }
+                };
+                let mut errors: RowErrors = errors.into_iter().map(|(r, e)| (r, named(e))).collect();
+                // A failure of the whole batch (a model step's) is not a row's.
+                if let Some(i) = errors.iter().position(|(r, _)| *r == usize::MAX) {
+                    return Err(errors.swap_remove(i).1);
+                }
+                let first = errors[0].1.clone();
+                self.failed = errors;
+                return Err(first);
+            }
+        }
+        self.outputs
+            .iter()
+            .map(|name| match values.remove(name) {
+                Some(Value::Rows(r)) => stack(name, r),
+                _ => Err(Error::internal(format!("pipeline output '{name}' was not written"))),
+            })
+            .collect()
+    }
+
+    fn failed_rows(&mut self) -> RowErrors {
+        std::mem::take(&mut self.failed)
+    }
+}
+
+impl Worker {
+    /// Runs rows through another model's batcher: rows whose inputs have equal shapes go
+    /// together, in calls of at most its max batch size.
+    fn model_step(&self, c: &ModelStepConfig, values: &mut BTreeMap<String, Value>, rows: usize) -> Result<()> {
+        let model = self.registry.load().model(&c.model, c.version.map(|v| v.to_string()).as_deref())?;
+        let spec = &model.spec;
+        let mut given: Vec<(&str, &Vec<Tensor>)> = Vec::new();
+        for t in &spec.inputs {
+            let value = c.inputs.get(&t.name).unwrap_or(&t.name);
+            match values.get(value) {
+                Some(Value::Rows(r)) => given.push((&t.name, r)),
+                Some(Value::Images(_)) => return Err(Error::invalid(format!("'{value}' is an image, not a tensor"))),
+                None if spec.optional.contains(&t.name) => {}
+                None => return Err(Error::internal(format!("value '{value}' was not written"))),
+            }
+        }
+        let mut groups: BTreeMap<Vec<Vec<usize>>, Vec<usize>> = BTreeMap::new();
+        for row in 0..rows {
+            groups.entry(given.iter().map(|(_, r)| r[row].shape.clone()).collect()).or_default().push(row);
+        }
+        let mut answers: Vec<Option<Vec<Tensor>>> = vec![None; rows];
+        for members in groups.values() {
+            for chunk in members.chunks(spec.batch.max_batch_size.max(1)) {
+                let inputs = given
+                    .iter()
+                    .map(|(name, r)| stack(name, chunk.iter().map(|&i| r[i].clone()).collect()))
+                    .collect::<Result<Vec<_>>>()?;
+                let req = InferRequest { model_name: c.model.clone(), inputs, skip_cache: true, ..Default::default() };
+                let resp = self.runtime.block_on(model.infer(req, &Limits::default()))?;
+                for (k, &row) in chunk.iter().enumerate() {
+                    answers[row] = Some(resp.outputs.iter().map(|o| unstack(o, k)).collect());
+                }
+            }
+        }
+        crate::control::registry::release(model.clone());
+        for (j, t) in spec.outputs.iter().enumerate() {
+            let rows = answers.iter().map(|a| a.as_ref().map(|o| o[j].clone()).unwrap_or_else(|| empty(t))).collect();
+            values.insert(c.outputs.get(&t.name).unwrap_or(&t.name).clone(), Value::Rows(rows));
+        }
+        Ok(())
+    }
+}
+
+fn empty(t: &TensorSpec) -> Tensor {
+    Tensor::new(&t.name, t.datatype, vec![0], TensorData::Fixed(Default::default()))
+}
+
+/// One input of the batch as a tensor per row (without the batch dim).
+fn split_rows(input: &BatchInput<'_>) -> Result<Vec<Tensor>> {
+    let rows = input.shape.first().copied().unwrap_or(1);
+    let row_shape = input.shape.get(1..).unwrap_or_default().to_vec();
+    let per_row: usize = row_shape.iter().product();
+    let mut out = Vec::with_capacity(rows);
+    for part in &input.parts {
+        match part {
+            TensorData::Strings(items) => {
+                for chunk in items.chunks(per_row.max(1)) {
+                    out.push(Tensor::new(
+                        input.name,
+                        input.datatype,
+                        row_shape.clone(),
+                        TensorData::Strings(chunk.to_vec()),
+                    ));
+                }
+            }
+            TensorData::Fixed(b) => {
+                let size = per_row * input.datatype.size().unwrap_or(1);
+                for start in (0..b.len()).step_by(size.max(1)) {
+                    let data = TensorData::Fixed(b.slice(start..start + size));
+                    out.push(Tensor::new(input.name, input.datatype, row_shape.clone(), data));
+                }
+            }
+        }
+    }
+    if out.len() != rows {
+        return Err(Error::internal(format!("input '{}': {} rows found, {rows} expected", input.name, out.len())));
+    }
+    Ok(out)
+}
+
+/// Rows (each without the batch dim) as one tensor `[rows, ...]`; they must agree in shape.
+pub(crate) fn stack(name: &str, rows: Vec<Tensor>) -> Result<Tensor> {
+    let Some(first) = rows.first() else { return Err(Error::internal(format!("'{name}' has no rows"))) };
+    let (datatype, shape) = (first.datatype, first.shape.clone());
+    if let Some(r) = rows.iter().find(|r| r.shape != shape || r.datatype != datatype) {
+        return Err(Error::invalid(format!(
+            "'{name}' differs between rows ({datatype} {shape:?} and {} {:?}); a request's rows must agree",
+            r.datatype, r.shape
+        )));
+    }
+    let n = rows.len();
+    let data = if datatype == DataType::Bytes {
+        TensorData::Strings(
+            rows.into_iter()
+                .flat_map(|r| match r.data {
+                    TensorData::Strings(v) => v,
+                    TensorData::Fixed(_) => Vec::new(),
+                })
+                .collect(),
+        )
+    } else if n == 1 {
+        rows.into_iter().next().map(|r| r.data).unwrap_or(TensorData::Fixed(Default::default()))
+    } else {
+        let mut buf = Vec::new();
+        for r in &rows {
+            if let TensorData::Fixed(b) = &r.data {
+                buf.extend_from_slice(b);
+            }
+        }
+        TensorData::Fixed(crate::engine::tensor::aligned_bytes(&buf))
+    };
+    Ok(Tensor::new(name, datatype, std::iter::once(n).chain(shape).collect(), data))
+}
+
+/// Row `k` of `t` without the batch dim.
+fn unstack(t: &Tensor, k: usize) -> Tensor {
+    let mut r = t.rows(k, 1);
+    r.shape.remove(0);
+    r
+}
+
+/// Each element of a row tensor as f32 (FP32, FP16, FP64 and integers).
+pub(crate) fn floats(t: &Tensor) -> Result<Vec<f32>> {
+    let TensorData::Fixed(b) = &t.data else {
+        return Err(Error::invalid(format!("'{}' is {}, not numbers", t.name, t.datatype)));
+    };
+    macro_rules! each {
+        ($ty:ty, $n:expr) => {
+            b.chunks_exact($n).map(|c| <$ty>::from_le_bytes(c.try_into().unwrap()) as f32).collect()
+        };
+    }
+    Ok(match t.datatype {
+        DataType::Fp32 => each!(f32, 4),
+        DataType::Fp64 => each!(f64, 8),
+        DataType::Int64 => each!(i64, 8),
+        DataType::Int32 => each!(i32, 4),
+        DataType::Uint8 => b.iter().map(|&v| v as f32).collect(),
+        DataType::Fp16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(Error::invalid(format!("'{}' is {other}, which this step does not take", t.name))),
+    })
+}
+
+/// The rows of value `name`, which must be tensors.
+pub(crate) fn rows_of<'v>(
+    values: &'v BTreeMap<String, Value>,
+    name: &str,
+) -> Result<&'v Vec<Tensor>, Vec<(usize, Error)>> {
+    match values.get(name) {
+        Some(Value::Rows(r)) => Ok(r),
+        _ => Err(vec![(usize::MAX, Error::internal(format!("value '{name}' is not a tensor")))]),
+    }
+}
+
+/// Runs `f` on every row, collecting the rows that fail.
+pub(crate) fn per_row<T, U>(items: &[T], mut f: impl FnMut(&T) -> Result<U>) -> Result<Vec<U>, RowErrors> {
+    let mut out = Vec::with_capacity(items.len());
+    let mut errors = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        match f(item) {
+            Ok(v) => out.push(v),
+            Err(e) => errors.push((i, e)),
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(errors)
+    }
+}

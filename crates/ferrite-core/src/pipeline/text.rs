@@ -1,0 +1,183 @@
+//! `tokenize`: a Hugging Face `tokenizer.json` (the `tokenizers` crate) turns one text per row
+//! (and a second one, for pair inputs) into `input_ids`, `attention_mask` and `token_type_ids`,
+//! padded to the longest row of the batch. The step's `max_length` and `truncation` replace what
+//! the file says (sentence-transformers files truncate to 128 where the model takes 256).
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use tokenizers::{Tokenizer, TruncationParams};
+
+use super::{model_file, per_row, Kind, RowErrors, Value};
+use crate::{DataType, Error, Result, Tensor, TensorData};
+
+fn default_text() -> String {
+    "text".into()
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeConfig {
+    pub name: Option<String>,
+    /// The BYTES input holding one UTF-8 text per row (default `text`).
+    #[serde(default = "default_text")]
+    pub input: String,
+    /// A second BYTES input for pair inputs (question and passage, say).
+    pub pair: Option<String>,
+    /// The tokenizer file in the model's directory (default `tokenizer.json`).
+    pub tokenizer: Option<String>,
+    /// Tokens per row at most, special tokens included (default: the file's, else 512).
+    pub max_length: Option<usize>,
+    /// `false`: a text longer than `max_length` fails its request instead of being cut.
+    pub truncation: Option<bool>,
+    /// Whether to add the model's special tokens (`[CLS]`, `[SEP]`); default true.
+    pub add_special_tokens: Option<bool>,
+    /// INT64 (default) or INT32.
+    pub dtype: Option<String>,
+    /// Which tensors to write, of `input_ids`, `attention_mask`, `token_type_ids` (default all).
+    pub outputs: Option<Vec<String>>,
+}
+
+impl TokenizeConfig {
+    pub(crate) fn input(&self) -> &str {
+        &self.input
+    }
+}
+
+pub(crate) struct Tokenize {
+    input: String,
+    pair: Option<String>,
+    tokenizer: Tokenizer,
+    max_length: usize,
+    truncation: bool,
+    special: bool,
+    pad_id: u32,
+    dtype: DataType,
+    outputs: Vec<String>,
+}
+
+const NAMES: [&str; 3] = ["input_ids", "attention_mask", "token_type_ids"];
+
+impl Tokenize {
+    pub fn new(dir: &std::path::Path, c: &TokenizeConfig) -> Result<Tokenize> {
+        let path = model_file(dir, c.tokenizer.as_deref().unwrap_or("tokenizer.json"), "tokenizer")?;
+        let mut tokenizer = Tokenizer::from_file(&path)
+            .map_err(|e| Error::invalid(format!("cannot read tokenizer {}: {e}", path.display())))?;
+        let max_length = c.max_length.or(tokenizer.get_truncation().map(|t| t.max_length)).unwrap_or(512);
+        if !(2..=65536).contains(&max_length) {
+            return Err(Error::invalid("max_length must be 2..=65536"));
+        }
+        let truncation = c.truncation.unwrap_or(true);
+        let pad_id = tokenizer
+            .get_padding()
+            .map(|p| p.pad_id)
+            .or_else(|| tokenizer.token_to_id("[PAD]"))
+            .or_else(|| tokenizer.token_to_id("<pad>"))
+            .unwrap_or(0);
+        // The step pads (to the batch's longest row) and truncates; the file's settings go.
+        tokenizer.with_padding(None);
+        let limit = if truncation { max_length } else { usize::MAX / 2 };
+        let params = TruncationParams { max_length: limit, ..Default::default() };
+        tokenizer.with_truncation(Some(params)).map_err(|e| Error::invalid(format!("truncation: {e}")))?;
+        let dtype = match c.dtype.as_deref().unwrap_or("INT64") {
+            "INT64" => DataType::Int64,
+            "INT32" => DataType::Int32,
+            other => return Err(Error::invalid(format!("dtype '{other}': INT64 or INT32"))),
+        };
+        let outputs = c.outputs.clone().unwrap_or_else(|| NAMES.iter().map(|s| s.to_string()).collect());
+        if let Some(o) = outputs.iter().find(|o| !NAMES.contains(&o.as_str())) {
+            return Err(Error::invalid(format!("output '{o}' is not one of {NAMES:?}")));
+        }
+        Ok(Tokenize {
+            input: c.input.clone(),
+            pair: c.pair.clone(),
+            tokenizer,
+            max_length,
+            truncation,
+            special: c.add_special_tokens.unwrap_or(true),
+            pad_id,
+            dtype,
+            outputs,
+        })
+    }
+
+    /// What it writes: the tensors asked for, and `token_count` (INT64, one per row: the row's
+    /// tokens before padding, special tokens included; what OpenAI's `usage` counts).
+    pub fn outputs(&self) -> Vec<(String, Kind)> {
+        let mut out: Vec<_> = self.outputs.iter().map(|o| (o.clone(), Kind::Tensor(self.dtype, vec![-1]))).collect();
+        out.push(("token_count".into(), Kind::Tensor(DataType::Int64, vec![])));
+        out
+    }
+
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+        let texts = super::rows_of(values, &self.input)?;
+        let pairs = match &self.pair {
+            Some(p) => Some(super::rows_of(values, p)?),
+            None => None,
+        };
+        let index: Vec<usize> = (0..texts.len()).collect();
+        let encodings = per_row(&index, |&i| {
+            let text = one_text(&texts[i])?;
+            let encoding = match pairs {
+                Some(p) => self.tokenizer.encode((text, one_text(&p[i])?), self.special),
+                None => self.tokenizer.encode(text, self.special),
+            }
+            .map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+            if !self.truncation && encoding.get_ids().len() > self.max_length {
+                return Err(Error::invalid(format!(
+                    "the text has {} tokens, more than max_length {} (truncation is off)",
+                    encoding.get_ids().len(),
+                    self.max_length
+                )));
+            }
+            Ok(encoding)
+        })?;
+        let longest = encodings.iter().map(|e| e.get_ids().len()).max().unwrap_or(0).max(1);
+        let counts = encodings
+            .iter()
+            .map(|e| Tensor::from_le("token_count", DataType::Int64, vec![], &[e.get_ids().len() as i64]));
+        values.insert("token_count".into(), Value::Rows(counts.collect()));
+        for name in &self.outputs {
+            let rows = encodings
+                .iter()
+                .map(|e| {
+                    let (values, pad): (&[u32], u32) = match name.as_str() {
+                        "input_ids" => (e.get_ids(), self.pad_id),
+                        "attention_mask" => (e.get_attention_mask(), 0),
+                        _ => (e.get_type_ids(), 0),
+                    };
+                    let padded = values.iter().copied().chain(std::iter::repeat(pad)).take(longest);
+                    match self.dtype {
+                        DataType::Int32 => Tensor::from_le(
+                            name,
+                            DataType::Int32,
+                            vec![longest],
+                            &padded.map(|v| v as i32).collect::<Vec<_>>(),
+                        ),
+                        _ => Tensor::from_le(
+                            name,
+                            DataType::Int64,
+                            vec![longest],
+                            &padded.map(i64::from).collect::<Vec<_>>(),
+                        ),
+                    }
+                })
+                .collect();
+            values.insert(name.clone(), Value::Rows(rows));
+        }
+        Ok(())
+    }
+}
+
+/// The one UTF-8 text of a row; an empty one is refused (it has nothing to embed).
+fn one_text(t: &Tensor) -> Result<&str> {
+    let TensorData::Strings(items) = &t.data else { return Err(Error::invalid("the text is not BYTES")) };
+    let [bytes] = items.as_slice() else {
+        return Err(Error::invalid(format!("one text per row expected, got {} elements", items.len())));
+    };
+    let text = std::str::from_utf8(bytes).map_err(|_| Error::invalid("the text is not UTF-8"))?;
+    if text.trim().is_empty() {
+        return Err(Error::invalid("the text is empty"));
+    }
+    Ok(text)
+}

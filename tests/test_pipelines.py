@@ -1,0 +1,424 @@
+"""Pipelines: native steps and chained models, served as models, checked against Python references
+(Pillow for images, the tokenizers package for text, NumPy and ONNX Runtime for the rest) through
+tritonclient (HTTP and gRPC) and plain HTTP. Tolerances are stated per operation."""
+
+import concurrent.futures
+import io
+import json
+import shutil
+import urllib.request
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from PIL import Image, ImageOps
+from tokenizers import Tokenizer
+
+from conftest import ROOT, Server, make_repository
+
+MODELS = ROOT / "models"
+
+
+def encode(img, fmt="PNG", **kw):
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def photo(w, h, seed=0):
+    """Smooth gradients with noise: resizing filters differ on it as on photographs."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 / max(w - 1, 1), y * 255 / max(h - 1, 1), (x + y) * 127 / max(w + h - 2, 1)], -1)
+    return Image.fromarray(np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def pipeline(repo, name, steps, outputs=(), extra=""):
+    """Writes a pipeline config: steps as (op, {param: value}) pairs."""
+    d = repo / name
+    d.mkdir(parents=True, exist_ok=True)
+    lines = [extra]
+    for op, params in steps:
+        lines.append("[[steps]]")
+        lines.append(f'op = "{op}"')
+        lines += [f"{k} = {json.dumps(v)}" for k, v in params.items()]
+    for o in outputs:
+        lines += ["[[output]]", f'name = "{o}"']
+    (d / "config.toml").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def infer(url, model, inputs, outputs=None):
+    c = httpclient.InferenceServerClient(url)
+    given = []
+    for name, value in inputs.items():
+        arr = np.array(value, dtype=object) if isinstance(value, list) else value
+        t = httpclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else
+                                  {np.float32: "FP32", np.int64: "INT64"}[arr.dtype.type])
+        t.set_data_from_numpy(arr)
+        given.append(t)
+    asked = [httpclient.InferRequestedOutput(o) for o in outputs] if outputs else None
+    return c.infer(model, given, outputs=asked)
+
+
+def pixels(url, model, images):
+    return infer(url, model, {"image": images}).as_numpy("pixels")
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    """Pipelines that answer with their images' pixels (normalize to UINT8 NHWC), one per operation."""
+    repo = tmp_path_factory.mktemp("images")
+    raw = ("normalize", {"dtype": "UINT8", "layout": "NHWC"})
+    pipeline(repo, "decoded", [("decode_image", {}), raw], extra="max_batch_size = 8")
+    for f in ("nearest", "bilinear", "bicubic"):
+        pipeline(repo, f"exact_{f}", [("decode_image", {}), ("resize", {"size": [37, 23], "filter": f}), raw])
+    pipeline(repo, "shorter", [("decode_image", {}), ("resize", {"mode": "shorter_side", "size": [36]}), raw])
+    pipeline(repo, "longer", [("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64]}), raw])
+    pipeline(repo, "letterbox", [("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64]}),
+                                 ("pad", {"mode": "size", "size": [64, 64], "value": 114}), raw])
+    pipeline(repo, "multiple", [("decode_image", {}), ("pad", {"mode": "multiple", "multiple": 32, "anchor": "top_left"}), raw])
+    pipeline(repo, "square", [("decode_image", {}), ("pad", {"mode": "square"}), raw])
+    pipeline(repo, "crop", [("decode_image", {}), ("crop", {"size": [20, 10]}), raw])
+    pipeline(repo, "imagenet", [("decode_image", {}), ("normalize", {"mean": [0.485, 0.456, 0.406],
+                                                                      "std": [0.229, 0.224, 0.225]})])
+    pipeline(repo, "bgr_nhwc", [("decode_image", {}), ("normalize", {"channels": "BGR", "layout": "NHWC",
+                                                                      "scale": 1.0, "mean": [10.0]})])
+    pipeline(repo, "small", [("decode_image", {"max_pixels": 10000, "max_bytes": 200000}), raw])
+    s = Server(repo)
+    yield s
+    s.stop()
+
+
+def test_decoding_matches_pillow_for_every_format_and_mode(image_server):
+    """PNG and lossless WebP within 1 level (alpha composited over white: rounding), grayscale
+    spread to RGB; JPEG within 6 levels and 1 on average of Pillow's libjpeg (zune-jpeg upsamples
+    chroma differently); EXIF orientation applied as a viewer shows the image."""
+    img = photo(40, 30)
+    cases = {
+        "png": (encode(img, "PNG"), img),
+        "webp": (encode(img, "WEBP", lossless=True), img),
+        "gray": (encode(img.convert("L"), "PNG"), img.convert("L").convert("RGB")),
+    }
+    rgba = img.convert("RGBA")
+    rgba.putalpha(Image.fromarray(np.tile(np.arange(40, dtype=np.uint8) * 6, (30, 1))))
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    cases["alpha"] = (encode(rgba, "PNG"), Image.alpha_composite(white, rgba).convert("RGB"))
+    for name, (data, expected) in cases.items():
+        got = pixels(image_server.url, "decoded", [data])[0]
+        diff = np.abs(got.astype(int) - np.asarray(expected, np.uint8).astype(int))
+        assert diff.max() <= 1, (name, diff.max())
+    jpeg = encode(img, "JPEG", quality=90)
+    got = pixels(image_server.url, "decoded", [jpeg])[0]
+    ref = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+    close_jpeg(got, ref)
+    # EXIF orientation 6 (rotate 90 clockwise to show): the pixels come out as a viewer shows them.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    rotated = encode(img, "JPEG", quality=95, exif=exif.tobytes())
+    got = pixels(image_server.url, "decoded", [rotated])[0]
+    ref = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(rotated))).convert("RGB"))
+    assert got.shape == ref.shape == (40, 30, 3)
+    close_jpeg(got, ref)
+
+
+def close_jpeg(got, ref):
+    diff = np.abs(got.astype(int) - ref.astype(int))
+    assert diff.max() <= 6 and diff.mean() <= 1.0, (diff.max(), diff.mean())
+
+
+def test_resizing_matches_pillow(image_server):
+    """Bilinear and bicubic within 2 levels of Pillow's `resize` (both convolve with the filter
+    widened when shrinking; rounding differs), nearest on 99% of pixels; keep-ratio sizes exact."""
+    img = photo(70, 50)
+    data = encode(img)
+    filters = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
+    for name, f in filters.items():
+        got = pixels(image_server.url, f"exact_{name}", [data])[0].astype(int)
+        ref = np.asarray(img.resize((37, 23), f)).astype(int)
+        assert got.shape == ref.shape
+        if name == "nearest":
+            assert (got == ref).all(axis=-1).mean() > 0.99, name
+        else:
+            assert np.abs(got - ref).max() <= 2, (name, np.abs(got - ref).max())
+    got = pixels(image_server.url, "shorter", [data])[0]
+    assert got.shape == (36, 50, 3)  # 50 -> 36, 70 * 36/50 = 50.4 -> 50
+    ref = np.asarray(img.resize((50, 36), Image.BILINEAR)).astype(int)
+    assert np.abs(got.astype(int) - ref).max() <= 2
+    assert pixels(image_server.url, "longer", [data])[0].shape == (46, 64, 3)  # 50 * 64/70 = 45.7
+
+
+def test_padding_and_cropping_are_exact(image_server):
+    img = photo(70, 50)
+    arr = np.asarray(img)
+    got = pixels(image_server.url, "letterbox", [encode(img)])[0]
+    inner = np.asarray(img.resize((64, 46), Image.BILINEAR)).astype(int)
+    assert got.shape == (64, 64, 3)
+    assert (got[:9] == 114).all() and (got[55:] == 114).all()  # (64 - 46) / 2 = 9 above, 9 below
+    assert np.abs(got[9:55].astype(int) - inner).max() <= 2
+    got = pixels(image_server.url, "multiple", [encode(img)])[0]
+    assert got.shape == (64, 96, 3)
+    assert (got[:50, :70] == arr).all() and (got[50:] == 0).all() and (got[:, 70:] == 0).all()
+    got = pixels(image_server.url, "square", [encode(img)])[0]
+    assert got.shape == (70, 70, 3) and (got[10:60] == arr).all() and (got[:10] == 0).all()
+    got = pixels(image_server.url, "crop", [encode(img)])[0]
+    assert (got == arr[20:30, 25:45]).all()
+
+
+def test_normalize_matches_numpy(image_server):
+    """Within 1e-6: (v / 255 - mean) / std in NCHW RGB; and BGR NHWC with scale 1 and one mean."""
+    img = photo(16, 12)
+    arr = np.asarray(img).astype(np.float32)
+    got = infer(image_server.url, "imagenet", {"image": [encode(img)]}).as_numpy("pixels")[0]
+    ref = ((arr / 255 - np.array([0.485, 0.456, 0.406], np.float32)) / np.array([0.229, 0.224, 0.225], np.float32))
+    assert got.shape == (3, 12, 16)
+    np.testing.assert_allclose(got, ref.transpose(2, 0, 1), atol=1e-5)
+    got = infer(image_server.url, "bgr_nhwc", {"image": [encode(img)]}).as_numpy("pixels")[0]
+    np.testing.assert_allclose(got, arr[..., ::-1] - 10.0, atol=1e-5)
+
+
+def test_images_of_different_sizes_share_a_batch_and_bad_ones_fail_alone(image_server):
+    """Rows of one pipeline batch may differ in size; a corrupt, empty, oversized or unknown-format
+    image fails its own request with a 400 naming the step, while requests batched with it succeed."""
+    good = [encode(photo(10 + i, 8 + i, seed=i)) for i in range(12)]
+    bad = {
+        b"\xff\xd8\xff\xe0 truncated jpeg": "cannot decode",
+        b"": "empty",
+        encode(Image.new("RGB", (200, 100))): "more than 10000 pixels",
+        b"GIF89a....": "not a JPEG, PNG or WebP",
+    }
+
+    def call(data, model):
+        try:
+            return pixels(image_server.url, model, [data])
+        except Exception as e:  # noqa: BLE001 - the error is the answer
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        goods = [pool.submit(call, g, "small") for g in good]
+        bads = {pool.submit(call, b, "small"): why for b, why in bad.items()}
+        for i, f in enumerate(goods):
+            got = f.result()
+            assert not isinstance(got, Exception), got
+            assert got.shape == (1, 8 + i, 10 + i, 3)
+        for f, why in bads.items():
+            e = f.result()
+            assert isinstance(e, Exception) and "[400]" in str(e) and "step 'decode_image'" in str(e), e
+            assert why in str(e), (why, e)
+    # A decompression bomb is refused from its header: 20000 x 20000 pixels in a few KB.
+    bomb = encode(Image.new("L", (20000, 20000)), "PNG", optimize=True)
+    assert len(bomb) < 500_000
+    e = call(bomb, "decoded")
+    assert "[400]" in str(e) and "more than 40000000 pixels" in str(e), e
+    # Two rows of one request, the second corrupt: the error names its row.
+    e = call_rows(image_server.url, [good[0], b"junk"])
+    assert "[400]" in str(e) and "row 1" in str(e), e
+
+
+def call_rows(url, rows):
+    try:
+        return pixels(url, "decoded", rows)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    """The bundled example repository, with test pipelines of the text and detector kinds."""
+    repo = tmp_path_factory.mktemp("bundled") / "models"
+    shutil.copytree(MODELS, repo)
+    make_repository(repo, ("yolo_v8", "yolo_v5"))
+    tok = [("tokenize", {"max_length": 256})]
+    pipeline(repo, "tokens", tok, outputs=("input_ids", "attention_mask", "token_type_ids", "token_count"))
+    shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "tokens")
+    pipeline(repo, "pairs", [("tokenize", {"pair": "second", "max_length": 16})], outputs=("input_ids", "token_type_ids"))
+    shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "pairs")
+    pipeline(repo, "strict", [("tokenize", {"max_length": 8, "truncation": False})], outputs=("input_ids",))
+    shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "strict")
+    for layout in ("v8", "v5"):
+        d = pipeline(repo, f"detect_{layout}", [
+            ("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64]}),
+            ("pad", {"mode": "size", "size": [64, 64], "value": 114}),
+            ("normalize", {"output": "images"}), ("model", {"model": f"yolo_{layout}"}),
+            ("nms", {"layout": f"yolo{layout}", "labels": "labels.txt", "max_detections": 5}),
+        ])
+        (d / "labels.txt").write_text("person\nbicycle\ncar\n")
+    s = Server(repo)
+    yield s
+    s.stop()
+
+
+def reference_tokenizer(max_length):
+    tok = Tokenizer.from_file(str(MODELS / "text_embedder" / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_length)
+    return tok
+
+
+def padded(encodings, field):
+    longest = max(len(e.ids) for e in encodings)
+    return np.array([getattr(e, field) + [0] * (longest - len(e.ids)) for e in encodings], np.int64)
+
+
+TEXTS = ["Hello world!", "the cat eats fast food", "A question, and an answer: 42.",
+         " ".join(["sentence"] * 150), "unknownwordzz"]
+
+
+def test_tokenize_matches_the_tokenizers_package_and_overrides_the_files_length(bundled):
+    """Exact ids, masks and type ids for one batch of texts, padded to the longest; the file says
+    128 tokens, the step's max_length 256 wins (the 150-word text keeps 152 tokens)."""
+    got = infer(bundled.url, "tokens", {"text": [t.encode() for t in TEXTS]})
+    ref = reference_tokenizer(256).encode_batch(TEXTS)
+    for field, name in (("ids", "input_ids"), ("attention_mask", "attention_mask"), ("type_ids", "token_type_ids")):
+        np.testing.assert_array_equal(got.as_numpy(name), padded(ref, field))
+    assert got.as_numpy("token_count").tolist() == [len(e.ids) for e in ref]
+    assert got.as_numpy("input_ids").shape[1] == 152
+    pairs = infer(bundled.url, "pairs", {"text": [b"what is it", b"a cat"], "second": [b"it is a dog", b"ten dogs run"]})
+    ref = reference_tokenizer(16).encode_batch([("what is it", "it is a dog"), ("a cat", "ten dogs run")])
+    np.testing.assert_array_equal(pairs.as_numpy("input_ids"), padded(ref, "ids"))
+    np.testing.assert_array_equal(pairs.as_numpy("token_type_ids"), padded(ref, "type_ids"))
+
+
+def test_an_empty_or_too_long_text_fails_its_request_alone(bundled):
+    with pytest.raises(Exception, match=r"\[400\].*step 'tokenize'.*empty"):
+        infer(bundled.url, "tokens", {"text": [b"  "]})
+    with pytest.raises(Exception, match=r"\[400\].*more than max_length 8"):
+        infer(bundled.url, "strict", {"text": [b"one two three four five six seven eight"]})
+    assert infer(bundled.url, "strict", {"text": [b"one two"]}).as_numpy("input_ids").shape == (1, 4)
+
+
+def test_the_text_embedder_matches_tokenizers_onnxruntime_and_numpy(bundled):
+    """Within 1e-5: tokenize (256), the encoder through ONNX Runtime, mean over the mask, L2."""
+    texts = TEXTS[:3]
+    got = infer(bundled.url, "text_embedder", {"text": [t.encode() for t in texts]}).as_numpy("embedding")
+    enc = reference_tokenizer(256).encode_batch(texts)
+    feeds = {"input_ids": padded(enc, "ids"), "attention_mask": padded(enc, "attention_mask"),
+             "token_type_ids": padded(enc, "type_ids")}
+    sess = ort.InferenceSession(str(MODELS / "text_encoder" / "1" / "model.onnx"))
+    hidden = sess.run(None, feeds)[0]
+    mask = feeds["attention_mask"][..., None].astype(np.float32)
+    ref = (hidden * mask).sum(1) / mask.sum(1)
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    # One text alone gives the same vector as in a batch (padding never leaks into the mean).
+    alone = infer(bundled.url, "text_embedder", {"text": [texts[0].encode()]}).as_numpy("embedding")
+    np.testing.assert_allclose(alone[0], ref[0], atol=1e-5)
+
+
+def test_the_image_classifier_matches_pillow_onnxruntime_and_numpy(bundled):
+    """Top 3 as "score:index:label": the same classes as Pillow (shorter side 36, centre crop 32,
+    ImageNet normalization) + ONNX Runtime + softmax, scores within 0.01 (resizing differs by up
+    to 2 levels)."""
+    labels = (MODELS / "image_classifier" / "labels.txt").read_text().split()
+    sess = ort.InferenceSession(str(MODELS / "tiny_cnn" / "1" / "model.onnx"))
+    images = [photo(48 + 8 * i, 40, seed=i) for i in range(3)]
+    got = infer(bundled.url, "image_classifier", {"image": [encode(i, "JPEG", quality=95) for i in images]})
+    for row, img in zip(got.as_numpy("classes"), images):
+        img = Image.open(io.BytesIO(encode(img, "JPEG", quality=95))).convert("RGB")
+        w, h = img.size
+        r = 36 / min(w, h)
+        small = img.resize((round(w * r), round(h * r)), Image.BILINEAR)
+        left, top = (small.width - 32) // 2, (small.height - 32) // 2
+        x = np.asarray(small.crop((left, top, left + 32, top + 32)), np.float32) / 255
+        x = ((x - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]).astype(np.float32).transpose(2, 0, 1)[None]
+        logits = sess.run(None, {"pixels": x})[0][0]
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        top3 = np.argsort(-p)[:3]
+        parts = [e.decode().split(":") for e in row]
+        assert [int(i) for _, i, _ in parts] == top3.tolist()
+        assert [lbl for _, _, lbl in parts] == [labels[i] for i in top3]
+        np.testing.assert_allclose([float(s) for s, _, _ in parts], p[top3], atol=0.01)
+
+
+def reference_nms(out, layout, score_threshold=0.25, iou_threshold=0.45, max_det=5):
+    """Greedy class-aware NMS as ultralytics does it (best class per anchor; YOLOv5: times objectness)."""
+    if layout == "v8":
+        boxes, scores = out[:4].T, out[4:].T
+    else:
+        boxes, scores = out[:, :4], out[:, 5:] * out[:, 4:5]
+    cls, best = scores.argmax(1), scores.max(1)
+    keep = np.where(best > score_threshold)[0]
+    order = keep[np.argsort(-best[keep], kind="stable")]
+    xyxy = np.concatenate([boxes[:, :2] - boxes[:, 2:] / 2, boxes[:, :2] + boxes[:, 2:] / 2], 1)
+    kept = []
+    for i in order:
+        ok = True
+        for j in kept:
+            if cls[i] != cls[j]:
+                continue
+            a, b = xyxy[i], xyxy[j]
+            inter = max(0, min(a[2], b[2]) - max(a[0], b[0])) * max(0, min(a[3], b[3]) - max(a[1], b[1]))
+            union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+            if inter / union > iou_threshold:
+                ok = False
+        if ok:
+            kept.append(i)
+    return xyxy[kept[:max_det]], best[kept[:max_det]], cls[kept[:max_det]]
+
+
+@pytest.mark.parametrize("layout", ["v8", "v5"])
+def test_the_detector_pipeline_matches_a_numpy_nms_with_boxes_in_the_images_pixels(bundled, layout):
+    """Letterbox (longer side 64, pad to 64x64 centred, 114), the detector, NMS: the same detections
+    as NumPy's NMS on ONNX Runtime's output for the same letterboxed input, boxes mapped back to
+    the pixels of the image as sent within 0.05 px, scores within 1e-3 (resizing differs)."""
+    img = photo(160, 100, seed=3)
+    data = encode(img)
+    c = grpcclient.InferenceServerClient(bundled.grpc_url)
+    t = grpcclient.InferInput("image", [1], "BYTES")
+    t.set_data_from_numpy(np.array([data], dtype=object))
+    got = c.infer(f"detect_{layout}", [t])
+    r = 64 / 160
+    small = img.resize((64, 40), Image.BILINEAR)
+    box = np.full((64, 64, 3), 114, np.uint8)
+    box[12:52] = np.asarray(small)
+    x = (box.astype(np.float32) / 255).transpose(2, 0, 1)[None]
+    sess = ort.InferenceSession(str(ROOT / "tests" / "models" / f"yolo_{layout}" / "1" / "model.onnx"))
+    boxes, scores, classes = reference_nms(sess.run(None, {"images": x})[0][0], layout)
+    n = int(got.as_numpy("num_detections")[0])
+    assert n == len(boxes) and n >= 3, (n, len(boxes))
+    expected = (boxes - [0, 12, 0, 12]) / r
+    expected = np.clip(expected, 0, [160, 100, 160, 100])
+    np.testing.assert_allclose(got.as_numpy("boxes")[0][:n], expected, atol=0.05)
+    np.testing.assert_allclose(got.as_numpy("scores")[0][:n], scores, atol=1e-3)
+    assert got.as_numpy("classes")[0][:n].tolist() == classes.tolist()
+    assert (got.as_numpy("classes")[0][n:] == -1).all() and (got.as_numpy("boxes")[0][n:] == 0).all()
+    names = [b.decode() for b in got.as_numpy("labels")[0][:n]]
+    assert names == [["person", "bicycle", "car"][c] for c in classes]
+
+
+def test_pipelines_are_models_everywhere(bundled):
+    """Metadata, config, statistics, repository index and per-step metrics, like any model; a
+    pipeline calling a missing model is unavailable with the reason, not fatal."""
+    meta = json.load(urllib.request.urlopen(f"http://{bundled.url}/v2/models/text_embedder"))
+    assert meta["platform"] == "ensemble"
+    assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 32]},
+                               {"name": "token_count", "datatype": "INT64", "shape": [-1]}]
+    config = json.load(urllib.request.urlopen(f"http://{bundled.url}/v2/models/image_classifier/config"))
+    assert config["max_batch_size"] == 32 and config["platform"] == "ensemble"
+    infer(bundled.url, "image_classifier", {"image": [encode(photo(40, 40))]})
+    stats = json.load(urllib.request.urlopen(f"http://{bundled.url}/v2/models/image_classifier/stats"))
+    assert stats["model_stats"][0]["inference_stats"]["success"]["count"] >= 1
+    metrics = urllib.request.urlopen(bundled.metrics_url).read().decode()
+    for step in ("decode_image", "resize", "crop", "normalize", "model", "softmax", "topk"):
+        assert f'ferrite_pipeline_step_duration_seconds_count{{model="image_classifier",step="{step}"}}' in metrics, step
+
+
+def test_a_pipeline_whose_model_is_missing_is_unavailable_with_the_reason(tmp_path):
+    repo = tmp_path / "repo"
+    pipeline(repo, "broken", [("tokenize", {}), ("model", {"model": "nowhere"})])
+    shutil.copy(MODELS / "text_embedder" / "tokenizer.json", repo / "broken")
+    pipeline(repo, "typo", [("decode_image", {}), ("blur", {})])
+    make_repository(repo, ("mlp",))
+    s = Server(repo)
+    try:
+        index = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://{s.url}/v2/repository/index", data=b"{}", method="POST")).read())
+        why = {e["name"]: e.get("reason", "") for e in index}
+        assert "step 'model' (model): unknown model 'nowhere'" in why["broken"], why
+        assert "blur" in why["typo"], why
+    finally:
+        s.stop()
