@@ -10,6 +10,7 @@
 //! into its calls. A step that fails for some rows names them (`Instance::failed_rows`), and the
 //! batcher runs the batch again without them: a corrupt image fails its own request alone.
 
+pub mod embed;
 mod image;
 mod post;
 mod text;

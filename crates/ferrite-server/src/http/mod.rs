@@ -1,6 +1,7 @@
 //! KServe V2 / Open Inference Protocol over HTTP/REST.
 
 mod decode;
+mod embeddings;
 mod error;
 pub(crate) mod json;
 pub(crate) mod msgpack;
@@ -252,6 +253,8 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         (doc("post", "/v2/repository/models/{model}/load", "Loads or reloads a model from the repository (explicit mode)", admin, Some("RepositoryRequest"), "Empty"), post(repository_load)),
         (doc("post", "/v2/repository/models/{model}/unload", "Stops serving a model (explicit mode)", admin, Some("RepositoryRequest"), "Empty"), post(repository_unload)),
         (doc("post", "/v2/repository/models/{model}/promote", "Makes a model's canary candidate its stable version (explicit mode)", admin, None, "Empty"), post(repository_promote)),
+        (doc("post", "/v1/embeddings", "OpenAI's embeddings API, answered by a pipeline that embeds texts (model = its name)", user, Some("OpenAiEmbeddingRequest"), "OpenAiEmbeddingResponse"), post(embeddings::openai)),
+        (doc("post", "/embed", "Hugging Face TEI's embed API, answered by the one pipeline that embeds texts (or the one named in model)", user, Some("TeiEmbedRequest"), "TeiEmbedResponse"), post(embeddings::tei)),
         (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, "OpenApi"), get(openapi_json)),
         (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, "html"), get(docs_page)),
     ];
@@ -565,11 +568,7 @@ async fn infer_inner(
         Ok(json::parse(&model, version, &body, binary_part, max)?)
     });
     let (mut req, binary) = parsed.await??;
-    if let Some(t) = s.core.tenants() {
-        let claimed = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok());
-        req.tenant =
-            crate::auth::tenant(principal.as_ref(), claimed, t).map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))?;
-    }
+    req.tenant = tenant_of(&s, principal.as_ref(), &headers)?;
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
         req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
             ApiError::bad_request(format!("{}: expected always, never or auto", crate::CANARY_HEADER))
@@ -580,6 +579,18 @@ async fn infer_inner(
     let msgpack_out = accept.contains("msgpack") || (msgpack_in && !accept.contains("json"));
     let large = resp.outputs.iter().map(|t| t.data.wire_len()).sum::<usize>() > OFFLOAD_BYTES;
     off_io(large, move || encode_response(&resp, &binary, msgpack_out)).await
+}
+
+/// The tenant a request counts against, when tenants are configured (from its token, or the
+/// tenant header where the token allows).
+fn tenant_of(
+    s: &AppState,
+    principal: Option<&crate::auth::Principal>,
+    headers: &HeaderMap,
+) -> Result<Option<String>, ApiError> {
+    let Some(t) = s.core.tenants() else { return Ok(None) };
+    let claimed = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok());
+    crate::auth::tenant(principal, claimed, t).map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
 }
 
 /// The response body: MessagePack, V2 JSON, or V2 JSON followed by the binary outputs.

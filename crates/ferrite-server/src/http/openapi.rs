@@ -154,6 +154,20 @@ fn schemas() -> Value {
             "name": {"type": "string"}, "version": {"type": "string"}, "state": {"type": "string"}, "reason": {"type": "string"}}}},
         "RepositoryRequest": {"type": "object", "properties": {"parameters": {"$ref": "#/components/schemas/Parameters"}}},
         "Empty": {"type": "object"},
+        "OpenAiEmbeddingRequest": {"type": "object", "required": ["input", "model"], "properties": {
+            "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+            "model": {"type": "string"}, "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+            "dimensions": {"type": "integer"}, "user": {"type": "string"}}},
+        "OpenAiEmbeddingResponse": {"type": "object", "properties": {
+            "object": {"type": "string"}, "model": {"type": "string"},
+            "data": {"type": "array", "items": {"type": "object", "properties": {
+                "object": {"type": "string"}, "index": {"type": "integer"},
+                "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+            "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}},
+        "TeiEmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+            "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"}, "model": {"type": "string"}}},
+        "TeiEmbedResponse": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
         "OpenApi": {"type": "object", "description": "This document"},
     })
 }

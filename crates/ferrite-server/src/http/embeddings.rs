@@ -1,0 +1,152 @@
+//! Text embeddings as their users call them, over the core's `pipeline::embed`: OpenAI's
+//! `POST /v1/embeddings` (`input` a string or a list, `model`, `encoding_format` float or base64,
+//! `usage.prompt_tokens`) and Hugging Face TEI's `POST /embed` (`inputs`, `normalize`, `truncate`),
+//! so OpenAI's clients, LangChain and LlamaIndex work with a base URL change. Same auth, limits,
+//! tenants, metrics and cache as `/v2/.../infer`.
+
+use axum::{
+    extract::State,
+    http::{header, HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+};
+use base64::Engine as _;
+use bytes::Bytes;
+use ferrite_core::pipeline::embed;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{tenant_of, ApiError, AppState};
+
+/// A string or a list of strings (both APIs take either).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Texts {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Texts {
+    fn into_bytes(self) -> Vec<Bytes> {
+        match self {
+            Texts::One(t) => vec![Bytes::from(t)],
+            Texts::Many(v) => v.into_iter().map(Bytes::from).collect(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct OpenAiRequest {
+    input: Texts,
+    model: String,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    dimensions: Option<u64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<String>,
+}
+
+/// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
+fn openai_error(e: ApiError) -> Response {
+    let kind = if e.status.is_client_error() { "invalid_request_error" } else { "server_error" };
+    let body = json!({"error": {"message": e.message, "type": kind, "param": null, "code": e.status.as_u16()}});
+    let mut resp = (e.status, axum::Json(body)).into_response();
+    if let Some(secs) = e.retry_after {
+        resp.headers_mut().insert(header::RETRY_AFTER, secs.into());
+    }
+    resp
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+pub(super) async fn openai(
+    State(s): State<AppState>,
+    principal: Option<axum::Extension<crate::auth::Principal>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let answer = async {
+        let req: OpenAiRequest = parse(&body)?;
+        let base64 = match req.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => return Err(ApiError::bad_request(format!("encoding_format '{other}': float or base64"))),
+        };
+        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+        let e = embed::embed(&s.core, &req.model, req.input.into_bytes(), false, tenant).await?;
+        if let Some(d) = req.dimensions.filter(|&d| Some(d as usize) != e.vectors.first().map(Vec::len)) {
+            return Err(ApiError::bad_request(format!("model '{}' answers vectors of its own size, not {d}", e.model)));
+        }
+        let data: Vec<Value> = e
+            .vectors
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let embedding = if base64 {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                } else {
+                    json!(v)
+                };
+                json!({"object": "embedding", "index": i, "embedding": embedding})
+            })
+            .collect();
+        Ok(axum::Json(json!({
+            "object": "list",
+            "data": data,
+            "model": e.model,
+            "usage": {"prompt_tokens": e.tokens, "total_tokens": e.tokens},
+        }))
+        .into_response())
+    };
+    answer.await.unwrap_or_else(openai_error)
+}
+
+#[derive(Deserialize)]
+struct TeiRequest {
+    inputs: Texts,
+    #[serde(default = "yes")]
+    normalize: bool,
+    #[serde(default)]
+    truncate: bool,
+    /// Ours: which model, when more than one answers embeddings.
+    #[serde(default)]
+    model: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+pub(super) async fn tei(
+    State(s): State<AppState>,
+    principal: Option<axum::Extension<crate::auth::Principal>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: TeiRequest = parse(&body)?;
+    // Texts are cut at the tokenize step's max_length; TEI's truncate=false would refuse them.
+    let _ = req.truncate;
+    let model = match req.model {
+        Some(m) => m,
+        None => {
+            let served = embed::models(&s.core);
+            match served.as_slice() {
+                [one] => one.clone(),
+                [] => return Err(ApiError::new(StatusCode::NOT_FOUND, "no served model answers embeddings")),
+                many => {
+                    return Err(ApiError::bad_request(format!(
+                        "several models answer embeddings ({}); name one in \"model\"",
+                        many.join(", ")
+                    )))
+                }
+            }
+        }
+    };
+    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let e = embed::embed(&s.core, &model, req.inputs.into_bytes(), req.normalize, tenant).await?;
+    Ok(axum::Json(json!(e.vectors)).into_response())
+}
