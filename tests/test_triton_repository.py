@@ -22,6 +22,7 @@ SOURCES = {
     "on_gpu": ("models/mlp", "model.onnx"),
     "custom_ops": ("models/mlp", "model.onnx"),
     "bad_warmup": ("models/mlp", "model.onnx"),
+    "scale4": ("tests/models/scale/2/model.onnx", "model.onnx"),
 }
 REFUSED = {
     "sequence": "'sequence_batching' is not supported",
@@ -35,7 +36,9 @@ def triton_repository(dest):
     for name, (src, filename) in SOURCES.items():
         shutil.copytree(ROOT / "tests" / "triton" / name, dest / name)
         (dest / name / "1").mkdir()
-        shutil.copy(ROOT / src / "1" / "model.onnx", dest / name / "1" / filename)
+        shutil.copy(ROOT / src if src.endswith(".onnx") else ROOT / src / "1" / "model.onnx", dest / name / "1" / filename)
+    # An ensemble has no model file (Triton's has an empty version directory; none is needed here).
+    shutil.copytree(ROOT / "tests" / "triton" / "chain", dest / "chain")
     return dest
 
 
@@ -73,6 +76,17 @@ def test_a_classifier_from_its_pbtxt_answers_with_labels(triton, client):
         assert [int(i) for _, i, _ in got] == list(want)
         assert [label for _, _, label in got] == [f"class_{i}" for i in want]
         np.testing.assert_allclose([float(v) for v, _, _ in got], raw[row][want], atol=1e-6)  # printed to 6 decimals
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_ensemble_runs_its_steps_through_the_stated_tensor_maps(triton, client):
+    c = client_of(triton, client)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = c.infer("chain", [tensor(client, "INPUT", x, "FP32")]).as_numpy("OUTPUT")
+    np.testing.assert_allclose(out, 4 * x)
+    meta = c.get_model_metadata("chain")
+    meta = meta if client is httpclient else {"platform": meta.platform, "outputs": [{"name": o.name} for o in meta.outputs]}
+    assert meta["platform"] == "ensemble" and [o["name"] for o in meta["outputs"]] == ["OUTPUT"]
 
 
 @pytest.mark.parametrize("client", CLIENTS)

@@ -205,20 +205,44 @@ impl Repository {
         registry: Arc<arc_swap::ArcSwap<crate::Registry>>,
     ) -> Result<Model> {
         let dir = self.model_dir(name)?;
-        // Its tensors follow from its steps: the config names its outputs, nothing more.
-        if let Some(i) = config.input.first() {
-            return Err(Error::invalid(format!("input '{}': a pipeline's inputs follow from its steps", i.name)));
-        }
-        if let Some(o) = config.output.iter().find(|o| {
-            o.datatype.is_some() || o.dims.is_some() || o.label_filename.is_some() || o.reshape.is_some() || o.optional
-        }) {
+        // Its tensors follow from its steps; the config names its outputs, and what it states of
+        // a tensor's type (as Triton's ensembles do) must agree.
+        if let Some(t) = config
+            .input
+            .iter()
+            .chain(&config.output)
+            .find(|t| t.label_filename.is_some() || t.reshape.is_some() || t.optional)
+        {
             return Err(Error::invalid(format!(
-                "output '{}': a pipeline's output takes a name only (its type follows from its steps)",
-                o.name
+                "'{}': a pipeline's tensors take a name, datatype and dims only",
+                t.name
             )));
         }
         let outputs: Vec<String> = config.output.iter().map(|o| o.name.clone()).collect();
         let pipeline = crate::pipeline::Pipeline::build(name, &dir, &config.steps, &outputs, models, registry)?;
+        for (what, stated, derived) in
+            [("input", &config.input, pipeline.inputs()), ("output", &config.output, pipeline.outputs())]
+        {
+            for t in stated {
+                let Some(d) = derived.iter().find(|d| d.name == t.name) else {
+                    let names: Vec<&str> = derived.iter().map(|d| d.name.as_str()).collect();
+                    return Err(Error::invalid(format!("{what} '{}' is not one of the pipeline's: {names:?}", t.name)));
+                };
+                let datatype = t.datatype.as_deref().map(|s| {
+                    crate::DataType::parse(s).ok_or_else(|| Error::invalid(format!("unknown datatype '{s}'")))
+                });
+                let wrong_type = datatype.transpose()?.is_some_and(|dt| dt != d.datatype);
+                let wrong_dims = t.dims.as_ref().is_some_and(|dims| {
+                    dims.len() != d.dims.len() || dims.iter().zip(&d.dims).any(|(&s, &g)| s >= 0 && g >= 0 && s != g)
+                });
+                if wrong_type || wrong_dims {
+                    return Err(Error::invalid(format!(
+                        "{what} '{}': the config says {:?} {:?}, the steps make {} {:?}",
+                        t.name, t.datatype, t.dims, d.datatype, d.dims
+                    )));
+                }
+            }
+        }
         let batched = |t: &crate::engine::spec::TensorSpec| crate::engine::spec::TensorSpec {
             dims: std::iter::once(-1).chain(t.dims.iter().copied()).collect(),
             ..t.clone()

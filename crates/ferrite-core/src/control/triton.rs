@@ -154,7 +154,8 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
             c.name
         )));
     }
-    if !matches!(c.platform.as_str(), "" | "onnxruntime_onnx") {
+    let ensemble = c.platform == "ensemble";
+    if !matches!(c.platform.as_str(), "" | "onnxruntime_onnx" | "ensemble") {
         return Err(refuse("platform", &format!("'{}': Ferrite runs ONNX models (onnxruntime_onnx)", c.platform)));
     }
     if !matches!(c.backend.as_str(), "" | "onnxruntime") {
@@ -167,10 +168,31 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         Some(pb::model_config::SchedulingChoice::SequenceBatching(_)) => {
             return Err(refuse("sequence_batching", "stateful sequence batching is not implemented"))
         }
-        Some(pb::model_config::SchedulingChoice::EnsembleScheduling(_)) => {
-            return Err(refuse("ensemble_scheduling", "ensembles are not implemented"))
+        Some(pb::model_config::SchedulingChoice::EnsembleScheduling(_)) if !ensemble => {
+            return Err(refuse("ensemble_scheduling", "it needs platform: \"ensemble\""))
         }
+        None if ensemble => return Err(refuse("platform", "an ensemble needs ensemble_scheduling")),
         _ => {}
+    }
+    // An ensemble's steps are model steps of a pipeline (input_map: model input -> ensemble
+    // tensor; output_map: model output -> ensemble tensor).
+    let mut steps = Vec::new();
+    if let Some(pb::model_config::SchedulingChoice::EnsembleScheduling(e)) = &c.scheduling_choice {
+        for s in &e.step {
+            if !s.model_namespace.is_empty() {
+                return Err(refuse("ensemble_scheduling.step.model_namespace", "model namespaces are not implemented"));
+            }
+            steps.push(crate::pipeline::StepConfig::Model(crate::pipeline::ModelStepConfig {
+                name: None,
+                model: s.model_name.clone(),
+                version: u64::try_from(s.model_version).ok().filter(|&v| v > 0),
+                inputs: s.input_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                outputs: s.output_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            }));
+        }
+        if steps.is_empty() {
+            return Err(refuse("ensemble_scheduling", "an ensemble needs at least one step"));
+        }
     }
     if !c.batch_input.is_empty() {
         return Err(refuse("batch_input", "inputs made by the batcher are not implemented"));
@@ -354,7 +376,7 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
     }
 
     let config = ModelConfig {
-        steps: Vec::new(),
+        steps,
         backend: None,
         max_batch_size,
         instance_count,
@@ -630,6 +652,7 @@ model_warmup [ { name: "w" batch_size: 2 inputs { key: "images" value: { data_ty
         };
         assert!(refused("sequence_batching { }").contains("'sequence_batching'"));
         assert!(refused("ensemble_scheduling { step [ { model_name: \"a\" } ] }").contains("'ensemble_scheduling'"));
+        assert!(refused("platform: \"ensemble\"").contains("'platform'"));
         assert!(refused("instance_group [ { kind: KIND_GPU } ]").contains("KIND_GPU"));
         assert!(refused("platform: \"tensorrt_plan\"").contains("'platform'"));
         assert!(refused("backend: \"python\"").contains("'backend'"));
