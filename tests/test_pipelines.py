@@ -422,3 +422,26 @@ def test_a_pipeline_whose_model_is_missing_is_unavailable_with_the_reason(tmp_pa
         assert "blur" in why["typo"], why
     finally:
         s.stop()
+
+
+def test_a_pipeline_follows_a_reload_of_its_model_and_never_answers_from_the_old_ones_cache(start_server, tmp_path):
+    """Poll mode: a new version of the model a pipeline calls is served by the pipeline at once,
+    and the pipeline's cached answers of the old one are not given (its cache key follows it)."""
+    repo = tmp_path / "repo"
+    (repo / "scale" / "1").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "models" / "scale" / "1" / "model.onnx", repo / "scale" / "1")
+    pipeline(repo, "scaled", [("model", {"model": "scale"})], extra="[cache]\nenabled = true")
+    s = start_server("--model-control-mode", "poll", "--repository-poll-secs", "0.2", repository=repo)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    y = lambda: infer(s.url, "scaled", {"x": x}).as_numpy("y")  # noqa: E731
+    np.testing.assert_allclose(y(), x)
+    np.testing.assert_allclose(y(), x)  # a hit
+    (repo / "scale" / "2").mkdir()
+    shutil.copy(ROOT / "tests" / "models" / "scale" / "2" / "model.onnx", repo / "scale" / "2")
+    import time
+    deadline = time.time() + 30
+    while time.time() < deadline and not np.allclose(y(), 2 * x):
+        time.sleep(0.2)
+    np.testing.assert_allclose(y(), 2 * x)
+    stats = json.load(urllib.request.urlopen(f"http://{s.url}/v2/models/scaled/stats"))["model_stats"][0]
+    assert stats["inference_stats"]["cache_hit"]["count"] >= 1

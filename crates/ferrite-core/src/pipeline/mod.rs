@@ -482,11 +482,12 @@ impl Worker {
                 }
             }
         }
-        crate::control::registry::release(model.clone());
         for (j, t) in spec.outputs.iter().enumerate() {
             let rows = answers.iter().map(|a| a.as_ref().map(|o| o[j].clone()).unwrap_or_else(|| empty(t))).collect();
             values.insert(c.outputs.get(&t.name).unwrap_or(&t.name).clone(), Value::Rows(rows));
         }
+        // A version unloaded meanwhile is freed off this thread.
+        crate::control::registry::release(model);
         Ok(())
     }
 }
@@ -615,5 +616,63 @@ pub(crate) fn per_row<T, U>(items: &[T], mut f: impl FnMut(&T) -> Result<U>) -> 
         Ok(out)
     } else {
         Err(errors)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(toml_text: &str) -> Result<Vec<StepConfig>> {
+        crate::control::repository::parse_config(toml_text).map(|c| c.steps)
+    }
+
+    #[test]
+    fn steps_parse_by_op_and_unknown_ops_or_fields_are_named() {
+        let s = steps("[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"resize\"\nsize = [4, 4]\n").unwrap();
+        assert!(matches!(&s[1], StepConfig::Resize(r) if r.size == vec![4, 4]));
+        let e = steps("[[steps]]\nop = \"blur\"\n").unwrap_err().to_string();
+        assert!(e.contains("blur"), "{e}");
+        let e = steps("[[steps]]\nop = \"crop\"\nsize = [2, 2]\nradius = 3\n").unwrap_err().to_string();
+        assert!(e.contains("radius"), "{e}");
+    }
+
+    #[test]
+    fn a_build_names_the_step_that_cannot_be_built() {
+        let registry = Arc::new(ArcSwap::from_pointee(Registry::default()));
+        let dir = std::env::temp_dir();
+        let build = |text: &str| {
+            Pipeline::build("p", &dir, &steps(text).unwrap(), &[], &Registry::default(), registry.clone())
+                .err()
+                .map(|e| e.to_string())
+        };
+        let e = build("[[steps]]\nop = \"resize\"\nsize = [4, 4]\n").unwrap();
+        assert!(e.contains("step 'resize' (resize): no earlier step writes the image 'image'"), "{e}");
+        let e = build("[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"model\"\nmodel = \"m\"\n").unwrap();
+        assert!(e.contains("step 'model' (model): unknown model 'm'"), "{e}");
+        let e = build("[[steps]]\nop = \"decode_image\"\n").unwrap();
+        assert!(e.contains("output 'image' is an image"), "{e}");
+        let ok = Pipeline::build(
+            "p",
+            &dir,
+            &steps("[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"crop\"\nsize = [8, 6]\n[[steps]]\nop = \"normalize\"\n").unwrap(),
+            &[],
+            &Registry::default(),
+            registry,
+        )
+        .unwrap();
+        assert_eq!(ok.inputs()[0], TensorSpec { name: "image".into(), datatype: DataType::Bytes, dims: vec![] });
+        assert_eq!(
+            ok.outputs()[0],
+            TensorSpec { name: "pixels".into(), datatype: DataType::Fp32, dims: vec![3, 6, 8] }
+        );
+    }
+
+    #[test]
+    fn rows_that_differ_in_shape_do_not_stack() {
+        let a = Tensor::from_le("a", DataType::Fp32, vec![2], &[1.0f32, 2.0]);
+        let b = Tensor::from_le("a", DataType::Fp32, vec![3], &[1.0f32, 2.0, 3.0]);
+        assert_eq!(stack("a", vec![a.clone(), a.clone()]).unwrap().shape, vec![2, 2]);
+        assert!(stack("a", vec![a, b]).unwrap_err().to_string().contains("differs between rows"));
     }
 }

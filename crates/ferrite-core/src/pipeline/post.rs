@@ -420,3 +420,84 @@ fn iou(a: &[f32; 4], b: &[f32; 4]) -> f32 {
         inter / union
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::image::Geometry;
+
+    fn nms(layout: DetectorLayout, agnostic: bool, max: usize) -> Nms {
+        Nms { input: "o".into(), image: "i".into(), layout, score: 0.25, iou: 0.45, agnostic, max, labels: None }
+    }
+
+    /// YOLOv8's layout from (cx, cy, w, h, scores per class) per anchor.
+    fn v8(anchors: &[[f32; 6]]) -> Tensor {
+        let n = anchors.len();
+        let mut v = vec![0f32; 6 * n];
+        for (i, a) in anchors.iter().enumerate() {
+            for f in 0..6 {
+                v[f * n + i] = a[f];
+            }
+        }
+        Tensor::from_le("o", DataType::Fp32, vec![6, n], &v)
+    }
+
+    const SAME: Geometry = Geometry { sent: (100, 100), scale: (1.0, 1.0), offset: (0.0, 0.0) };
+
+    #[test]
+    fn overlapping_boxes_of_one_class_keep_the_best_and_other_classes_survive() {
+        let out = v8(&[
+            [20.0, 20.0, 10.0, 10.0, 0.9, 0.0],
+            [21.0, 20.0, 10.0, 10.0, 0.8, 0.0], // IoU 0.82 with the first: suppressed
+            [21.0, 21.0, 10.0, 10.0, 0.0, 0.7], // another class: kept
+            [70.0, 70.0, 10.0, 10.0, 0.2, 0.1], // under the threshold
+        ]);
+        let kept = nms(DetectorLayout::Yolov8, false, 10).detect(&out, &SAME).unwrap();
+        assert_eq!(kept.iter().map(|d| (d.class, d.score)).collect::<Vec<_>>(), vec![(0, 0.9), (1, 0.7)]);
+        assert_eq!(kept[0].bbox, [15.0, 15.0, 25.0, 25.0]);
+        let agnostic = nms(DetectorLayout::Yolov8, true, 10).detect(&out, &SAME).unwrap();
+        assert_eq!(agnostic.len(), 1);
+        assert_eq!(nms(DetectorLayout::Yolov8, false, 1).detect(&out, &SAME).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn yolov5_scores_are_class_times_objectness_and_boxes_map_back_through_letterbox() {
+        // One anchor: cx, cy, w, h, objectness, two classes.
+        let out = Tensor::from_le("o", DataType::Fp32, vec![1, 7], &[32.0f32, 32.0, 16.0, 8.0, 0.5, 0.2, 0.9]);
+        // The image was 200x100, resized to 64x32, padded 16 above: x_now = x * 0.32, y_now = y * 0.32 + 16.
+        let g = Geometry { sent: (200, 100), scale: (0.32, 0.32), offset: (0.0, 16.0) };
+        let kept = nms(DetectorLayout::Yolov5, false, 10).detect(&out, &g).unwrap();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].class, 1);
+        assert!((kept[0].score - 0.45).abs() < 1e-6);
+        let want = [75.0, 37.5, 125.0, 62.5];
+        for (got, want) in kept[0].bbox.iter().zip(want) {
+            assert!((got - want).abs() < 1e-3, "{:?}", kept[0].bbox);
+        }
+    }
+
+    #[test]
+    fn mean_pooling_counts_only_masked_tokens_and_normalizes() {
+        let h = Tensor::from_le("h", DataType::Fp32, vec![3, 2], &[1.0f32, 2.0, 3.0, 4.0, 100.0, 100.0]);
+        let mean = pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Mean, false).unwrap();
+        assert_eq!(mean, vec![2.0, 3.0]);
+        assert_eq!(pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Max, false).unwrap(), vec![3.0, 4.0]);
+        assert_eq!(pool(&h, None, Pooling::Cls, false).unwrap(), vec![1.0, 2.0]);
+        let unit = pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Mean, true).unwrap();
+        assert!((unit[0] * unit[0] + unit[1] * unit[1] - 1.0).abs() < 1e-6);
+        assert!(pool(&h, Some(&[0.0, 0.0, 0.0]), Pooling::Mean, false).is_err());
+    }
+
+    #[test]
+    fn softmax_sigmoid_and_argmax_work_along_the_last_axis() {
+        let t = Tensor::from_le("t", DataType::Fp32, vec![2, 2], &[0.0f32, 0.0, 1.0, 3.0]);
+        let s = floats(&unary(&Unary::Softmax, &t, "s").unwrap()).unwrap();
+        assert_eq!(&s[..2], &[0.5, 0.5]);
+        assert!((s[2] + s[3] - 1.0).abs() < 1e-6 && s[3] > s[2]);
+        let a = unary(&Unary::Argmax, &t, "a").unwrap();
+        assert_eq!(a.shape, vec![2]);
+        assert_eq!(a.data, TensorData::Fixed([0i64.to_le_bytes(), 1i64.to_le_bytes()].concat().into()));
+        let g = floats(&unary(&Unary::Sigmoid, &t, "g").unwrap()).unwrap();
+        assert_eq!(g[0], 0.5);
+    }
+}
