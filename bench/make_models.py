@@ -8,7 +8,8 @@ into a model repository: bench/.work/kinds/<name>/1/model.onnx.
 - detector: a detector-style CNN with variable H/W (backbone, FPN-like upsample + concat, a DB-like
             head), served at 320 and 640
 - bert:     a BERT-style encoder (6 layers, hidden 384, 6 heads, FFN 1536), INT64 input_ids and
-            attention_mask [N,128] -> last hidden state [N,128,384]
+            attention_mask [N,128] -> last hidden state [N,128,384]; bert_var the same at any length
+            (the text pipeline's model: rows padded to the longest of each batch)
 
 Usage: python3 bench/make_models.py [OUT_DIR]
 """
@@ -134,10 +135,17 @@ def detector(path):
 
 
 def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128):
+    """`seq` None: any sequence length up to 512 (positions gathered for the length given)."""
     g = Graph(4)
     head = hidden // heads
     emb = g.const((g.rng.standard_normal((vocab, hidden)) * 0.02).astype(np.float32), "emb")
-    pos = g.const((g.rng.standard_normal((1, seq, hidden)) * 0.02).astype(np.float32), "pos")
+    if seq is None:
+        table = g.const((g.rng.standard_normal((512, hidden)) * 0.02).astype(np.float32), "pos")
+        length = g.op("Squeeze", [g.op("Gather", [g.op("Shape", ["input_ids"]), g.const(np.array([1], np.int64))], axis=0)])
+        positions = g.op("Range", [g.const(np.array(0, np.int64)), length, g.const(np.array(1, np.int64))])
+        pos = g.op("Gather", [table, positions], axis=0)
+    else:
+        pos = g.const((g.rng.standard_normal((1, seq, hidden)) * 0.02).astype(np.float32), "pos")
     x = g.op("Add", [g.op("Gather", [emb, "input_ids"], axis=0), pos])
 
     def norm(x):
@@ -149,8 +157,8 @@ def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128):
     mask = g.op("Cast", ["attention_mask"], to=TensorProto.FLOAT)
     mask = g.op("Mul", [g.op("Sub", [g.const(np.float32(1.0)), mask]), g.const(np.float32(-10000.0))])
     mask = g.op("Unsqueeze", [mask, g.const(np.array([1, 2], np.int64))])
-    split = g.const(np.array([0, seq, heads, head], np.int64), "shape")
-    merge = g.const(np.array([0, seq, hidden], np.int64), "shape")
+    split = g.const(np.array([0, seq or -1, heads, head], np.int64), "shape")
+    merge = g.const(np.array([0, seq or -1, hidden], np.int64), "shape")
     scale = g.const(np.float32(1.0 / np.sqrt(head)))
     for _ in range(layers):
         def heads_of(t):
@@ -168,9 +176,10 @@ def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128):
                                       g.const(np.float32(1.0))])])
         x = norm(g.op("Add", [x, g.linear(h, ffn, hidden)]))
     rename_output(g, x, "last_hidden_state")
-    g.save([helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", seq]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", seq])],
-           [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", seq, hidden])], path)
+    s = seq or "S"
+    g.save([helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", s]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", s])],
+           [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", s, hidden])], path)
 
 
 def main():
@@ -182,6 +191,7 @@ def main():
     resnet(model("resnet"))
     detector(model("detector"))
     bert(model("bert"))
+    bert(model("bert_var"), seq=None)
 
 
 if __name__ == "__main__":

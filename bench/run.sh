@@ -6,6 +6,7 @@
 # Usage: bench/run.sh [--duration 20] [--clients 128] [--name mlp] [--variants]
 #        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
 #        bench/run.sh --kinds [--duration 10]   (model kinds against their ceilings: bench/kinds.py)
+#        bench/run.sh --pipelines [--duration 10]  (image and text pipelines vs FastAPI and the ceiling)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
@@ -16,7 +17,7 @@ OHA_VERSION=1.16.0
 if ! command -v oha >/dev/null || [ "$(oha --version | awk '{print $2}')" != "$OHA_VERSION" ]; then
     cargo install oha --version "$OHA_VERSION" --locked
 fi
-if ! python3 -c "import fastapi, uvicorn, onnxruntime, numpy, onnx" 2>/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, onnxruntime, numpy, onnx, PIL, tokenizers" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 fi
 # Triton's perf_analyzer, the reference gRPC load generator: tritonclient 2.51.0 ships it (newer
@@ -42,6 +43,10 @@ if [ "${1:-}" = "--cache" ]; then
     shift
     command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
     exec python3 bench/cache.py "$@"
+fi
+if [ "${1:-}" = "--pipelines" ]; then
+    shift
+    exec python3 bench/pipelines.py "$@"
 fi
 if [ "${1:-}" = "--kinds" ]; then
     shift

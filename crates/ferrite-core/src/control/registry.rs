@@ -184,10 +184,10 @@ impl Registry {
     }
 }
 
-/// Lets go of a request's model. The last request of a replaced or unloaded model frees it
-/// (worker threads joined, session released) on a thread of its own, not on the caller's.
-pub(crate) fn release(model: Arc<Model>) {
-    if Arc::strong_count(&model) == 1 {
-        let _ = std::thread::Builder::new().name("ferrite-free".into()).spawn(move || drop(model));
+/// Lets go of a request's model (or a registry). The last holder of a replaced or unloaded model
+/// frees it (worker threads joined, session released) on a thread of its own, not the caller's.
+pub(crate) fn release<T: Send + Sync + 'static>(value: Arc<T>) {
+    if Arc::strong_count(&value) == 1 {
+        let _ = std::thread::Builder::new().name("ferrite-free".into()).spawn(move || drop(value));
     }
 }

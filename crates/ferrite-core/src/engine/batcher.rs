@@ -266,8 +266,13 @@ impl Drop for Batcher {
     fn drop(&mut self) {
         self.close();
         self.abort();
+        let me = std::thread::current().id();
         for w in self.workers.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
-            let _ = w.join();
+            // A worker that drops its own model (the last reference, which a pipeline's worker can
+            // hold) ends by itself once closed; joining it from itself would deadlock.
+            if w.thread().id() != me {
+                let _ = w.join();
+            }
         }
     }
 }

@@ -18,7 +18,7 @@ mod text;
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, Weak},
     time::Instant,
 };
 
@@ -151,7 +151,7 @@ pub struct Pipeline {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
     steps: Arc<Vec<Step>>,
-    registry: Arc<ArcSwap<Registry>>,
+    registry: Weak<ArcSwap<Registry>>,
     /// The models its steps call.
     pub uses: Vec<String>,
     label: String,
@@ -313,6 +313,7 @@ impl Pipeline {
             .collect::<Result<Vec<_>>>()?;
         uses.sort();
         uses.dedup();
+        let registry = Arc::downgrade(&registry);
         Ok(Pipeline { inputs: known.inputs, outputs, steps: Arc::new(built), registry, uses, label: label.to_string() })
     }
 }
@@ -383,7 +384,8 @@ impl Backend for Pipeline {
 
 struct Worker {
     steps: Arc<Vec<Step>>,
-    registry: Arc<ArcSwap<Registry>>,
+    /// Weak: the registry holds this pipeline, whose workers must not keep it alive.
+    registry: Weak<ArcSwap<Registry>>,
     outputs: Vec<String>,
     runtime: tokio::runtime::Runtime,
     failed: RowErrors,
@@ -452,7 +454,15 @@ impl Worker {
     /// Runs rows through another model's batcher: rows whose inputs have equal shapes go
     /// together, in calls of at most its max batch size.
     fn model_step(&self, c: &ModelStepConfig, values: &mut BTreeMap<String, Value>, rows: usize) -> Result<()> {
-        let model = self.registry.load().model(&c.model, c.version.map(|v| v.to_string()).as_deref())?;
+        let registry =
+            self.registry.upgrade().ok_or_else(|| Error::unavailable("the server is shutting down", None))?;
+        let served = registry.load_full();
+        drop(registry);
+        let model = served.model(&c.model, c.version.map(|v| v.to_string()).as_deref());
+        // A registry replaced meanwhile is freed off this thread (its models' threads are joined
+        // as it goes, this one's among them when it held this pipeline).
+        crate::control::registry::release(served);
+        let model = model?;
         let spec = &model.spec;
         let mut given: Vec<(&str, &Vec<Tensor>)> = Vec::new();
         for t in &spec.inputs {
