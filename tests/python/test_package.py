@@ -57,7 +57,7 @@ def test_outputs_match_onnxruntime_and_the_server(mlp, start_server):
 
 def test_engine_loads_a_repository_and_serves_it():
     engine = ferrite.Engine(ROOT / "models")
-    assert set(engine.models) == {"mlp", "mixed"}
+    assert set(engine.models) == {"mlp", "mixed", "tiny_cnn", "image_classifier", "text_encoder", "text_embedder"}
     mixed = engine.model("mixed")
     out = mixed.infer({"ids": np.array([[1, 2, 3, 4]], np.int64), "values": np.ones((1, 4), np.float32)}, outputs=["ids_sum"])
     assert list(out) == ["ids_sum"] and out["ids_sum"].tolist() == [[10]]

@@ -574,16 +574,8 @@ fn labels(onnx: &Path, config: &ModelConfig) -> Result<std::collections::BTreeMa
     let mut labels = std::collections::BTreeMap::new();
     for o in &config.output {
         let Some(file) = &o.label_filename else { continue };
-        let rel = Path::new(file);
-        if rel.is_absolute() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
-            return Err(Error::invalid(format!(
-                "output '{}': label_filename must name a file in the model's directory",
-                o.name
-            )));
-        }
-        let text = std::fs::read_to_string(dir.join(rel))
-            .map_err(|e| Error::invalid(format!("output '{}': cannot read label_filename {file}: {e}", o.name)))?;
-        labels.insert(o.name.clone(), text.lines().map(str::to_string).collect());
+        let labels_of = |e: Error| Error::invalid(format!("output '{}': {e}", o.name));
+        labels.insert(o.name.clone(), crate::pipeline::read_labels(dir, file).map_err(labels_of)?);
     }
     Ok(labels)
 }

@@ -546,16 +546,6 @@ impl Normalize {
             let halves: Vec<half::f16> = out.iter().map(|&v| half::f16::from_f32(v)).collect();
             return Tensor::from_le(&self.output, DataType::Fp16, shape, &halves);
         }
-        Tensor::new(
-            &self.output,
-            DataType::Fp32,
-            shape,
-            TensorData::Fixed(crate::engine::tensor::aligned_bytes(bytemuck_f32(&out))),
-        )
+        Tensor::from_le(&self.output, DataType::Fp32, shape, &out)
     }
-}
-
-fn bytemuck_f32(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and any byte pattern is a valid u8; the length is exact.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }

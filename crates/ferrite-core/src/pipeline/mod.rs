@@ -166,6 +166,8 @@ pub(crate) fn model_file(dir: &Path, file: &str, what: &str) -> Result<PathBuf> 
     Ok(dir.join(rel))
 }
 
+/// The class labels in `file` of the model's directory, one per line (a `labels` parameter, a
+/// config's `label_filename`).
 pub(crate) fn read_labels(dir: &Path, file: &str) -> Result<Vec<String>> {
     let path = model_file(dir, file, "labels")?;
     let text = std::fs::read_to_string(&path)
@@ -462,7 +464,11 @@ impl Worker {
         // A registry replaced meanwhile is freed off this thread (its models' threads are joined
         // as it goes, this one's among them when it held this pipeline).
         crate::control::registry::release(served);
-        let model = model?;
+        // A model unloaded under a pipeline that calls it: the pipeline cannot serve for now.
+        let model = model.map_err(|e| match e {
+            Error::NotFound(m) => Error::unavailable(format!("{m}, which this pipeline calls"), None),
+            other => other,
+        })?;
         let spec = &model.spec;
         let mut given: Vec<(&str, &Vec<Tensor>)> = Vec::new();
         for t in &spec.inputs {
