@@ -217,6 +217,19 @@ def test_images_of_different_sizes_share_a_batch_and_bad_ones_fail_alone(image_s
     assert "[400]" in str(e) and "row 1" in str(e), e
 
 
+def test_a_batch_of_large_images_holds_one_at_its_sent_size_at_a_time(image_server):
+    """Eight 36-megapixel PNGs in one request (a few hundred KB each): decoding and resizing go row
+    by row, so the server's peak memory grows by about one decoded image (108 MB), not eight."""
+    big = encode(Image.new("RGB", (6000, 6000), (30, 60, 90)), "PNG", optimize=True)
+    status = lambda: dict(line.split(":", 1) for line in open(f"/proc/{image_server.proc.pid}/status"))  # noqa: E731
+    kb = lambda key: int(status()[key].split()[0])  # noqa: E731
+    before = kb("VmHWM")
+    got = pixels(image_server.url, "exact_bilinear", [big] * 8)
+    assert got.shape == (8, 23, 37, 3) and (got == [30, 60, 90]).all()
+    grown_mb = (kb("VmHWM") - before) / 1024
+    assert grown_mb < 400, f"peak memory grew by {grown_mb:.0f} MB"
+
+
 def call_rows(url, rows):
     try:
         return pixels(url, "decoded", rows)

@@ -404,31 +404,32 @@ impl Instance for Worker {
             rows = r.len();
             values.insert(i.name.to_string(), Value::Rows(r));
         }
-        let metrics = crate::telemetry::metrics::global();
-        for step in self.steps.iter() {
-            let start = Instant::now();
-            let result = match &step.op {
-                Op::Decode(d) => d.run(&mut values),
-                Op::Image(op) => op.run(&mut values),
-                Op::Normalize(n) => n.run(&mut values),
-                Op::Tokenize(t) => t.run(&mut values),
-                Op::Model(m) => self.model_step(m, &mut values, rows).map_err(|e| vec![(usize::MAX, e)]),
-                Op::Post(p) => p.run(&mut values),
+        let mut i = 0;
+        while i < self.steps.len() {
+            // A decode and the image steps right after it run row by row, so one image at its
+            // sent size is held at a time (not a batch of them: 32 rows of 40-megapixel images
+            // would be 3.8 GB); what the batch keeps is what the chain leaves.
+            let chain = match self.steps[i].op {
+                Op::Decode(_) => 1 + self.steps[i + 1..].iter().take_while(|s| matches!(s.op, Op::Image(_))).count(),
+                _ => 1,
             };
-            metrics
-                .pipeline_step_duration
-                .with_label_values(&[&self.label, &step.name])
-                .observe(start.elapsed().as_secs_f64());
-            if let Err(errors) = result {
-                let named = |e: Error| {
-                    let text = format!("step '{}': {e}", step.name);
-                    match e {
-                        Error::InvalidInput(_) => Error::InvalidInput(text),
-                        Error::Internal(_) => Error::Internal(text),
-                        other => other,
-                    }
+            let result = if matches!(self.steps[i].op, Op::Decode(_)) {
+                self.image_chain(&self.steps[i..i + chain], &mut values, rows)
+            } else {
+                let step = &self.steps[i];
+                let start = Instant::now();
+                let result = match &step.op {
+                    Op::Decode(d) => d.run(&mut values),
+                    Op::Image(op) => op.run(&mut values),
+                    Op::Normalize(n) => n.run(&mut values),
+                    Op::Tokenize(t) => t.run(&mut values),
+                    Op::Model(m) => self.model_step(m, &mut values, rows).map_err(|e| vec![(usize::MAX, e)]),
+                    Op::Post(p) => p.run(&mut values),
                 };
-                let mut errors: RowErrors = errors.into_iter().map(|(r, e)| (r, named(e))).collect();
+                self.observe(step, start.elapsed());
+                result.map_err(|errors| errors.into_iter().map(|(r, e)| (r, named(step, e))).collect())
+            };
+            if let Err(mut errors) = result {
                 // A failure of the whole batch (a model step's) is not a row's.
                 if let Some(i) = errors.iter().position(|(r, _)| *r == usize::MAX) {
                     return Err(errors.swap_remove(i).1);
@@ -437,6 +438,7 @@ impl Instance for Worker {
                 self.failed = errors;
                 return Err(first);
             }
+            i += chain;
         }
         self.outputs
             .iter()
@@ -452,7 +454,66 @@ impl Instance for Worker {
     }
 }
 
+/// `e` as step `step`'s error.
+fn named(step: &Step, e: Error) -> Error {
+    let text = format!("step '{}': {e}", step.name);
+    match e {
+        Error::InvalidInput(_) => Error::InvalidInput(text),
+        Error::Internal(_) => Error::Internal(text),
+        other => other,
+    }
+}
+
 impl Worker {
+    fn observe(&self, step: &Step, took: std::time::Duration) {
+        let m = &crate::telemetry::metrics::global().pipeline_step_duration;
+        m.with_label_values(&[&self.label, &step.name]).observe(took.as_secs_f64());
+    }
+
+    /// Runs `chain` (a decode and image steps) row by row; on success the batch gets the images
+    /// each value ends with. Rows that fail are all named.
+    fn image_chain(&self, chain: &[Step], values: &mut BTreeMap<String, Value>, rows: usize) -> Result<(), RowErrors> {
+        let mut took = vec![std::time::Duration::ZERO; chain.len()];
+        let mut written: BTreeMap<String, Vec<image::Picture>> = BTreeMap::new();
+        let mut errors = Vec::new();
+        'rows: for r in 0..rows {
+            let mut one: BTreeMap<String, Value> = values
+                .iter()
+                .filter_map(|(k, v)| match v {
+                    Value::Rows(t) => Some((k.clone(), Value::Rows(vec![t[r].clone()]))),
+                    Value::Images(_) => None,
+                })
+                .collect();
+            for (k, step) in chain.iter().enumerate() {
+                let start = Instant::now();
+                let result = match &step.op {
+                    Op::Decode(d) => d.run(&mut one),
+                    Op::Image(op) => op.run(&mut one),
+                    _ => Err(vec![(usize::MAX, Error::internal("not an image step"))]),
+                };
+                took[k] += start.elapsed();
+                if let Err(e) = result {
+                    let (at, e) = e.into_iter().next().unwrap_or((usize::MAX, Error::internal("a step failed")));
+                    errors.push((if at == usize::MAX { at } else { r }, named(step, e)));
+                    continue 'rows;
+                }
+            }
+            for (name, v) in one {
+                if let Value::Images(mut p) = v {
+                    written.entry(name).or_default().extend(p.pop());
+                }
+            }
+        }
+        for (step, t) in chain.iter().zip(took) {
+            self.observe(step, t);
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        values.extend(written.into_iter().map(|(name, pictures)| (name, Value::Images(pictures))));
+        Ok(())
+    }
+
     /// Runs rows through another model's batcher: rows whose inputs have equal shapes go
     /// together, in calls of at most its max batch size.
     fn model_step(&self, c: &ModelStepConfig, values: &mut BTreeMap<String, Value>, rows: usize) -> Result<()> {
