@@ -43,12 +43,18 @@ pub fn top_k(t: &Tensor, k: usize, batched: bool, labels: Option<&[String]>) -> 
 
 /// Every element of `t` as f64 (its classification order).
 fn numbers(t: &Tensor) -> Result<Vec<f64>> {
+    elements(t, |v| v)
+}
+
+/// Every element of a numeric tensor, read as f64 and converted by `to` (pipelines' steps read
+/// f32 through it without a second pass).
+pub(crate) fn elements<T>(t: &Tensor, to: impl Fn(f64) -> T) -> Result<Vec<T>> {
     let TensorData::Fixed(b) = &t.data else {
         return Err(Error::invalid(format!("output '{}' of type {} cannot be classified", t.name, t.datatype)));
     };
     macro_rules! each {
         ($ty:ty, $n:expr, $conv:expr) => {
-            b.chunks_exact($n).map(|c| $conv(<$ty>::from_le_bytes(c.try_into().unwrap()))).collect()
+            b.chunks_exact($n).map(|c| to($conv(<$ty>::from_le_bytes(c.try_into().unwrap())))).collect()
         };
     }
     Ok(match t.datatype {

@@ -647,25 +647,10 @@ fn unstack(t: &Tensor, k: usize) -> Tensor {
     r
 }
 
-/// Each element of a row tensor as f32 (FP32, FP16, FP64 and integers).
+/// Each element of a row tensor as f32 (any numeric datatype).
 pub(crate) fn floats(t: &Tensor) -> Result<Vec<f32>> {
-    let TensorData::Fixed(b) = &t.data else {
-        return Err(Error::invalid(format!("'{}' is {}, not numbers", t.name, t.datatype)));
-    };
-    macro_rules! each {
-        ($ty:ty, $n:expr) => {
-            b.chunks_exact($n).map(|c| <$ty>::from_le_bytes(c.try_into().unwrap()) as f32).collect()
-        };
-    }
-    Ok(match t.datatype {
-        DataType::Fp32 => each!(f32, 4),
-        DataType::Fp64 => each!(f64, 8),
-        DataType::Int64 => each!(i64, 8),
-        DataType::Int32 => each!(i32, 4),
-        DataType::Uint8 => b.iter().map(|&v| v as f32).collect(),
-        DataType::Fp16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        other => return Err(Error::invalid(format!("'{}' is {other}, which this step does not take", t.name))),
-    })
+    crate::engine::classify::elements(t, |v| v as f32)
+        .map_err(|_| Error::invalid(format!("'{}' is {}, which this step does not take", t.name, t.datatype)))
 }
 
 /// The rows of value `name`, which must be tensors.
