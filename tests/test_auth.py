@@ -27,14 +27,14 @@ HTTP_ROUTES = [
     ("GET", "/v2/models/mlp"),
     ("GET", "/v2/models/mlp/ready"),
     ("GET", "/v2/models/mlp/config"),
-    ("GET", "/v2/models/mlp/stats"),
-    ("GET", "/v2/models/stats"),
     ("GET", "/v2/models/mlp/versions/1"),
     ("GET", "/v2/models/mlp/versions/1/config"),
     ("POST", "/v2/models/mlp/infer"),
     ("POST", "/v2/models/mlp/versions/1/infer"),
     ("GET", "/v2/no/such/route"),
 ]
+# Statistics count every tenant's traffic and cache hits: the operator's (metrics) scope.
+STATS_ROUTES = [("GET", "/v2/models/mlp/stats"), ("GET", "/v2/models/stats"), ("GET", "/v2/models/mlp/versions/1/stats")]
 HEALTH = [("GET", "/v2/health/live"), ("GET", "/v2/health/ready")]
 
 
@@ -72,6 +72,10 @@ def test_every_http_route_needs_the_right_token(secured):
         assert http(method, base + path, METRICS) == 403, path
         expected = 404 if path == "/v2/no/such/route" else 200
         assert http(method, base + path, INFER) == expected, path
+    for method, path in STATS_ROUTES:
+        assert http(method, base + path) == 401, path
+        assert http(method, base + path, INFER) == 403, path
+        assert http(method, base + path, METRICS) == 200, path
     for url in (f"{base}/metrics", s.metrics_url):
         assert http("GET", url) == 401
         assert http("GET", url, WRONG) == 401
@@ -115,7 +119,7 @@ def test_health_may_be_left_open(secured):
 
 
 GRPC_CALLS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
-              "ModelStatistics", "ModelInfer"]
+              "ModelInfer"]
 
 
 @pytest.mark.parametrize("token,code", [(None, "UNAUTHENTICATED"), (WRONG, "UNAUTHENTICATED"), (METRICS, "PERMISSION_DENIED")])
@@ -145,8 +149,8 @@ def call_with(c, name, headers):
         "ServerMetadata": lambda: c.get_server_metadata(headers=headers),
         "ModelMetadata": lambda: c.get_model_metadata("mlp", headers=headers),
         "ModelConfig": lambda: c.get_model_config("mlp", headers=headers),
-        "ModelStatistics": lambda: c.get_inference_statistics("mlp", headers=headers),
         "ModelInfer": lambda: c.infer("mlp", [x], headers=headers),
+        "ModelStatistics": lambda: c.get_inference_statistics("mlp", headers=headers),
     }
     return calls[name]()
 
@@ -158,6 +162,11 @@ def test_grpc_with_the_right_token(secured):
     for name in GRPC_CALLS:
         call_with(c, name, headers)
     assert call_with(c, "ModelInfer", headers).as_numpy("output").shape == (1, 10)
+    # Statistics are the operator's: an infer token cannot read them, a metrics token can.
+    with pytest.raises(InferenceServerException) as e:
+        call_with(c, "ModelStatistics", headers)
+    assert e.value.status() == "StatusCode.PERMISSION_DENIED"
+    call_with(c, "ModelStatistics", {"authorization": f"Bearer {METRICS}"})
     with grpc.insecure_channel(s.grpc_url) as ch:
         assert ch.unary_unary("/grpc.health.v1.Health/Check")(b"", metadata=[("authorization", f"Bearer {INFER}")]) == b"\x08\x01"
 

@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     cfg = repo / "text_embedder" / "config.toml"
     cfg.write_text(cfg.read_text() + "\n[cache]\nenabled = true\n")
     tokens = repo.parent / "tokens"
-    tokens.write_text(f"{TOKEN}\n")
+    tokens.write_text(f"{TOKEN} infer,metrics\n")
     s = Server(repo, "--auth-token-file", str(tokens))
     yield s
     s.stop()

@@ -15,7 +15,7 @@ use crate::{
     admission::{self, tenant::Tenants, Limits},
     cache::ResponseCache,
     control::{registry, Lifecycle, LoadOptions, Registry, Repository},
-    engine::queue::RETRY_AFTER,
+    engine::queue::{Hold, RETRY_AFTER},
     Error, InferRequest, InferResponse, Model, Result,
 };
 
@@ -39,7 +39,7 @@ pub(crate) struct Inner {
     tenants: Option<Arc<Tenants>>,
     pub(crate) control: ModelControl,
     /// Requests in the engine now, for `Limits::max_concurrent_requests`.
-    in_flight: std::sync::atomic::AtomicUsize,
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// How the served models may change (Triton's `--model-control-mode`).
@@ -188,6 +188,35 @@ impl Core {
     }
 
     pub async fn infer(&self, req: InferRequest) -> Result<InferResponse> {
+        self.infer_charged(req, None).await
+    }
+
+    /// Takes the places one request of `tenant` to `model` holds (its tenant's, the process's),
+    /// or refuses it (counted as the model's refusal). A call split into several requests (an
+    /// embeddings call's batches) takes them once and runs each part with
+    /// [`infer_charged`](Core::infer_charged), so a large call is charged as one request.
+    pub fn admit(&self, model: &str, tenant: Option<&str>) -> Result<Arc<Hold>> {
+        let model = self.model(model, None)?;
+        let hold = self.places(&model, tenant);
+        registry::release(model);
+        hold.map(Arc::new)
+    }
+
+    fn places(&self, model: &Model, tenant: Option<&str>) -> Result<Hold> {
+        let mut hold = Hold::default();
+        if let Some(t) = &self.inner.tenants {
+            hold.0.push(Box::new(t.admit(tenant, Instant::now()).map_err(|e| model.record_refusal(e))?));
+        }
+        hold.0.push(Box::new(
+            admission::Admitted::enter(&self.inner.in_flight, &self.inner.limits)
+                .map_err(|e| model.record_refusal(e))?,
+        ));
+        Ok(hold)
+    }
+
+    /// As `infer`; with `charged`, the request is part of a call already admitted with
+    /// [`admit`](Core::admit), whose places it holds rather than taking its own.
+    pub async fn infer_charged(&self, req: InferRequest, charged: Option<Arc<Hold>>) -> Result<InferResponse> {
         if !self.is_ready() {
             return Err(Error::unavailable("server is shutting down", Some(RETRY_AFTER)));
         }
@@ -197,16 +226,16 @@ impl Core {
             req.id.as_deref(),
             req.canary,
         )?;
-        let _tenant = match &self.inner.tenants {
-            Some(t) => Some(t.admit(req.tenant.as_deref(), Instant::now()).map_err(|e| model.record_refusal(e))?),
-            None => None,
+        // The places are held until the request's work stops (queued or running), not until its
+        // client leaves.
+        let hold = match charged {
+            Some(call) => Hold(vec![Box::new(call)]),
+            None => self.places(&model, req.tenant.as_deref())?,
         };
-        let _admitted = admission::Admitted::enter(&self.inner.in_flight, &self.inner.limits)
-            .map_err(|e| model.record_refusal(e))?;
         // NaN answers to NaN questions are not the candidate's fault.
         let nan_inputs = canary.is_some() && crate::control::canary::has_nan(&req.inputs);
         let start = Instant::now();
-        let result = model.infer(req, &self.inner.limits).await;
+        let result = model.infer_holding(req, &self.inner.limits, hold).await;
         if let Some((canary, side)) = canary {
             canary.observe(&model.spec.name, side, nan_inputs, &result, start.elapsed());
         }

@@ -179,7 +179,12 @@ impl Auth {
 
     /// Checks an `Authorization` header value against `scope`.
     pub fn check(&self, authorization: Option<&str>, scope: Scope) -> Result<Principal, Denied> {
-        let given = authorization.and_then(|v| v.strip_prefix("Bearer ")).map(str::trim).unwrap_or_default();
+        // The scheme is case-insensitive (RFC 7235 section 2.1).
+        let given = authorization
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
+            .unwrap_or_default();
         // Compare with every token, so the time does not tell which one matched.
         let mut found: Option<(&Vec<Scope>, &Principal)> = None;
         let tokens = self.tokens.load();
@@ -226,6 +231,9 @@ mod tests {
         assert_eq!(auth.check(Some("Bearer BBBBBBBBBBBBBBBBBBBB"), Scope::Admin), Ok(Principal::default()));
         assert_eq!(auth.check(Some("Bearer AAAAAAAAAAAAAAAAinfe"), Scope::Infer), Err(Denied::Unauthenticated));
         assert_eq!(auth.check(Some("AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Err(Denied::Unauthenticated));
+        assert_eq!(auth.check(Some("bearer AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Ok(Principal::default()));
+        assert_eq!(auth.check(Some("BEARER AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Ok(Principal::default()));
+        assert_eq!(auth.check(Some("Basic AAAAAAAAAAAAAAAAinfer"), Scope::Infer), Err(Denied::Unauthenticated));
         assert_eq!(auth.check(None, Scope::Infer), Err(Denied::Unauthenticated));
         assert!(!format!("{auth:?}").contains("AAAA"));
         assert!(Auth::parse("short", false).is_err());

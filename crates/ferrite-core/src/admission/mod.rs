@@ -5,7 +5,10 @@
 pub mod deadline;
 pub mod tenant;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{
+    atomic::{AtomicUsize, Ordering},
+    Arc,
+};
 
 use crate::{engine::queue::RETRY_AFTER, Error, Result};
 
@@ -26,13 +29,13 @@ impl Default for Limits {
 }
 
 /// Holds one place under `max_concurrent_requests` while a request is in the engine.
-pub(crate) struct Admitted<'c>(&'c AtomicUsize);
+pub(crate) struct Admitted(Arc<AtomicUsize>);
 
-impl<'c> Admitted<'c> {
+impl Admitted {
     /// Takes a place, or refuses when `limits` caps the requests in flight and all are taken.
-    pub(crate) fn enter(in_flight: &'c AtomicUsize, limits: &Limits) -> Result<Admitted<'c>> {
+    pub(crate) fn enter(in_flight: &Arc<AtomicUsize>, limits: &Limits) -> Result<Admitted> {
         let now = in_flight.fetch_add(1, Ordering::AcqRel) + 1;
-        let admitted = Admitted(in_flight);
+        let admitted = Admitted(in_flight.clone());
         let cap = limits.max_concurrent_requests;
         if cap > 0 && now > cap {
             return Err(Error::Overloaded {
@@ -44,7 +47,7 @@ impl<'c> Admitted<'c> {
     }
 }
 
-impl Drop for Admitted<'_> {
+impl Drop for Admitted {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }

@@ -251,21 +251,27 @@ mod tests {
 
     #[test]
     fn keys_differ_for_every_part_of_the_request() {
-        let base = key("m", 1, 0, &[t("x", &[1.0, 2.0])], None);
-        assert_eq!(base, key("m", 1, 0, &[t("x", &[1.0, 2.0])], None));
-        assert_ne!(base, key("n", 1, 0, &[t("x", &[1.0, 2.0])], None));
-        assert_ne!(base, key("m", 2, 0, &[t("x", &[1.0, 2.0])], None));
-        assert_ne!(base, key("m", 1, 7, &[t("x", &[1.0, 2.0])], None), "a replaced model file");
-        assert_ne!(base, key("m", 1, 0, &[t("y", &[1.0, 2.0])], None));
-        assert_ne!(base, key("m", 1, 0, &[t("x", &[1.0, 2.5])], None));
-        assert_ne!(base, key("m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[0])));
+        let base = key(None, "m", 1, 0, &[t("x", &[1.0, 2.0])], None);
+        assert_eq!(base, key(None, "m", 1, 0, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key(None, "n", 1, 0, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key(None, "m", 2, 0, &[t("x", &[1.0, 2.0])], None));
+        assert_ne!(base, key(None, "m", 1, 7, &[t("x", &[1.0, 2.0])], None), "a replaced model file");
+        assert_ne!(base, key(None, "m", 1, 0, &[t("y", &[1.0, 2.0])], None));
+        assert_ne!(base, key(None, "m", 1, 0, &[t("x", &[1.0, 2.5])], None));
+        assert_ne!(base, key(None, "m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[0])));
+        // Each tenant's answers are its own; "" (no tenant named) is a tenant too, apart from
+        // a model shared by every tenant (None).
+        let of = |tenant| key(tenant, "m", 1, 0, &[t("x", &[1.0, 2.0])], None);
+        assert_ne!(of(Some("a")), of(Some("b")));
+        assert_ne!(of(Some("")), base);
+        assert_ne!(of(Some("ab")), key(Some("a"), "bm", 1, 0, &[t("x", &[1.0, 2.0])], None));
         assert_ne!(
-            key("m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[0])),
-            key("m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[1]))
+            key(None, "m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[0])),
+            key(None, "m", 1, 0, &[t("x", &[1.0, 2.0])], Some(&[1]))
         );
         let mut reshaped = t("x", &[1.0, 2.0]);
         reshaped.shape = vec![2, 1];
-        assert_ne!(base, key("m", 1, 0, &[reshaped], None));
+        assert_ne!(base, key(None, "m", 1, 0, &[reshaped], None));
         let s = |items: &[&'static [u8]]| {
             Tensor::new(
                 "s",
@@ -274,7 +280,7 @@ mod tests {
                 TensorData::Strings(items.iter().map(|b| Bytes::from_static(b)).collect()),
             )
         };
-        assert_ne!(key("m", 1, 0, &[s(&[b"ab", b"c"])], None), key("m", 1, 0, &[s(&[b"a", b"bc"])], None));
+        assert_ne!(key(None, "m", 1, 0, &[s(&[b"ab", b"c"])], None), key(None, "m", 1, 0, &[s(&[b"a", b"bc"])], None));
     }
 
     #[test]
@@ -354,7 +360,7 @@ mod tests {
     async fn a_bad_shared_value_is_dropped_from_the_tier_and_counted() {
         let tier = Arc::new(FakeTier::default());
         let cache = ResponseCache::new(&CacheOptions::default(), Some(tier.clone()));
-        let k = key("m", 1, 0, &[t("x", &[1.0])], None);
+        let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
         tier.values.lock().unwrap().insert(shared_key(k), vec![1, 2, 3]);
         assert!(cache.get(k, 1 << 20).await.is_none());
         assert_eq!(cache.snapshot().redis_bad_values, 1);
@@ -379,7 +385,7 @@ mod tests {
         assert!(!shared.breaker.is_closed());
         // The probe's request is cancelled mid-lookup (client gone): the lookup hangs, then drops.
         tier.hang.store(true, Relaxed);
-        let k = key("m", 1, 0, &[t("x", &[1.0])], None);
+        let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
         let probe = tokio::time::timeout(Duration::from_millis(50), cache.get(k, 1 << 20)).await;
         assert!(probe.is_err(), "the lookup was cancelled");
         assert_eq!(cache.snapshot().redis, "degraded", "no probe succeeded yet");
@@ -412,12 +418,12 @@ mod tests {
     #[tokio::test]
     async fn local_tier_hits_and_stays_within_its_budget() {
         let cache = ResponseCache::new(&CacheOptions { local_bytes: 64 * 1024, ..Default::default() }, None);
-        let k = key("m", 1, 0, &[t("x", &[1.0])], None);
+        let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
         assert!(cache.get(k, 1 << 20).await.is_none());
         cache.put(k, &[t("y", &[3.0])]);
         assert_eq!(cache.get(k, 1 << 20).await.unwrap()[0], t("y", &[3.0]));
         for i in 0..2000 {
-            let k = key("m", 1, 0, &[t("x", &[i as f32])], None);
+            let k = key(None, "m", 1, 0, &[t("x", &[i as f32])], None);
             cache.put(k, &[t("y", &vec![0.5; 256])]);
         }
         let s = cache.snapshot();

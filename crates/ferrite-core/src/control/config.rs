@@ -270,6 +270,9 @@ impl OnnxRuntimeConfig {
 pub struct CacheConfig {
     #[serde(default)]
     pub enabled: bool,
+    /// Entries shared by every tenant (default: each tenant's answers are its own).
+    #[serde(default)]
+    pub across_tenants: bool,
 }
 
 /// An input or output override: `dims` exclude the batch dim when `max_batch_size > 0`; -1 is variable.
@@ -398,6 +401,7 @@ impl ModelSpec {
             warmup: config.warmup.clone(),
             uses: Vec::new(),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
+            cache_across_tenants: config.cache.as_ref().is_some_and(|c| c.across_tenants),
             version_policy: config
                 .version_policy
                 .as_ref()

@@ -325,7 +325,38 @@ pub fn parse_config(text: &str) -> Result<ModelConfig> {
     Ok(config)
 }
 
+/// The most instances, or threads of one instance, a config may ask for: four per thread of the
+/// CPU budget, and at least 16. Past it a typo (`count: 1000000`) would start threads until the
+/// host gives out, before anything could fail.
+pub fn most_threads() -> usize {
+    (4 * std::thread::available_parallelism().map_or(1, |n| n.get())).max(16)
+}
+
+/// Warm-up requests a config may state, and times each may run.
+const MAX_WARMUPS: usize = 64;
+const MAX_WARMUP_COUNT: usize = 100;
+
 fn check_config(config: &ModelConfig) -> Result<()> {
+    let most = most_threads();
+    let ort = config.onnxruntime.as_ref();
+    for (what, n) in [
+        ("instance_count (instance_group count)", config.instance_count),
+        ("threads", config.threads),
+        ("intra_op_thread_count", ort.and_then(|o| o.intra_op_thread_count)),
+        ("inter_op_thread_count", ort.and_then(|o| o.inter_op_thread_count)),
+    ] {
+        if let Some(n) = n.filter(|&n| n > most) {
+            return Err(Error::invalid(format!(
+                "{what} is {n}, more than {most} (four per CPU thread of this host, at least 16)"
+            )));
+        }
+    }
+    if config.warmup.len() > MAX_WARMUPS {
+        return Err(Error::invalid(format!("{} warm-ups, more than {MAX_WARMUPS}", config.warmup.len())));
+    }
+    if let Some(w) = config.warmup.iter().find(|w| w.count > MAX_WARMUP_COUNT) {
+        return Err(Error::invalid(format!("warm-up '{}': count {} is more than {MAX_WARMUP_COUNT}", w.name, w.count)));
+    }
     if let Some(c) = &config.canary {
         c.check()?;
     }

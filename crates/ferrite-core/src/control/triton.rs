@@ -382,7 +382,7 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         instance_count,
         threads: None,
         dynamic_batching,
-        cache: c.response_cache.as_ref().map(|r| CacheConfig { enabled: r.enable }),
+        cache: c.response_cache.as_ref().map(|r| CacheConfig { enabled: r.enable, across_tenants: false }),
         version_policy,
         canary: None,
         onnxruntime: Some(onnxruntime),

@@ -27,9 +27,56 @@ pub trait Backend: Send + Sync {
     fn instance(&self) -> Result<Box<dyn Instance>>;
 }
 
+/// Which request each row of a batch belongs to, and whether its client still waits: a backend
+/// that works row by row (a pipeline) stops paying for the rows of a client that has left, and
+/// charges per-request budgets to the request that spends them.
+pub struct Live<'a> {
+    /// Each request's first row and whether it is still awaited; empty: one request, always awaited.
+    requests: Vec<(usize, &'a dyn Fn() -> bool)>,
+}
+
+impl<'a> Live<'a> {
+    /// A batch of one request whose caller always waits (warm-ups, calibration, tests).
+    pub fn everyone() -> Live<'static> {
+        Live { requests: Vec::new() }
+    }
+
+    /// Requests of `rows` rows each, in batch order, with a check of whether each is still awaited.
+    pub fn new(requests: impl IntoIterator<Item = (usize, &'a dyn Fn() -> bool)>) -> Live<'a> {
+        let mut start = 0;
+        let requests = requests
+            .into_iter()
+            .map(|(rows, awaited)| {
+                let first = start;
+                start += rows;
+                (first, awaited)
+            })
+            .collect();
+        Live { requests }
+    }
+
+    /// The index of the request row `row` belongs to.
+    pub fn request_of(&self, row: usize) -> usize {
+        self.requests.partition_point(|(first, _)| *first <= row).saturating_sub(1)
+    }
+
+    /// Whether the client of row `row` still waits for it.
+    pub fn awaited(&self, row: usize) -> bool {
+        self.requests.get(self.request_of(row)).is_none_or(|(_, awaited)| awaited())
+    }
+}
+
 pub trait Instance: Send {
     /// Runs one batch; `inputs` are in the order of `Backend::inputs`. Returns every output.
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>>;
+
+    /// As `run`, told which rows are still awaited; a backend that can stop part-way (a
+    /// pipeline, between steps and rows) skips the rest of a row whose client left. Its outputs for
+    /// such rows are of the right shape but carry no meaning.
+    fn run_live(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Tensor>> {
+        let _ = live;
+        self.run(inputs)
+    }
 
     /// How long the last `run` spent writing its inputs into the engine's own buffers (Triton's
     /// `compute_input`); the rest of the run counts as inference.

@@ -23,7 +23,7 @@ use std::{
 use crate::{
     admission::deadline::BatchTime,
     engine::{
-        backend::{BatchInput, Instance},
+        backend::{BatchInput, Instance, Live},
         costs::BatchCosts,
         queue::{Decision, Pending, Queue, RETRY_AFTER},
         spec::{reshaped, BatchPolicy, ModelSpec, TimeoutAction},
@@ -52,6 +52,8 @@ struct Shared {
     solo_running: std::sync::atomic::AtomicBool,
     /// The model has a solo instance: workers take turns as the module says.
     has_solo: bool,
+    /// Requests whose clients left after they were taken from the queue, before they ran.
+    cancelled: std::sync::atomic::AtomicU64,
     /// One batch's recent run time, for refusing requests whose deadline cannot be met.
     batch_time: BatchTime,
     /// Run time per element by batch size, from which the merge limit follows.
@@ -123,6 +125,7 @@ impl Batcher {
             .collect::<Result<Vec<_>>>()?;
         let shared = Arc::new(Shared {
             submitted: Default::default(),
+            cancelled: Default::default(),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
             batch_time: BatchTime::default(),
             costs: Mutex::default(),
@@ -217,7 +220,7 @@ impl Batcher {
 
     /// Requests dropped before running because their client had gone.
     pub fn cancelled(&self) -> u64 {
-        self.shared.lock().cancelled
+        self.shared.lock().cancelled + self.shared.cancelled.load(Ordering::Relaxed)
     }
 
     /// Batches running now.
@@ -405,7 +408,9 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ti
     if let Some(t) = turn.as_mut() {
         t.wait();
     }
-    for (p, r) in replies {
+    for (mut p, r) in replies {
+        // Places are given back before the answer, so a client's next request finds them free.
+        drop(std::mem::take(&mut p.hold));
         let _ = p.reply.send(r);
     }
 }
@@ -446,6 +451,18 @@ fn run_isolated(
     instance: &mut dyn Instance,
     mut batch: Vec<Pending>,
 ) -> Vec<(Pending, Result<Vec<Tensor>>)> {
+    // A request whose client left while it queued, or while an earlier part of its batch ran, is
+    // not run (warm-ups have no client to leave).
+    if batch.iter().any(|p| !p.warmup && p.reply.is_closed()) {
+        let (gone, kept): (Vec<_>, Vec<_>) = batch.into_iter().partition(|p| !p.warmup && p.reply.is_closed());
+        shared.cancelled.fetch_add(gone.len() as u64, Ordering::Relaxed);
+        let mut replies: Vec<_> =
+            gone.into_iter().map(|p| (p, Err(Error::unavailable("the client left", None)))).collect();
+        if !kept.is_empty() {
+            replies.extend(run_isolated(shared, instance, kept));
+        }
+        return replies;
+    }
     let result = run(shared, instance, &batch);
     let rows = if result.is_err() { instance.failed_rows() } else { Vec::new() };
     if !rows.is_empty() {
@@ -549,7 +566,10 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
             let _ = writeln!(w, "input '{}' {} {:?}", i.name, i.datatype, i.shape);
         }
     });
-    let result = catch_unwind(AssertUnwindSafe(|| instance.run(&inputs))).unwrap_or_else(|_| {
+    let awaited: Vec<Box<dyn Fn() -> bool + '_>> =
+        group.iter().map(|p| Box::new(move || p.warmup || !p.reply.is_closed()) as Box<dyn Fn() -> bool>).collect();
+    let live = Live::new(group.iter().zip(&awaited).map(|(p, a)| (p.rows, a.as_ref())));
+    let result = catch_unwind(AssertUnwindSafe(|| instance.run_live(&inputs, &live))).unwrap_or_else(|_| {
         // The batch fails (and is run apart); the instance and the server go on.
         tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");
         shared.metrics.panics.inc();

@@ -17,7 +17,7 @@ use crate::{
         backend::Instance,
         batcher::Batcher,
         classify,
-        queue::Pending,
+        queue::{Hold, Pending},
         spec::{ModelSpec, TimeoutAction},
         tensor::element_count,
     },
@@ -103,14 +103,19 @@ impl Model {
     }
 
     /// Validates, queues and awaits one request.
-    pub async fn infer(&self, mut req: InferRequest, limits: &Limits) -> Result<InferResponse> {
+    pub async fn infer(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
+        self.infer_holding(req, limits, Hold::default()).await
+    }
+
+    /// As `infer`; `hold` is kept until the request's work has stopped (see [`Hold`]).
+    pub async fn infer_holding(&self, mut req: InferRequest, limits: &Limits, hold: Hold) -> Result<InferResponse> {
         let start = Instant::now();
         // Counts the request as cancelled if its caller stops waiting (the future is dropped).
         let mut outcome = Outcome { model: self, start, done: false };
         let id = req.id.clone();
         let classes = std::mem::take(&mut req.classification);
         let result = match self.check_classification(&classes) {
-            Ok(()) => self.run(req, limits).await.and_then(|r| self.classify(r, &classes)),
+            Ok(()) => self.run(req, limits, hold).await.and_then(|r| self.classify(r, &classes)),
             Err(e) => Err(e),
         };
         outcome.done = true;
@@ -145,6 +150,7 @@ impl Model {
             reply: tx,
             span,
             warmup: true,
+            hold: Hold::default(),
         };
         self.batcher.submit(p)?;
         block_on(rx).map_err(|_| Error::internal("the warm-up request was dropped"))?.map(|_| ())
@@ -166,7 +172,7 @@ impl Model {
         self.metrics.request.observe(elapsed.as_secs_f64());
     }
 
-    async fn run(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
+    async fn run(&self, req: InferRequest, limits: &Limits, hold: Hold) -> Result<InferResponse> {
         // Child spans only for a request that is being traced (front-ends give the others none).
         let traced = !tracing::Span::current().is_none();
         let child = |span: fn() -> tracing::Span| if traced { span() } else { tracing::Span::none() };
@@ -176,8 +182,10 @@ impl Model {
         });
         let (inputs, rows, outputs, level) = validated?;
         let cache = self.cache.as_ref().filter(|_| !req.skip_cache);
-        let key =
-            cache.map(|_| cache::key(&self.spec.name, self.spec.version, self.content, &inputs, outputs.as_deref()));
+        let tenant =
+            if self.spec.cache_across_tenants { None } else { Some(req.tenant.as_deref().unwrap_or_default()) };
+        let key = cache
+            .map(|_| cache::key(tenant, &self.spec.name, self.spec.version, self.content, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
             if let Some(hit) = c.get(k, limits.max_elements).instrument(child(|| tracing::debug_span!("cache"))).await {
@@ -207,6 +215,7 @@ impl Model {
             reply: tx,
             span,
             warmup: false,
+            hold,
         })?;
         let answer = match wait_limit {
             None => rx.instrument(queued).await,

@@ -17,6 +17,18 @@ use crate::{
 /// How long a client refused for a full queue is told to wait.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// What a request holds while its work is queued or running (its tenant's concurrency place, its
+/// place under the process's cap): released when the batcher is done with it, not when its client
+/// leaves, so a client that disconnects cannot free its place while its work still runs.
+#[derive(Default)]
+pub struct Hold(pub Vec<Box<dyn std::any::Any + Send + Sync>>);
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hold({})", self.0.len())
+    }
+}
+
 /// One admitted request waiting for an instance.
 #[derive(Debug)]
 pub struct Pending {
@@ -35,6 +47,7 @@ pub struct Pending {
     pub span: tracing::Span,
     /// A load's warm-up request: run at once, and left out of the statistics.
     pub warmup: bool,
+    pub hold: Hold,
 }
 
 impl Pending {
@@ -292,6 +305,7 @@ mod tests {
             reply: tx,
             span: tracing::Span::none(),
             warmup: false,
+            hold: Hold::default(),
         })
         .unwrap();
         Req { rx }
@@ -403,6 +417,7 @@ mod tests {
             reply: tx,
             span: tracing::Span::none(),
             warmup: false,
+            hold: Hold::default(),
         };
         let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
@@ -423,6 +438,7 @@ mod tests {
             reply: tx,
             span: tracing::Span::none(),
             warmup: false,
+            hold: Hold::default(),
         })
         .unwrap();
         assert!(matches!(
@@ -465,6 +481,7 @@ mod tests {
             reply: tx,
             span: tracing::Span::none(),
             warmup: false,
+            hold: Hold::default(),
         })
         .unwrap();
         rx
@@ -487,6 +504,7 @@ mod tests {
             reply: tx,
             span: tracing::Span::none(),
             warmup: false,
+            hold: Hold::default(),
         };
         assert!(matches!(q.push(extra), Err(Error::Unavailable { .. })));
         // The other level still takes work.

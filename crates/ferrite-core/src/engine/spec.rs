@@ -150,6 +150,9 @@ pub struct ModelSpec {
     pub uses: Vec<String>,
     /// Responses are cached (when the process has a cache).
     pub cache: bool,
+    /// One cache entry answers every tenant (`[cache] across_tenants = true`): repeated work is
+    /// shared, and a tenant can tell by the time (or its hits) what another tenant sent.
+    pub cache_across_tenants: bool,
     pub version_policy: VersionPolicy,
 }
 

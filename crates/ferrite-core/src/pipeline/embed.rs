@@ -39,8 +39,19 @@ pub fn models(core: &Core) -> Vec<String> {
     names
 }
 
-/// Embeds `texts` with `model` (in calls of at most its max batch size, run at once);
-/// `normalize` scales each vector to unit length. `tenant` as for `Core::infer`.
+/// The width of the vectors `model` answers, when its spec fixes it (checked before any work).
+pub fn width(core: &Core, model: &str) -> Option<usize> {
+    let m = core.model(model, None).ok()?;
+    let (_, output, _) = tensors(&m.spec)?;
+    let dims = &m.spec.outputs.iter().find(|o| o.name == output)?.dims;
+    usize::try_from(*dims.first()?).ok()
+}
+
+/// Embeds `texts` with `model` in calls of at most its max batch size; `normalize` scales each
+/// vector to unit length. `tenant` as for `Core::infer`: the whole call is admitted once, as one
+/// request of its tenant, and holds that place until its last batch is done. At most as many
+/// batches as the model has workers are queued at once, so other clients' requests queue behind
+/// a few of a long call's batches, not all of them.
 pub async fn embed(
     core: &Core,
     model: &str,
@@ -56,8 +67,11 @@ pub async fn embed(
         Error::invalid(format!("model '{model}' does not answer embeddings (one text in, one vector out per row)"))
     })?;
     let rows = m.spec.batch.max_batch_size.max(1);
-    let mut calls: Vec<Pin<Box<dyn Future<Output = Result<crate::InferResponse>> + Send>>> = Vec::new();
-    for chunk in texts.chunks(rows) {
+    let window = m.spec.instance_count.max(1);
+    drop(m);
+    let charged = core.admit(model, tenant.as_deref())?;
+    let chunks: Vec<&[bytes::Bytes]> = texts.chunks(rows).collect();
+    let call = |chunk: &[bytes::Bytes]| {
         let req = InferRequest {
             model_name: model.to_string(),
             inputs: vec![Tensor::new(&input, DataType::Bytes, vec![chunk.len()], TensorData::Strings(chunk.to_vec()))],
@@ -65,13 +79,13 @@ pub async fn embed(
             tenant: tenant.clone(),
             ..Default::default()
         };
-        let core = core.clone();
-        calls.push(Box::pin(async move { core.infer(req).await }));
-    }
+        let (core, charged) = (core.clone(), charged.clone());
+        Box::pin(async move { core.infer_charged(req, Some(charged)).await })
+            as Pin<Box<dyn Future<Output = Result<crate::InferResponse>> + Send>>
+    };
     let mut vectors = Vec::with_capacity(texts.len());
     let mut tokens = 0u64;
-    for resp in join_all(calls).await {
-        let resp = resp?;
+    for resp in windowed(chunks.len(), window, |i| call(chunks[i])).await? {
         let v = &resp.outputs[0];
         let values = super::floats(v)?;
         let width = v.shape.get(1).copied().unwrap_or(0).max(1);
@@ -90,25 +104,43 @@ pub async fn embed(
     Ok(Embeddings { model: model.to_string(), vectors, tokens })
 }
 
-/// Awaits every future at once; results in order.
-async fn join_all<T>(mut futures: Vec<Pin<Box<dyn Future<Output = T> + Send>>>) -> Vec<T> {
-    let mut done: Vec<Option<T>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, slot) in futures.iter_mut().zip(done.iter_mut()) {
-            if slot.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *slot = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
+type Call<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
+
+/// Runs `make(0..n)` with at most `window` of them in flight; results in order. The first error
+/// ends the call (the calls in flight are dropped, and their queued work with them).
+async fn windowed<T>(n: usize, window: usize, mut make: impl FnMut(usize) -> Call<T>) -> Result<Vec<T>> {
+    let mut done: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    let mut running: Vec<(usize, Call<T>)> = Vec::new();
+    let mut next = 0;
+    std::future::poll_fn(|cx| loop {
+        while running.len() < window && next < n {
+            running.push((next, make(next)));
+            next += 1;
         }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
+        let mut progressed = false;
+        let mut failed = None;
+        running.retain_mut(|(i, f)| match f.as_mut().poll(cx) {
+            std::task::Poll::Ready(Ok(v)) => {
+                done[*i] = Some(v);
+                progressed = true;
+                false
+            }
+            std::task::Poll::Ready(Err(e)) => {
+                failed.get_or_insert(e);
+                false
+            }
+            std::task::Poll::Pending => true,
+        });
+        if let Some(e) = failed {
+            return std::task::Poll::Ready(Err(e));
+        }
+        if running.is_empty() && next == n {
+            return std::task::Poll::Ready(Ok(()));
+        }
+        if !progressed {
+            return std::task::Poll::Pending;
         }
     })
-    .await;
-    done.into_iter().flatten().collect()
+    .await?;
+    Ok(done.into_iter().flatten().collect())
 }

@@ -53,6 +53,12 @@ pub struct DecodeConfig {
     pub max_bytes: Option<usize>,
     /// Largest width x height accepted, read from the header before decoding (default 40 million).
     pub max_pixels: Option<u64>,
+    /// Largest width or height accepted, read from the header (default 16384).
+    pub max_side: Option<u32>,
+    /// Decoded pixels of all the images of one request together (default 64 million).
+    pub max_request_pixels: Option<u64>,
+    /// Most scans a progressive JPEG may have (default 32; each scan is a pass over the image).
+    pub max_scans: Option<usize>,
 }
 
 impl DecodeConfig {
@@ -70,62 +76,186 @@ pub(crate) struct Decode {
     output: String,
     max_bytes: usize,
     max_pixels: u64,
+    max_side: u32,
+    /// Per request: decoded pixels of all its images together.
+    pub max_request_pixels: u64,
+    max_scans: usize,
 }
+
+/// The largest side and area any image step may make, or hold as an intermediate buffer (a
+/// resize's first pass is as wide as its source and as high as its output).
+pub(crate) const MAX_SIDE: u32 = 16384;
+pub(crate) const MAX_STEP_PIXELS: u64 = 64_000_000;
 
 impl Decode {
     pub fn new(c: &DecodeConfig) -> Result<Decode> {
-        Ok(Decode {
+        let d = Decode {
             input: c.input.clone(),
             output: c.output().to_string(),
             max_bytes: c.max_bytes.unwrap_or(20 << 20),
             max_pixels: c.max_pixels.unwrap_or(40_000_000),
-        })
+            max_side: c.max_side.unwrap_or(MAX_SIDE),
+            max_request_pixels: c.max_request_pixels.unwrap_or(64_000_000),
+            max_scans: c.max_scans.unwrap_or(32),
+        };
+        if d.max_pixels > MAX_STEP_PIXELS || d.max_side > MAX_SIDE || d.max_bytes > 1 << 30 {
+            return Err(Error::invalid(format!(
+                "max_pixels is at most {MAX_STEP_PIXELS}, max_side {MAX_SIDE}, max_bytes 1 GiB"
+            )));
+        }
+        Ok(d)
+    }
+
+    pub fn input(&self) -> &str {
+        &self.input
+    }
+
+    /// The image of one row (one BYTES element).
+    pub fn image(t: &Tensor) -> Result<&[u8]> {
+        let TensorData::Strings(items) = &t.data else { return Err(Error::invalid("the image is not BYTES")) };
+        let [bytes] = items.as_slice() else {
+            return Err(Error::invalid(format!("one image per row expected, got {} elements", items.len())));
+        };
+        Ok(bytes)
     }
 
     pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
         let rows = super::rows_of(values, &self.input)?;
-        let pictures = per_row(rows, |t| {
-            let TensorData::Strings(items) = &t.data else { return Err(Error::invalid("the image is not BYTES")) };
-            let [bytes] = items.as_slice() else {
-                return Err(Error::invalid(format!("one image per row expected, got {} elements", items.len())));
-            };
-            self.decode(bytes)
-        })?;
+        let pictures = per_row(rows, |t| self.decode(Self::image(t)?))?;
         values.insert(self.output.clone(), Value::Images(pictures));
         Ok(())
     }
 
-    fn decode(&self, bytes: &[u8]) -> Result<Picture> {
+    /// Width and height as the header declares them (after the checks that need no decoding):
+    /// what decoding the image will cost, to charge it before paying.
+    pub fn declared(&self, bytes: &[u8]) -> Result<(u32, u32)> {
+        let (_, (w, h)) = self.open(bytes)?;
+        Ok((w, h))
+    }
+
+    /// The decoder, after every check that can be made before decoding: size in bytes, format,
+    /// each side and the area, the bytes the decoded pixels take, and (JPEG) the scans and that
+    /// the file is whole.
+    fn open<'b>(&self, bytes: &'b [u8]) -> Result<(Box<dyn ImageDecoder + 'b>, (u32, u32))> {
         if bytes.is_empty() {
             return Err(Error::invalid("the image is empty"));
         }
         if bytes.len() > self.max_bytes {
-            return Err(Error::invalid(format!("the image has {} bytes, more than {}", bytes.len(), self.max_bytes)));
+            return Err(Error::invalid(format!(
+                "the image has {} bytes, more than {} (decode_image max_bytes)",
+                bytes.len(),
+                self.max_bytes
+            )));
         }
         let bad = |e: image::ImageError| Error::invalid(format!("cannot decode the image: {e}"));
         let mut reader =
             image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.into()))?;
         match reader.format() {
-            Some(image::ImageFormat::Jpeg | image::ImageFormat::Png | image::ImageFormat::WebP) => {}
+            Some(image::ImageFormat::Jpeg) => jpeg_scans(bytes, self.max_scans)?,
+            Some(image::ImageFormat::Png | image::ImageFormat::WebP) => {}
             _ => return Err(Error::invalid("the image is not a JPEG, PNG or WebP")),
         }
         let mut limits = image::Limits::default();
         limits.max_alloc = Some(self.max_pixels.saturating_mul(8).max(1 << 20));
+        limits.max_image_width = Some(self.max_side);
+        limits.max_image_height = Some(self.max_side);
         reader.limits(limits);
-        let mut decoder = reader.into_decoder().map_err(bad)?;
+        let decoder = reader.into_decoder().map_err(|e| match e {
+            image::ImageError::Limits(_) => Error::invalid(format!(
+                "the image is larger than {} pixels on a side (decode_image max_side)",
+                self.max_side
+            )),
+            e => bad(e),
+        })?;
         let (w, h) = decoder.dimensions();
         if w == 0 || h == 0 {
             return Err(Error::invalid("the image has no pixels"));
         }
-        if u64::from(w) * u64::from(h) > self.max_pixels {
-            return Err(Error::invalid(format!("the image is {w}x{h}, more than {} pixels", self.max_pixels)));
+        if w > self.max_side || h > self.max_side {
+            return Err(Error::invalid(format!(
+                "the image is {w}x{h}, more than {} pixels on a side (decode_image max_side)",
+                self.max_side
+            )));
         }
+        if u64::from(w) * u64::from(h) > self.max_pixels {
+            return Err(Error::invalid(format!(
+                "the image is {w}x{h}, more than {} pixels (decode_image max_pixels)",
+                self.max_pixels
+            )));
+        }
+        // 16-bit and float images take several times the bytes of 8-bit RGBA: bounded alike.
+        if decoder.total_bytes() > self.max_pixels.saturating_mul(4) {
+            return Err(Error::invalid(format!(
+                "the image is {w}x{h} of {:?}, {} bytes decoded, more than {} (4 x decode_image max_pixels)",
+                decoder.color_type(),
+                decoder.total_bytes(),
+                self.max_pixels.saturating_mul(4)
+            )));
+        }
+        Ok((Box::new(decoder), (w, h)))
+    }
+
+    fn decode(&self, bytes: &[u8]) -> Result<Picture> {
+        let bad = |e: image::ImageError| Error::invalid(format!("cannot decode the image: {e}"));
+        let (mut decoder, _) = self.open(bytes)?;
         let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
-        let mut img = DynamicImage::from_decoder(decoder).map_err(bad)?;
-        img.apply_orientation(orientation);
-        let pixels = flatten(img);
+        let img = DynamicImage::from_decoder(decoder).map_err(bad)?;
+        // To 8-bit RGB first, so the rotation copies the smallest form of the image.
+        let mut pixels = DynamicImage::ImageRgb8(flatten(img));
+        pixels.apply_orientation(orientation);
+        let pixels = pixels.into_rgb8();
         let sent = pixels.dimensions();
         Ok(Picture { pixels, geometry: Geometry { sent, scale: (1.0, 1.0), offset: (0.0, 0.0) } })
+    }
+}
+
+/// Walks a JPEG's segments (no decoding): refuses one with more than `max_scans` scans (each a
+/// pass over the whole image: a 100-scan progressive file costs seconds to decode) and one cut
+/// short before its end marker, which decoders would fill with gray (Pillow and OpenCV refuse it).
+fn jpeg_scans(b: &[u8], max_scans: usize) -> Result<()> {
+    let cut = || Error::invalid("cannot decode the image: the JPEG is truncated (no end of image marker)");
+    let mut i = 2; // after SOI
+    let mut scans = 0;
+    loop {
+        // Fill bytes may precede a marker.
+        while b.get(i) == Some(&0xFF) && b.get(i + 1) == Some(&0xFF) {
+            i += 1;
+        }
+        let (Some(&0xFF), Some(&marker)) = (b.get(i), b.get(i + 1)) else { return Err(cut()) };
+        i += 2;
+        match marker {
+            0xD9 => return Ok(()),
+            0x01 | 0xD0..=0xD7 => continue,
+            _ => {}
+        }
+        let len = match (b.get(i), b.get(i + 1)) {
+            (Some(&h), Some(&l)) => usize::from(h) << 8 | usize::from(l),
+            _ => return Err(cut()),
+        };
+        if len < 2 {
+            return Err(Error::invalid("cannot decode the image: a JPEG segment has a bad length"));
+        }
+        i += len;
+        if marker == 0xDA {
+            scans += 1;
+            if scans > max_scans {
+                return Err(Error::invalid(format!(
+                    "the JPEG has more than {max_scans} scans (decode_image max_scans)"
+                )));
+            }
+            // Entropy-coded data runs to the next marker that is not a stuffed 0xFF00 or a restart.
+            loop {
+                match b.get(i..).and_then(|rest| rest.iter().position(|&x| x == 0xFF)) {
+                    None => return Err(cut()),
+                    Some(at) => i += at,
+                }
+                match b.get(i + 1) {
+                    Some(0x00 | 0xD0..=0xD7 | 0xFF) => i += 1,
+                    Some(_) => break,
+                    None => return Err(cut()),
+                }
+            }
+        }
     }
 }
 
@@ -231,13 +361,18 @@ pub struct CropConfig {
     pub size: Vec<u32>,
 }
 
-/// Largest side a resize or pad may make (bounds what a step allocates per row).
-const MAX_SIDE: u32 = 16384;
-
 fn pair(size: &[u32], what: &str) -> Result<(u32, u32)> {
     match size {
-        [w, h] if (1..=MAX_SIDE).contains(w) && (1..=MAX_SIDE).contains(h) => Ok((*w, *h)),
-        _ => Err(Error::invalid(format!("{what} must be [width, height], each 1..={MAX_SIDE}"))),
+        [w, h]
+            if (1..=MAX_SIDE).contains(w)
+                && (1..=MAX_SIDE).contains(h)
+                && u64::from(*w) * u64::from(*h) <= MAX_STEP_PIXELS =>
+        {
+            Ok((*w, *h))
+        }
+        _ => Err(Error::invalid(format!(
+            "{what} must be [width, height], each 1..={MAX_SIDE}, at most {MAX_STEP_PIXELS} pixels"
+        ))),
     }
 }
 
@@ -332,10 +467,26 @@ impl ImageOp {
                     ResizeMode::ShorterSide | ResizeMode::LongerSide => {
                         let side = if *mode == ResizeMode::ShorterSide { w.min(h) } else { w.max(h) };
                         let r = size[0] as f64 / side as f64;
-                        let f = |v: u32| ((v as f64 * r).round() as u32).clamp(1, MAX_SIDE);
-                        (f(w), f(h))
+                        let f = |v: u32| (v as f64 * r).round().max(1.0);
+                        let (fw, fh) = (f(w), f(h));
+                        if fw > MAX_SIDE as f64 || fh > MAX_SIDE as f64 {
+                            return Err(Error::invalid(format!(
+                                "the image is {w}x{h}; resizing it to {} side {} would make it {fw}x{fh}, more than {MAX_SIDE} on a side",
+                                if *mode == ResizeMode::ShorterSide { "shorter" } else { "longer" },
+                                size[0]
+                            )));
+                        }
+                        (fw as u32, fh as u32)
                     }
                 };
+                // The output, and the first pass's buffer (source width x output height, or
+                // output width x source height), are bounded before anything is allocated.
+                let most = [(nw, nh), (w, nh), (nw, h)].into_iter().map(|(a, b)| u64::from(a) * u64::from(b)).max();
+                if most.unwrap_or(0) > MAX_STEP_PIXELS {
+                    return Err(Error::invalid(format!(
+                        "resizing the image from {w}x{h} to {nw}x{nh} needs more than {MAX_STEP_PIXELS} pixels"
+                    )));
+                }
                 let pixels = resize(&p.pixels, nw, nh, *filter)?;
                 let (sx, sy) = (nw as f64 / w as f64, nh as f64 / h as f64);
                 let g = p.geometry;
@@ -351,8 +502,10 @@ impl ImageOp {
                 if nw < w || nh < h {
                     return Err(Error::invalid(format!("the image is {w}x{h}, larger than the pad size {nw}x{nh}")));
                 }
-                if nw > MAX_SIDE || nh > MAX_SIDE {
-                    return Err(Error::invalid(format!("padding would make the image {nw}x{nh}")));
+                if nw > MAX_SIDE || nh > MAX_SIDE || u64::from(nw) * u64::from(nh) > MAX_STEP_PIXELS {
+                    return Err(Error::invalid(format!(
+                        "padding the image {w}x{h} would make it {nw}x{nh}, more than {MAX_SIDE} on a side or {MAX_STEP_PIXELS} pixels"
+                    )));
                 }
                 let (left, top) = match anchor {
                     Anchor::Center => ((nw - w) / 2, (nh - h) / 2),

@@ -29,7 +29,7 @@ use crate::{
     admission::Limits,
     control::Registry,
     engine::{
-        backend::{BatchInput, Instance},
+        backend::{BatchInput, Instance, Live},
         spec::TensorSpec,
     },
     Backend, DataType, Error, InferRequest, Result, Tensor, TensorData,
@@ -396,6 +396,10 @@ struct Worker {
 
 impl Instance for Worker {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
+        self.run_live(inputs, &Live::everyone())
+    }
+
+    fn run_live(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Tensor>> {
         self.failed.clear();
         let mut values: BTreeMap<String, Value> = BTreeMap::new();
         let mut rows = 0;
@@ -404,8 +408,15 @@ impl Instance for Worker {
             rows = r.len();
             values.insert(i.name.to_string(), Value::Rows(r));
         }
+        // The batch's row that each row held now is: rows whose client left are dropped between
+        // steps (and skipped within an image chain), so no further work is paid for them.
+        let mut index: Vec<usize> = (0..rows).collect();
         let mut i = 0;
         while i < self.steps.len() {
+            keep_rows(&mut values, &mut index, |row| live.awaited(row));
+            if index.is_empty() {
+                return Err(Error::unavailable("every client of the batch left", None));
+            }
             // A decode and the image steps right after it run row by row, so one image at its
             // sent size is held at a time (not a batch of them: 32 rows of 40-megapixel images
             // would be 3.8 GB); what the batch keeps is what the chain leaves.
@@ -414,16 +425,16 @@ impl Instance for Worker {
                 _ => 1,
             };
             let result = if matches!(self.steps[i].op, Op::Decode(_)) {
-                self.image_chain(&self.steps[i..i + chain], &mut values, rows)
+                self.image_chain(&self.steps[i..i + chain], &mut values, &mut index, live)
             } else {
                 let step = &self.steps[i];
                 let start = Instant::now();
                 let result = match &step.op {
-                    Op::Decode(d) => d.run(&mut values),
+                    Op::Decode(_) => Err(vec![(usize::MAX, Error::internal("a decode runs in an image chain"))]),
                     Op::Image(op) => op.run(&mut values),
                     Op::Normalize(n) => n.run(&mut values),
                     Op::Tokenize(t) => t.run(&mut values),
-                    Op::Model(m) => self.model_step(m, &mut values, rows).map_err(|e| vec![(usize::MAX, e)]),
+                    Op::Model(m) => self.model_step(m, &mut values, index.len()).map_err(|e| vec![(usize::MAX, e)]),
                     Op::Post(p) => p.run(&mut values),
                 };
                 self.observe(step, start.elapsed());
@@ -435,7 +446,7 @@ impl Instance for Worker {
                     return Err(errors.swap_remove(i).1);
                 }
                 let first = errors[0].1.clone();
-                self.failed = errors;
+                self.failed = errors.into_iter().map(|(r, e)| (index[r], e)).collect();
                 return Err(first);
             }
             i += chain;
@@ -443,7 +454,7 @@ impl Instance for Worker {
         self.outputs
             .iter()
             .map(|name| match values.remove(name) {
-                Some(Value::Rows(r)) => stack(name, r),
+                Some(Value::Rows(r)) => stack(name, refill(r, &index, rows)),
                 _ => Err(Error::internal(format!("pipeline output '{name}' was not written"))),
             })
             .collect()
@@ -452,6 +463,39 @@ impl Instance for Worker {
     fn failed_rows(&mut self) -> RowErrors {
         std::mem::take(&mut self.failed)
     }
+}
+
+/// Keeps the rows of every value whose batch row (`index`) passes `keep`, and their index.
+fn keep_rows(values: &mut BTreeMap<String, Value>, index: &mut Vec<usize>, keep: impl Fn(usize) -> bool) {
+    let kept: Vec<bool> = index.iter().map(|&row| keep(row)).collect();
+    if kept.iter().all(|&k| k) {
+        return;
+    }
+    fn retain<T>(v: &mut Vec<T>, kept: &[bool]) {
+        let mut k = kept.iter();
+        v.retain(|_| k.next().copied().unwrap_or(false));
+    }
+    for v in values.values_mut() {
+        match v {
+            Value::Rows(r) => retain(r, &kept),
+            Value::Images(p) => retain(p, &kept),
+        }
+    }
+    retain(index, &kept);
+}
+
+/// The rows of a whole batch of `rows` from those held for `index`: a row dropped (its client
+/// left) gets a copy of one held, so the batch keeps its shape; nobody reads it.
+fn refill(held: Vec<Tensor>, index: &[usize], rows: usize) -> Vec<Tensor> {
+    if index.len() == rows {
+        return held;
+    }
+    let mut out: Vec<Option<Tensor>> = vec![None; rows];
+    for (&row, t) in index.iter().zip(&held) {
+        out[row] = Some(t.clone());
+    }
+    let filler = held[0].clone();
+    out.into_iter().map(|t| t.unwrap_or_else(|| filler.clone())).collect()
 }
 
 /// `e` as step `step`'s error.
@@ -471,12 +515,26 @@ impl Worker {
     }
 
     /// Runs `chain` (a decode and image steps) row by row; on success the batch gets the images
-    /// each value ends with. Rows that fail are all named.
-    fn image_chain(&self, chain: &[Step], values: &mut BTreeMap<String, Value>, rows: usize) -> Result<(), RowErrors> {
+    /// each value ends with. Rows that fail are all named. A row whose client has left is skipped
+    /// and dropped (from `values` and `index`); the pixels a request's images decode to are
+    /// charged to it before each is decoded, against the decode's `max_request_pixels`.
+    fn image_chain(
+        &self,
+        chain: &[Step],
+        values: &mut BTreeMap<String, Value>,
+        index: &mut Vec<usize>,
+        live: &Live<'_>,
+    ) -> Result<(), RowErrors> {
         let mut took = vec![std::time::Duration::ZERO; chain.len()];
         let mut written: BTreeMap<String, Vec<image::Picture>> = BTreeMap::new();
         let mut errors = Vec::new();
-        'rows: for r in 0..rows {
+        let mut gone = Vec::new();
+        let mut spent: BTreeMap<usize, u64> = BTreeMap::new();
+        'rows: for (r, &row) in index.iter().enumerate() {
+            if !live.awaited(row) {
+                gone.push(row);
+                continue;
+            }
             let mut one: BTreeMap<String, Value> = values
                 .iter()
                 .filter_map(|(k, v)| match v {
@@ -487,7 +545,9 @@ impl Worker {
             for (k, step) in chain.iter().enumerate() {
                 let start = Instant::now();
                 let result = match &step.op {
-                    Op::Decode(d) => d.run(&mut one),
+                    Op::Decode(d) => charge(d, &one, spent.entry(live.request_of(row)).or_default())
+                        .map_err(|e| vec![(0, e)])
+                        .and_then(|()| d.run(&mut one)),
                     Op::Image(op) => op.run(&mut one),
                     _ => Err(vec![(usize::MAX, Error::internal("not an image step"))]),
                 };
@@ -510,6 +570,7 @@ impl Worker {
         if !errors.is_empty() {
             return Err(errors);
         }
+        keep_rows(values, index, |row| !gone.contains(&row));
         values.extend(written.into_iter().map(|(name, pictures)| (name, Value::Images(pictures))));
         Ok(())
     }
@@ -571,6 +632,22 @@ impl Worker {
 
 fn empty(t: &TensorSpec) -> Tensor {
     Tensor::new(&t.name, t.datatype, vec![0], TensorData::Fixed(Default::default()))
+}
+
+/// Charges the image of `one` (a row's values) to its request's decoded pixels, `spent`, before it
+/// is decoded: a request's images together may decode to at most the step's `max_request_pixels`.
+fn charge(d: &image::Decode, one: &BTreeMap<String, Value>, spent: &mut u64) -> Result<()> {
+    let Some(Value::Rows(r)) = one.get(d.input()) else { return Ok(()) };
+    let Some(t) = r.first() else { return Ok(()) };
+    let (w, h) = d.declared(image::Decode::image(t)?)?;
+    *spent += u64::from(w) * u64::from(h);
+    if *spent > d.max_request_pixels {
+        return Err(Error::invalid(format!(
+            "the request's images decode to more than {} pixels together (decode_image max_request_pixels)",
+            d.max_request_pixels
+        )));
+    }
+    Ok(())
 }
 
 /// One input of the batch as a tensor per row (without the batch dim).

@@ -117,16 +117,14 @@ impl Tokenize {
         };
         let index: Vec<usize> = (0..texts.len()).collect();
         let encodings = per_row(&index, |&i| {
-            let text = one_text(&texts[i])?;
-            let encoding = match pairs {
-                Some(p) => self.tokenizer.encode((text, one_text(&p[i])?), self.special),
-                None => self.tokenizer.encode(text, self.special),
-            }
-            .map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+            let pair = match pairs {
+                Some(p) => Some(one_text(&p[i])?),
+                None => None,
+            };
+            let encoding = self.encode(one_text(&texts[i])?, pair)?;
             if !self.truncation && encoding.get_ids().len() > self.max_length {
                 return Err(Error::invalid(format!(
-                    "the text has {} tokens, more than max_length {} (truncation is off)",
-                    encoding.get_ids().len(),
+                    "the text has more than max_length {} tokens (truncation is off)",
                     self.max_length
                 )));
             }
@@ -166,6 +164,61 @@ impl Tokenize {
             values.insert(name.clone(), Value::Rows(rows));
         }
         Ok(())
+    }
+}
+
+impl Tokenize {
+    /// The encoding of `text` (and `pair`), paying for the tokens kept rather than the text's
+    /// whole length: each text is cut at a word boundary to a prefix of `8 x max_length` bytes,
+    /// which is taken when it holds more tokens than are kept (the rest would be cut anyway), and
+    /// grown fourfold until it does or is the whole text. So 1 MB of text costs a few kilobytes.
+    fn encode(&self, text: &str, pair: Option<&str>) -> Result<tokenizers::Encoding> {
+        let failed = |e: tokenizers::Error| Error::invalid(format!("cannot tokenize: {e}"));
+        let mut budget = self.max_length.saturating_mul(8).max(256);
+        loop {
+            let (a, b) = (prefix(text, budget), pair.map(|p| prefix(p, budget)));
+            let whole = a.len() == text.len() && pair.zip(b).is_none_or(|(p, b)| b.len() == p.len());
+            let encoding = match b {
+                Some(b) => self.tokenizer.encode((a, b), self.special),
+                None => self.tokenizer.encode(a, self.special),
+            }
+            .map_err(failed)?;
+            if whole {
+                return Ok(encoding);
+            }
+            // Over the limit with what was read: the rest of the text could not have been kept.
+            let over = |t: &str| -> Result<bool> {
+                let e = self.tokenizer.encode(t, false).map_err(failed)?;
+                Ok(!e.get_overflowing().is_empty() || e.get_ids().len() > self.max_length)
+            };
+            let enough = match b {
+                // Each cut side alone must be over the limit (longest-first truncation takes from both).
+                Some(b) => {
+                    (a.len() == text.len() || over(a)?) && (pair.is_some_and(|p| b.len() == p.len()) || over(b)?)
+                }
+                None => !encoding.get_overflowing().is_empty() || encoding.get_ids().len() > self.max_length,
+            };
+            if enough {
+                return Ok(encoding);
+            }
+            budget = budget.saturating_mul(4);
+        }
+    }
+}
+
+/// The longest prefix of `text` of at most `budget` bytes that ends at a word boundary (at a
+/// character boundary when its first `budget` bytes hold no space).
+fn prefix(text: &str, budget: usize) -> &str {
+    if text.len() <= budget {
+        return text;
+    }
+    let mut end = budget;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    match text[..end].rfind(char::is_whitespace) {
+        Some(at) if at > 0 => &text[..at],
+        _ => &text[..end],
     }
 }
 

@@ -43,9 +43,14 @@ pub struct Service {
     core: Core,
 }
 
-/// The inference service, with its message size limits.
+/// The inference service, with its message size limits. Requests may come gzip- or
+/// deflate-compressed (tritonclient's `compression_algorithm`); a message is decompressed to at
+/// most the decoding limit, so a compression bomb costs no more than a plain message.
 pub fn service(core: Core, limits: &GrpcLimits) -> GrpcInferenceServiceServer<Service> {
+    use tonic::codec::CompressionEncoding;
     GrpcInferenceServiceServer::new(Service { core })
+        .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate)
         .max_decoding_message_size(limits.max_decoding_message_size)
         .max_encoding_message_size(limits.max_encoding_message_size)
 }
@@ -94,6 +99,8 @@ where
                 None
             } else if path.starts_with("/inference.GRPCInferenceService/Repository") {
                 Some(Scope::Admin)
+            } else if path == "/inference.GRPCInferenceService/ModelStatistics" {
+                Some(Scope::Metrics)
             } else {
                 Some(Scope::Infer)
             };

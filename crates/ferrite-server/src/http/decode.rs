@@ -96,6 +96,14 @@ impl Sink {
         if let Err(e) = result {
             return Err(Error::invalid(self.error.take().unwrap_or_else(|| format!("input '{}': {e}", self.name))));
         }
+        if let Some(size) = self.datatype.size().filter(|&s| !self.raw.len().is_multiple_of(s)) {
+            return Err(Error::invalid(format!(
+                "input '{}': {} raw bytes are not whole {} elements ({size} bytes each)",
+                self.name,
+                self.raw.len(),
+                self.datatype
+            )));
+        }
         if self.count != self.expected {
             return Err(Error::invalid(format!(
                 "input '{}': its shape holds {} elements, 'data' has {}",
@@ -126,7 +134,9 @@ impl Sink {
         Ok(())
     }
 
-    /// MessagePack `bin`: one BYTES element, or little-endian elements of a fixed-size type.
+    /// MessagePack `bin`: one BYTES element, or little-endian elements of a fixed-size type. The
+    /// `bin`s of an array are joined byte by byte (an element may span two); whether the bytes make
+    /// whole elements is checked at the end.
     fn push_bin(&mut self, b: &[u8]) -> Result<(), String> {
         let Some(size) = self.datatype.size() else {
             self.room(1)?;
@@ -134,21 +144,22 @@ impl Sink {
             self.strings.push(Bytes::copy_from_slice(b));
             return Ok(());
         };
-        if !b.len().is_multiple_of(size) {
+        let whole = (self.raw.len() + b.len()) / size;
+        if whole > self.expected || (whole == self.expected && !(self.raw.len() + b.len()).is_multiple_of(size)) {
             return Err(format!(
-                "input '{}': {} raw bytes are not whole {} elements",
-                self.name,
-                b.len(),
-                self.datatype
+                "input '{}': 'data' has more than the {} elements its shape holds",
+                self.name, self.expected
             ));
         }
-        self.room(b.len() / size)?;
-        self.count += b.len() / size;
         self.raw.extend_from_slice(b);
+        self.count = whole;
         Ok(())
     }
 
     fn push(&mut self, v: Scalar<'_>) -> Result<(), String> {
+        if self.datatype.size().is_some_and(|s| !self.raw.len().is_multiple_of(s)) {
+            return Err(format!("input '{}': a number follows raw bytes that are not whole elements", self.name));
+        }
         self.room(1)?;
         self.count += 1;
         let dt = self.datatype;

@@ -73,8 +73,21 @@ pub(super) async fn openai(
         let base64 = match req.encoding_format.as_deref() {
             None | Some("float") => false,
             Some("base64") => true,
-            Some(other) => return Err(ApiError::bad_request(format!("encoding_format '{other}': float or base64"))),
+            Some(other) => {
+                // Named, not echoed whole: a client's megabyte is not sent back.
+                let shown: String = other.chars().take(32).collect();
+                let more = if shown.len() < other.len() { "..." } else { "" };
+                return Err(ApiError::bad_request(format!("encoding_format '{shown}{more}': float or base64")));
+            }
         };
+        // A wrong size is refused before any text is embedded.
+        let width = embed::width(&s.core, &req.model);
+        if let Some(d) = req.dimensions.filter(|&d| width.is_some_and(|w| w as u64 != d)) {
+            return Err(ApiError::bad_request(format!(
+                "model '{}' answers vectors of its own size, not {d}",
+                req.model
+            )));
+        }
         let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
         let e = embed::embed(&s.core, &req.model, req.input.into_bytes(), false, tenant).await?;
         if let Some(d) = req.dimensions.filter(|&d| Some(d as usize) != e.vectors.first().map(Vec::len)) {

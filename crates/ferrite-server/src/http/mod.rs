@@ -187,15 +187,18 @@ pub fn metrics_app(core: Core) -> Router {
     Router::new().route("/metrics", get(metrics)).with_state(AppState { core })
 }
 
-/// Requires a bearer token with the route's scope on every route of `router`: `/metrics` needs
-/// `metrics`, the repository API `admin`, health nothing when `allow_health`, everything else
+/// Requires a bearer token with the route's scope on every route of `router`: `/metrics` and the
+/// statistics need `metrics`, the repository API `admin`, health nothing when `allow_health`, everything else
 /// `infer`.
 pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
     router.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
         let auth = auth.clone();
         async move {
             let path = req.uri().path();
-            let scope = if path == "/metrics" {
+            // Statistics count every tenant's requests and cache hits: an operator's view, not a
+            // client's (with per-tenant cache keys they no longer tell what another sent, but they
+            // still tell when and how much).
+            let scope = if path == "/metrics" || path.ends_with("/stats") {
                 Scope::Metrics
             } else if path.starts_with("/v2/repository") {
                 Scope::Admin
