@@ -371,6 +371,31 @@ async fn over_the_concurrency_cap_is_refused_at_once_and_counted() {
     core.infer(req()).await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_keeps_its_place_until_its_work_stops() {
+    let (core, tx, model) = stuck_core(Limits { max_concurrent_requests: 1, ..Default::default() });
+    let first = {
+        let core = core.clone();
+        tokio::spawn(async move { core.infer(stuck_request()).await })
+    };
+    while model.batcher().running() < 1 {
+        tokio::task::yield_now().await;
+    }
+    // The client leaves while its batch runs: the batch still holds the place, so a second
+    // request is refused rather than run beside it.
+    first.abort();
+    let _ = first.await;
+    let err = core.infer(stuck_request()).await.unwrap_err();
+    assert!(matches!(err, Error::Overloaded { .. }), "{err:?}");
+    // Once the abandoned work has stopped, the place is free.
+    tx.send(()).unwrap();
+    while model.batcher().running() > 0 {
+        tokio::task::yield_now().await;
+    }
+    tx.send(()).unwrap();
+    core.infer(stuck_request()).await.unwrap();
+}
+
 /// Starts `req` on its own task and returns once the model has it (queued or running).
 async fn started(core: &Core, model: &Model, req: InferRequest) -> tokio::task::JoinHandle<ferrite_core::Result<()>> {
     let before = model.batcher().queued() + model.batcher().running();

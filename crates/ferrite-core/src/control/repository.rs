@@ -616,6 +616,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn counts_a_config_multiplies_are_capped_before_anything_starts() {
+        let most = most_threads();
+        for text in [
+            format!("instance_count = {}", most + 1),
+            format!("threads = {}", most + 1),
+            format!("[onnxruntime]\nintra_op_thread_count = {}", 100_000),
+            "[[warmup]]\nname = \"w\"\ncount = 4000000000\n[warmup.inputs.x]\ndatatype = \"FP32\"\ndims = [1]\nzero_data = true".into(),
+        ] {
+            let e = parse_config(&text).unwrap_err().to_string();
+            assert!(e.contains("more than"), "{text}: {e}");
+        }
+        assert!(parse_config(&format!("instance_count = {most}")).is_ok());
+    }
+
+    #[test]
     fn model_names_are_identifiers() {
         for ok in ["mlp", "resnet-50", "bert_base.v2", "7"] {
             assert!(is_model_name(ok), "{ok}");

@@ -702,3 +702,90 @@ impl Normalize {
         Tensor::from_le(&self.output, DataType::Fp32, shape, &out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        image::GrayImage::new(w, h).write_to(&mut Cursor::new(&mut out), image::ImageFormat::Png).unwrap();
+        out
+    }
+
+    fn jpeg(w: u32, h: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        RgbImage::from_pixel(w, h, image::Rgb([200, 10, 10]))
+            .write_to(&mut Cursor::new(&mut out), image::ImageFormat::Jpeg)
+            .unwrap();
+        out
+    }
+
+    fn decode() -> Decode {
+        Decode::new(&DecodeConfig {
+            name: None,
+            input: "image".into(),
+            output: None,
+            max_bytes: None,
+            max_pixels: None,
+            max_side: None,
+            max_request_pixels: None,
+            max_scans: None,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn sides_and_area_are_read_from_the_header_and_bounded() {
+        let d = decode();
+        assert_eq!(d.declared(&png(300, 2)).unwrap(), (300, 2));
+        let e = d.declared(&png(20000, 1)).unwrap_err().to_string();
+        assert!(e.contains("max_side"), "{e}");
+        assert!(d.decode(&png(16000, 3)).is_ok());
+    }
+
+    #[test]
+    fn jpeg_scans_are_counted_and_a_cut_file_is_refused() {
+        let whole = jpeg(16, 16);
+        assert!(jpeg_scans(&whole, 1).is_ok());
+        let e = jpeg_scans(&whole[..whole.len() / 2], 32).unwrap_err().to_string();
+        assert!(e.contains("truncated"), "{e}");
+        // The one scan repeated past the limit.
+        let sos = whole.windows(2).position(|w| w == [0xFF, 0xDA]).unwrap();
+        let scan = &whole[sos..whole.len() - 2];
+        let mut many = whole[..whole.len() - 2].to_vec();
+        for _ in 0..40 {
+            many.extend_from_slice(scan);
+        }
+        many.extend_from_slice(&[0xFF, 0xD9]);
+        let e = jpeg_scans(&many, 32).unwrap_err().to_string();
+        assert!(e.contains("more than 32 scans"), "{e}");
+        assert!(jpeg_scans(&many, 64).is_ok());
+    }
+
+    #[test]
+    fn a_resize_past_the_bounds_is_refused_before_it_allocates() {
+        let line = Picture {
+            pixels: RgbImage::new(16000, 1),
+            geometry: Geometry { sent: (16000, 1), scale: (1.0, 1.0), offset: (0.0, 0.0) },
+        };
+        let shorter = ResizeConfig {
+            name: None,
+            input: None,
+            output: None,
+            mode: ResizeMode::ShorterSide,
+            size: vec![256],
+            filter: Filter::Bilinear,
+        };
+        let (op, _) = ImageOp::resize(&shorter, None).unwrap();
+        let e = op.with_input("image").apply(&line).err().unwrap().to_string();
+        assert!(e.contains("4096000x256, more than 16384 on a side"), "{e}");
+        // Within the sides, the first pass (source width x output height) is what is bounded.
+        let exact = ResizeConfig { mode: ResizeMode::Exact, size: vec![16, 8000], ..shorter };
+        let (op, _) = ImageOp::resize(&exact, None).unwrap();
+        let e = op.with_input("image").apply(&line).err().unwrap().to_string();
+        assert!(e.contains("needs more than"), "{e}");
+        assert!(pair(&[16384, 16384], "size").is_err());
+        assert!(pair(&[8000, 8000], "size").is_ok());
+    }
+}

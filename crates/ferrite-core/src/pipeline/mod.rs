@@ -808,6 +808,30 @@ mod tests {
     }
 
     #[test]
+    fn rows_of_clients_that_left_are_dropped_and_refilled_in_place() {
+        let row = |v: f32| Tensor::from_le("a", DataType::Fp32, vec![1], &[v]);
+        let mut values: BTreeMap<String, Value> =
+            [("a".to_string(), Value::Rows((0..4).map(|v| row(v as f32)).collect()))].into();
+        let mut index: Vec<usize> = (0..4).collect();
+        keep_rows(&mut values, &mut index, |r| r != 1 && r != 2);
+        assert_eq!(index, vec![0, 3]);
+        let Some(Value::Rows(held)) = values.remove("a") else { panic!() };
+        let full = refill(held, &index, 4);
+        let firsts: Vec<f32> = full.iter().map(|t| floats(t).unwrap()[0]).collect();
+        assert_eq!(firsts, vec![0.0, 0.0, 0.0, 3.0]);
+    }
+
+    #[test]
+    fn live_rows_belong_to_their_requests() {
+        let yes = || true;
+        let no = || false;
+        let live = Live::new([(2, &yes as &dyn Fn() -> bool), (3, &no), (1, &yes)]);
+        assert_eq!((0..6).map(|r| live.request_of(r)).collect::<Vec<_>>(), vec![0, 0, 1, 1, 1, 2]);
+        assert_eq!((0..6).map(|r| live.awaited(r)).collect::<Vec<_>>(), vec![true, true, false, false, false, true]);
+        assert!(Live::everyone().awaited(7));
+    }
+
+    #[test]
     fn rows_that_differ_in_shape_do_not_stack() {
         let a = Tensor::from_le("a", DataType::Fp32, vec![2], &[1.0f32, 2.0]);
         let b = Tensor::from_le("a", DataType::Fp32, vec![3], &[1.0f32, 2.0, 3.0]);

@@ -234,3 +234,53 @@ fn one_text(t: &Tensor) -> Result<&str> {
     }
     Ok(text)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenize(max_length: usize, truncation: bool) -> Tokenize {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/text_embedder");
+        let config = TokenizeConfig {
+            name: None,
+            input: "text".into(),
+            pair: None,
+            tokenizer: None,
+            max_length: Some(max_length),
+            truncation: Some(truncation),
+            add_special_tokens: None,
+            dtype: None,
+            outputs: None,
+        };
+        Tokenize::new(&dir, &config).unwrap()
+    }
+
+    #[test]
+    fn a_prefix_ends_at_a_word_or_a_character() {
+        assert_eq!(prefix("hello world", 100), "hello world");
+        assert_eq!(prefix("hello world again", 13), "hello world");
+        assert_eq!(prefix("aaaaaaaa", 3), "aaa");
+        assert_eq!(prefix("ééé", 3), "é");
+    }
+
+    #[test]
+    fn long_texts_encode_as_if_read_whole() {
+        let t = tokenize(16, true);
+        let long: String = (0..5000).map(|i| format!("word{} ", i % 7)).collect();
+        let cut = t.encode(&long, None).unwrap();
+        let whole = t.tokenizer.encode(long.as_str(), true).unwrap();
+        assert_eq!(cut.get_ids(), whole.get_ids());
+        let pair = t.encode(&long, Some("a short question")).unwrap();
+        let whole = t.tokenizer.encode((long.as_str(), "a short question"), true).unwrap();
+        assert_eq!(pair.get_ids(), whole.get_ids());
+        // One long word is read until it is whole (WordPiece makes it one [UNK], as read whole).
+        let word = "x".repeat(1 << 16);
+        assert_eq!(
+            t.encode(&word, None).unwrap().get_ids(),
+            t.tokenizer.encode(word.as_str(), true).unwrap().get_ids()
+        );
+        // Without truncation, a long text is over the limit whatever part of it was read.
+        let strict = tokenize(16, false);
+        assert!(strict.encode(&long, None).unwrap().get_ids().len() > 16);
+    }
+}

@@ -286,6 +286,34 @@ mod tests {
     }
 
     #[test]
+    fn an_array_of_bins_is_joined_byte_by_byte() {
+        let ints: Vec<u8> = [1i32, 2, 3].iter().flat_map(|i| i.to_le_bytes()).collect();
+        let body = |parts: &[&[u8]]| {
+            let v = rmpv::Value::Map(vec![(
+                "inputs".into(),
+                rmpv::Value::Array(vec![rmpv::Value::Map(vec![
+                    ("name".into(), "x".into()),
+                    ("shape".into(), rmpv::Value::Array(vec![3.into()])),
+                    ("datatype".into(), "INT32".into()),
+                    (
+                        "data".into(),
+                        rmpv::Value::Array(parts.iter().map(|p| rmpv::Value::Binary(p.to_vec())).collect()),
+                    ),
+                ])]),
+            )]);
+            let mut out = Vec::new();
+            rmpv::encode::write_value(&mut out, &v).unwrap();
+            out
+        };
+        let req = parse("m", None, &body(&[&ints[..1], &ints[1..7], &ints[7..]]), 100).unwrap();
+        assert_eq!(req.inputs[0], Tensor::from_le("x", DataType::Int32, vec![3], &[1i32, 2, 3]));
+        let e = parse("m", None, &body(&[&ints[..1], &ints[1..11]]), 100).unwrap_err().to_string();
+        assert!(e.contains("11 raw bytes are not whole INT32 elements"), "{e}");
+        let e = parse("m", None, &body(&[&ints, &ints[..1]]), 100).unwrap_err().to_string();
+        assert!(e.contains("more than the 3 elements"), "{e}");
+    }
+
+    #[test]
     fn bad_data_names_the_input() {
         for (v, needle) in [
             (json!({"inputs": [{"name": "x", "shape": [3], "datatype": "INT32", "data": [1, 2]}]}), "holds 3 elements"),

@@ -1,0 +1,375 @@
+"""The cost rule, tried as a hostile client would: every request's cost is bounded before it is
+paid (image sides, resize buffers, decoded pixels per request, JPEG scans, text length), work stops
+when its client leaves (HTTP disconnect, gRPC cancel), a large call is charged as one request,
+tenants do not share cache entries, and absurd operator configs fail fast. Each test failed on the
+code before the hardening issue; CPU is read from /proc, memory from VmRSS."""
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import msgpack
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from PIL import Image
+
+from conftest import BIN, ROOT, Server
+
+TICK = os.sysconf("SC_CLK_TCK")
+METRICS_TOKEN = "metrics-token-0123456789abcdef"
+TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef"}
+
+
+def encode(img, fmt="PNG", **kw):
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_mib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def peak_mib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def pipeline(repo, name, steps, extra=""):
+    d = repo / name
+    d.mkdir(parents=True, exist_ok=True)
+    lines = [extra]
+    for op, params in steps:
+        lines += ["[[steps]]", f'op = "{op}"'] + [f"{k} = {json.dumps(v)}" for k, v in params.items()]
+    (d / "config.toml").write_text("\n".join(lines) + "\n")
+
+
+def v2_body(images, name="image"):
+    return json.dumps({"inputs": [{"name": name, "shape": [len(images)], "datatype": "BYTES",
+                                   "data": [i.decode("latin-1") for i in images]}]}).encode()
+
+
+def binary_body(images):
+    """The binary tensor extension: BYTES elements as 4-byte lengths and bytes."""
+    raw = b"".join(len(i).to_bytes(4, "little") + i for i in images)
+    header = json.dumps({"inputs": [{"name": "image", "shape": [len(images)], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    return {"Inference-Header-Content-Length": str(len(header))}, header + raw
+
+
+def post(server, path, body, headers=None, timeout=60):
+    req = urllib.request.Request(f"http://{server.url}{path}", data=body, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def error(body):
+    return json.loads(body)["error"]
+
+
+@pytest.fixture(scope="module")
+def costly(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("costs") / "models"
+    repo.mkdir()
+    for m in ("image_classifier", "tiny_cnn", "text_embedder", "text_encoder"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    raw = ("normalize", {"dtype": "UINT8", "layout": "NHWC"})
+    # The usual ImageNet chain (the README's benchmark pipeline): shorter side 256, centre 224.
+    pipeline(repo, "imagenet_chain", [("decode_image", {}), ("resize", {"mode": "shorter_side", "size": [256]}),
+                                      ("crop", {"size": [224, 224]}), raw])
+    pipeline(repo, "pad_square", [("decode_image", {}), ("pad", {"mode": "square"}), raw])
+    # Images that cost real time to decode, with the per-request budget opened up: for the tests
+    # of work that must stop when its client leaves.
+    pipeline(repo, "slow_images", [("decode_image", {"max_request_pixels": 2_000_000_000}),
+                                   ("resize", {"size": [8, 8]}), raw], extra="max_batch_size = 64")
+    s = Server(repo)
+    yield s
+    s.stop()
+
+
+def test_a_39_megapixel_line_is_refused_before_decoding_and_the_server_lives(costly):
+    pid = costly.proc.pid
+    before = rss_mib(pid)
+    wide = encode(Image.new("L", (39_000_000, 1)), "PNG")
+    tall = encode(Image.new("L", (1, 39_000_000)), "PNG")
+    assert len(wide) < 64 << 10
+    for model in ("imagenet_chain", "image_classifier"):
+        for img in (wide, tall):
+            start = time.time()
+            headers, body = binary_body([img])
+            status, answer = post(costly, f"/v2/models/{model}/infer", body, headers)
+            assert status == 400, answer
+            assert "max_side" in error(answer), error(answer)
+            assert time.time() - start < 5
+    # Sides under the cap whose resize would be absurd: refused naming the sizes, not clamped.
+    thin = encode(Image.new("L", (16000, 2)), "PNG")
+    headers, body = binary_body([thin])
+    status, answer = post(costly, "/v2/models/imagenet_chain/infer", body, headers)
+    assert status == 400 and "more than 16384 on a side" in error(answer), answer
+    headers, body = binary_body([encode(Image.new("L", (16000, 40)), "PNG")])
+    status, answer = post(costly, "/v2/models/pad_square/infer", body, headers)
+    assert status == 400 and "padding" in error(answer), answer
+    with urllib.request.urlopen(f"http://{costly.url}/v2/health/live") as r:
+        assert r.status == 200
+    assert peak_mib(pid) - before < 400, f"peak RSS grew from {before:.0f} MiB to {peak_mib(pid):.0f} MiB"
+
+
+def test_decoded_pixels_are_charged_to_the_request(costly):
+    """32 WebPs of 6320x6320 (1.7 KB each) in one request: the second passes the per-image limit
+    but not the request's 64-megapixel budget, so one is decoded, not 32."""
+    bomb = encode(Image.new("RGB", (6320, 6320), (10, 20, 30)), "WEBP", lossless=True)
+    pid = costly.proc.pid
+    headers, body = binary_body([bomb])
+    start = cpu_seconds(pid)
+    status, answer = post(costly, "/v2/models/image_classifier/infer", body, headers)
+    assert status == 200, answer
+    one = cpu_seconds(pid) - start
+    headers, body = binary_body([bomb] * 32)
+    start = cpu_seconds(pid)
+    status, answer = post(costly, "/v2/models/image_classifier/infer", body, headers)
+    thirty_two = cpu_seconds(pid) - start
+    assert status == 400 and "max_request_pixels" in error(answer), answer
+    print(f"\none 6320x6320 WebP: {one:.2f} CPU-s; 32 in one request: {thirty_two:.2f} CPU-s")
+    assert thirty_two < 2 * one + 0.5
+
+
+def jpeg_with_scans(n):
+    """A progressive JPEG whose last scan is repeated until it has `n` scans."""
+    data = encode(Image.new("RGB", (64, 48), (200, 20, 30)), "JPEG", progressive=True)
+    last = data.rindex(b"\xff\xda")
+    scan = data[last:-2]
+    have = data.count(b"\xff\xda")
+    return data[:-2] + scan * (n - have) + b"\xff\xd9"
+
+
+def test_jpeg_scan_bombs_and_truncated_jpegs_are_refused(costly):
+    headers, body = binary_body([jpeg_with_scans(100)])
+    status, answer = post(costly, "/v2/models/image_classifier/infer", body, headers)
+    assert status == 400 and "max_scans" in error(answer), answer
+    # A normal progressive JPEG still decodes.
+    headers, body = binary_body([encode(Image.new("RGB", (64, 48)), "JPEG", progressive=True)])
+    assert post(costly, "/v2/models/image_classifier/infer", body, headers)[0] == 200
+    # Cut to a third of its bytes: Pillow and OpenCV refuse it, so does Ferrite.
+    rng = np.random.default_rng(0)
+    photo = encode(Image.fromarray(rng.integers(0, 255, (96, 128, 3), dtype=np.uint8)), "JPEG", quality=90)
+    headers, body = binary_body([photo[: len(photo) // 3]])
+    status, answer = post(costly, "/v2/models/image_classifier/infer", body, headers)
+    assert status == 400 and "truncated" in error(answer), answer
+    headers, body = binary_body([photo])
+    assert post(costly, "/v2/models/image_classifier/infer", body, headers)[0] == 200
+
+
+def slow_request(n=48):
+    """n 2000x2000 images (lossless WebP, a few hundred bytes each), each decoded in full."""
+    img = encode(Image.new("RGB", (2000, 2000), (1, 2, 3)), "WEBP", lossless=True)
+    return binary_body([img] * n)
+
+
+def settle(pid, quiet=0.3, limit=30.0):
+    """Waits until the server uses less than `quiet` CPU-seconds per second."""
+    deadline = time.time() + limit
+    last = cpu_seconds(pid)
+    while time.time() < deadline:
+        time.sleep(1)
+        now = cpu_seconds(pid)
+        if now - last < quiet:
+            return
+        last = now
+
+
+def test_work_stops_when_an_http_client_leaves(costly):
+    pid = costly.proc.pid
+    headers, body = slow_request()
+    # What the whole request costs when its client waits.
+    start = cpu_seconds(pid)
+    status, answer = post(costly, "/v2/models/slow_images/infer", body, headers, timeout=300)
+    assert status == 200, answer
+    whole = cpu_seconds(pid) - start
+    settle(pid)
+    # The same request, abandoned after a tenth of that time.
+    sock = socket.create_connection(("127.0.0.1", costly.port))
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(f"POST /v2/models/slow_images/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n"
+                 .encode() + body)
+    time.sleep(max(whole / 10, 0.3))
+    sock.close()
+    left = cpu_seconds(pid)
+    settle(pid)
+    after = cpu_seconds(pid) - left
+    print(f"\n48 images: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after the client left")
+    assert after < max(whole / 4, 1.0), (whole, after)
+
+
+def test_work_stops_when_a_grpc_call_is_cancelled(costly):
+    pid = costly.proc.pid
+    _, body = slow_request()
+    img = encode(Image.new("RGB", (2000, 2000), (1, 2, 3)), "WEBP", lossless=True)
+    c = grpcclient.InferenceServerClient(costly.grpc_url)
+    x = grpcclient.InferInput("image", [48], "BYTES")
+    x.set_data_from_numpy(np.array([img] * 48, dtype=object))
+    start = cpu_seconds(pid)
+    c.infer("slow_images", [x])
+    whole = cpu_seconds(pid) - start
+    settle(pid)
+    with pytest.raises(Exception):
+        c.infer("slow_images", [x], client_timeout=max(whole / 10, 0.3))
+    left = cpu_seconds(pid)
+    settle(pid)
+    after = cpu_seconds(pid) - left
+    print(f"\ngRPC, 48 images: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after the call was cancelled")
+    assert after < max(whole / 4, 1.0), (whole, after)
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    """Two tenants bound to their own tokens, the embedder cached, a cap of 4 requests each."""
+    root = tmp_path_factory.mktemp("tenants")
+    repo = root / "models"
+    repo.mkdir()
+    for m in ("text_embedder", "text_encoder"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    cfg = repo / "text_embedder" / "config.toml"
+    cfg.write_text(cfg.read_text() + "\n[cache]\nenabled = true\n")
+    (root / "tokens").write_text("".join(f"{t} infer tenant={n}\n" for n, t in TOKENS.items())
+                                 + f"{METRICS_TOKEN} metrics\n")
+    (root / "tenants.toml").write_text("[tenants.alice]\nmax_concurrent = 4\n[tenants.bob]\nmax_concurrent = 4\n")
+    s = Server(repo, "--auth-token-file", str(root / "tokens"), "--tenant-header", "x-tenant",
+               "--tenant-config", str(root / "tenants.toml"))
+    yield s
+    s.stop()
+
+
+def embed(server, tenant, texts, path="/embed", **extra):
+    body = json.dumps({"inputs": texts, **extra} if path == "/embed" else {"input": texts, "model": "text_embedder", **extra})
+    return post(server, path, body.encode(), {"Authorization": f"Bearer {TOKENS[tenant]}",
+                                              "Content-Type": "application/json"})
+
+
+def cache_hits(server):
+    req = urllib.request.Request(f"http://{server.url}/v2/models/text_embedder/stats",
+                                 headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    with urllib.request.urlopen(req) as r:
+        return json.loads(r.read())["model_stats"][0]["inference_stats"]["cache_hit"]["count"]
+
+
+def test_tenants_never_hit_each_others_cache_entries(tenants):
+    secret = "bob's private document, sent once"
+    assert embed(tenants, "bob", [secret])[0] == 200
+    hits = cache_hits(tenants)
+    # Alice sends the same text: a miss (computed for her), so neither the time nor the count tells.
+    assert embed(tenants, "alice", [secret])[0] == 200
+    assert cache_hits(tenants) == hits
+    # Each tenant's own repeat is a hit.
+    assert embed(tenants, "alice", [secret])[0] == 200
+    assert embed(tenants, "bob", [secret])[0] == 200
+    assert cache_hits(tenants) == hits + 2
+    # And an infer token cannot read the statistics at all.
+    req = urllib.request.Request(f"http://{tenants.url}/v2/models/text_embedder/stats",
+                                 headers={"Authorization": f"Bearer {TOKENS['alice']}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 403
+
+
+def test_a_large_embeddings_call_is_one_request_under_a_concurrency_cap(tenants):
+    """2048 texts are 64 batches; under max_concurrent = 4 the call is admitted as one request."""
+    texts = [f"text number {i}" for i in range(2048)]
+    status, answer = embed(tenants, "alice", texts, path="/v1/embeddings")
+    assert status == 200, answer[:300]
+    assert len(json.loads(answer)["data"]) == 2048
+
+
+def test_long_texts_cost_what_the_tokenizer_keeps(tenants):
+    pid = tenants.proc.pid
+    start_cpu, start = cpu_seconds(pid), time.time()
+    status, answer = embed(tenants, "bob", ["a " * 500_000], path="/v1/embeddings")
+    took, cpu = time.time() - start, cpu_seconds(pid) - start_cpu
+    assert status == 200, answer[:300]
+    # [CLS] + 254 words + [SEP]: what max_length = 256 keeps, whatever the length sent.
+    assert json.loads(answer)["usage"]["prompt_tokens"] == 256
+    print(f"\n1 MB text: {took:.2f} s, {cpu:.2f} CPU-s")
+    assert cpu < 1.0, cpu
+    # The same vector as the text cut by hand to the words kept.
+    short = embed(tenants, "bob", ["a " * 254], path="/v1/embeddings")[1]
+    np.testing.assert_allclose(json.loads(answer)["data"][0]["embedding"], json.loads(short)["data"][0]["embedding"],
+                               atol=1e-6)
+
+
+def test_small_wrongs_of_the_embedding_apis(tenants):
+    status, answer = embed(tenants, "alice", ["hi"], path="/v1/embeddings", encoding_format="x" * 1_000_000)
+    assert status == 400 and len(answer) < 1000, len(answer)
+    # A wrong size is refused before any embedding is computed.
+    start = time.time()
+    status, answer = embed(tenants, "alice", [f"t{i} " * 100 for i in range(2048)], path="/v1/embeddings", dimensions=7)
+    assert status == 400 and b"not 7" in answer, answer[:300]
+    assert time.time() - start < 3
+
+
+def test_lowercase_bearer_and_compressed_grpc_and_joined_msgpack_bins(tenants):
+    req = urllib.request.Request(f"http://{tenants.url}/v2/models/text_embedder",
+                                 headers={"Authorization": f"bearer {TOKENS['alice']}"})
+    with urllib.request.urlopen(req) as r:
+        assert r.status == 200
+    c = grpcclient.InferenceServerClient(tenants.grpc_url)
+    x = grpcclient.InferInput("text", [1], "BYTES")
+    x.set_data_from_numpy(np.array([b"hello world"], dtype=object))
+    headers = {"authorization": f"Bearer {TOKENS['alice']}"}
+    plain = c.infer("text_embedder", [x], headers=headers).as_numpy("embedding")
+    for algorithm in ("gzip", "deflate"):
+        got = c.infer("text_embedder", [x], headers=headers, compression_algorithm=algorithm).as_numpy("embedding")
+        np.testing.assert_allclose(got, plain)
+    # MessagePack: an array of bins is joined byte by byte (an element may span two).
+    ids = np.arange(1, 5, dtype="<i8").reshape(1, 4).tobytes()
+
+    def send(parts):
+        fixed = lambda name, v: {"name": name, "shape": [1, 4], "datatype": "INT64",  # noqa: E731
+                                 "data": [np.full(4, v, "<i8").tobytes()]}
+        body = msgpack.packb({"inputs": [{"name": "input_ids", "shape": [1, 4], "datatype": "INT64", "data": parts},
+                                         fixed("attention_mask", 1), fixed("token_type_ids", 0)]})
+        return post(tenants, "/v2/models/text_encoder/infer", body,
+                    {"Content-Type": "application/msgpack", "Authorization": f"Bearer {TOKENS['alice']}"})
+
+    status, answer = send([ids[:3], ids[3:20], ids[20:]])
+    assert status == 200, answer[:300]
+    status, answer = send([ids[:3], ids[3:20], ids[20:-1]])
+    assert status == 400 and b"not whole INT64 elements" in answer, answer[:300]
+
+
+@pytest.mark.parametrize("setting", [
+    "instance_group [ { count: 1000000 kind: KIND_CPU } ]",
+    'parameters { key: "intra_op_thread_count" value: { string_value: "100000" } }',
+    'model_warmup [ { name: "w" batch_size: 1 count: 4000000000 inputs { key: "input" value: '
+    '{ data_type: TYPE_FP32 dims: [ 512 ] zero_data: true } } } ]',
+])
+def test_absurd_operator_configs_fail_within_seconds(tmp_path, setting):
+    repo = tmp_path / "models"
+    shutil.copytree(ROOT / "models" / "mlp", repo / "mlp")
+    (repo / "mlp" / "config.toml").unlink(missing_ok=True)
+    (repo / "mlp" / "config.pbtxt").write_text(f'name: "mlp"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n{setting}\n')
+    start = time.time()
+    out = subprocess.run([BIN, "check", "--model-repository", str(repo)], capture_output=True, text=True, timeout=60)
+    assert time.time() - start < 10
+    assert out.returncode != 0
+    assert "more than" in out.stdout + out.stderr, out.stdout + out.stderr
