@@ -373,3 +373,68 @@ def test_absurd_operator_configs_fail_within_seconds(tmp_path, setting):
     assert time.time() - start < 10
     assert out.returncode != 0
     assert "more than" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def embed_calling(repo, name, callee):
+    """A pipeline that calls `callee` (a text pipeline) for its embedding."""
+    pipeline(repo, name, [("model", {"model": callee})])
+
+
+def index_rows(server, token):
+    req = urllib.request.Request(f"http://{server.url}/v2/repository/index", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req) as r:
+        return {row["name"]: row for row in json.loads(r.read())}
+
+
+def test_pipelines_load_after_the_pipelines_they_call_and_cycles_are_named(tmp_path):
+    repo = tmp_path / "models"
+    repo.mkdir()
+    for m in ("text_embedder", "text_encoder"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    # Named before what they call: a_outer -> chain0 -> ... -> chain39 -> text_embedder.
+    embed_calling(repo, "a_outer", "chain0")
+    for i in range(40):
+        embed_calling(repo, f"chain{i}", f"chain{i + 1}" if i < 39 else "text_embedder")
+    embed_calling(repo, "cyc_a", "cyc_b")
+    embed_calling(repo, "cyc_b", "cyc_a")
+    # A chain over a model that cannot load: each reason is its own, not its callee's nested.
+    embed_calling(repo, "broken_outer", "broken_inner")
+    pipeline(repo, "broken_inner", [("model", {"model": "nowhere"})])
+    (tmp_path / "tokens").write_text(f"{METRICS_TOKEN} admin,infer\n")
+    s = Server(repo, "--auth-token-file", str(tmp_path / "tokens"))
+    try:
+        rows = index_rows(s, METRICS_TOKEN)
+        assert rows["a_outer"]["state"] == "READY", rows["a_outer"]
+        assert rows["chain7"]["state"] == "READY", rows["chain7"]
+        for name in ("cyc_a", "cyc_b"):
+            assert rows[name]["state"] == "UNAVAILABLE" and "cycle" in rows[name]["reason"], rows[name]
+        assert "cyc_a -> cyc_b -> cyc_a" in rows["cyc_a"]["reason"]
+        assert "broken_inner" in rows["broken_outer"]["reason"] and len(rows["broken_outer"]["reason"]) < 300
+        c = httpclient.InferenceServerClient(s.url, )
+        x = httpclient.InferInput("text", [1], "BYTES")
+        x.set_data_from_numpy(np.array([b"hello world"], dtype=object))
+        headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+        outer = c.infer("a_outer", [x], headers=headers).as_numpy("embedding")
+        np.testing.assert_allclose(outer, c.infer("text_embedder", [x], headers=headers).as_numpy("embedding"))
+    finally:
+        s.stop()
+
+
+def test_a_pipeline_that_failed_for_want_of_a_model_loads_when_the_model_does(tmp_path):
+    repo = tmp_path / "models"
+    repo.mkdir()
+    for m in ("text_embedder", "text_encoder"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    embed_calling(repo, "outer", "text_embedder")
+    (tmp_path / "tokens").write_text(f"{METRICS_TOKEN} admin,infer\n")
+    s = Server(repo, "--auth-token-file", str(tmp_path / "tokens"), "--model-control-mode", "explicit",
+               "--load-model", "text_encoder", "--load-model", "outer")
+    try:
+        admin = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+        assert index_rows(s, METRICS_TOKEN)["outer"]["state"] == "UNAVAILABLE"
+        status, body = post(s, "/v2/repository/models/text_embedder/load", b"{}", admin)
+        assert status == 200, body
+        assert index_rows(s, METRICS_TOKEN)["outer"]["state"] == "READY"
+    finally:
+        s.stop()

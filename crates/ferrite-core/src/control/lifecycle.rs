@@ -47,6 +47,18 @@ impl Sources {
         self.config.as_ref().is_ok_and(|c| !c.steps.is_empty())
     }
 
+    /// The models a pipeline's steps call (none for a model, or a config that does not parse).
+    pub(crate) fn calls(&self) -> Vec<String> {
+        let Ok(c) = &self.config else { return Vec::new() };
+        c.steps
+            .iter()
+            .filter_map(|s| match s {
+                crate::pipeline::StepConfig::Model(m) => Some(m.model.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub(crate) fn signature(&self) -> u64 {
         let text = self.text.as_deref().unwrap_or_default();
         let files: Vec<(u64, u64)> =

@@ -110,16 +110,29 @@ impl Core {
                 names.push(pipeline.clone());
             }
         }
-        let mut planned: Vec<(String, lifecycle::Sources)> = names
-            .into_iter()
-            .filter(|n| lc.wanted.contains(n))
-            .map(|n| {
-                let sources = lifecycle::Sources::read(repo, &n, lc.configs.get(&n).map(String::as_str));
-                (n, sources)
-            })
+        let read = |n: &String| lifecycle::Sources::read(repo, n, lc.configs.get(n).map(String::as_str));
+        let mut planned: Vec<(String, lifecycle::Sources)> =
+            names.into_iter().filter(|n| lc.wanted.contains(n)).map(|n| (n.clone(), read(&n))).collect();
+        // A pipeline that failed for want of a model it calls is tried again when that model is
+        // (re)built (Triton's repository manager retries dependents likewise), and so on up.
+        let mut waiting: Vec<(String, lifecycle::Sources)> = current
+            .notes
+            .keys()
+            .filter(|n| lc.wanted.contains(*n) && !current.models.contains_key(*n))
+            .filter(|n| !planned.iter().any(|(p, _)| p == *n))
+            .map(|n| (n.clone(), read(n)))
+            .filter(|(_, s)| s.is_pipeline())
             .collect();
-        planned.sort_by_key(|(_, s)| s.is_pipeline());
-        for (name, sources) in planned {
+        while let Some(i) = waiting.iter().position(|(_, s)| s.calls().iter().any(|c| planned.iter().any(|(p, _)| p == c))) {
+            planned.push(waiting.swap_remove(i));
+        }
+        let (ordered, cycles) = dependency_order(planned);
+        for (name, why) in cycles {
+            failed.push(format!("model '{name}': {why}"));
+            next.models.remove(&name);
+            next.notes.insert(name, registry::Notes { model: Some(why), ..Default::default() });
+        }
+        for (name, sources) in ordered {
             let name = &name;
             signatures.push((name.clone(), sources.signature()));
             let (served, notes) =
@@ -280,4 +293,39 @@ impl Core {
         }
         applied
     }
+}
+
+/// Models first, then pipelines each after the pipelines it calls (those it calls among `planned`).
+/// Pipelines that call each other in a cycle are left out, each with the cycle named.
+fn dependency_order(
+    planned: Vec<(String, lifecycle::Sources)>,
+) -> (Vec<(String, lifecycle::Sources)>, Vec<(String, String)>) {
+    let (mut ordered, mut rest): (Vec<_>, Vec<_>) = planned.into_iter().partition(|(_, s)| !s.is_pipeline());
+    loop {
+        let ready = rest.iter().position(|(_, s)| s.calls().iter().all(|c| !rest.iter().any(|(n, _)| n == c)));
+        match ready {
+            Some(i) => ordered.push(rest.remove(i)),
+            None => break,
+        }
+    }
+    // What is left calls, directly or not, into a cycle: name the cycle from each.
+    let cycles = rest
+        .iter()
+        .map(|(name, _)| {
+            let mut path = vec![name.clone()];
+            while let Some(next) = rest
+                .iter()
+                .find(|(n, _)| n == path.last().unwrap_or(name))
+                .and_then(|(_, s)| s.calls().into_iter().find(|c| rest.iter().any(|(n, _)| n == c)))
+            {
+                let seen = path.contains(&next);
+                path.push(next);
+                if seen || path.len() > rest.len() + 1 {
+                    break;
+                }
+            }
+            (name.clone(), format!("pipelines call each other in a cycle: {}", path.join(" -> ")))
+        })
+        .collect();
+    (ordered, cycles)
 }

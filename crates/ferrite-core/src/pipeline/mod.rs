@@ -242,10 +242,16 @@ impl Pipeline {
                         (Op::Tokenize(Box::new(t)), written)
                     }
                     StepConfig::Model(c) => {
-                        let model =
-                            models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(|e| {
-                                Error::invalid(format!("{e} (a pipeline loads after the models its steps call)"))
-                            })?;
+                        let model = models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(
+                            |e| match e {
+                                // Its reason is its own (a chain of pipelines would nest each one's).
+                                Error::Unavailable { .. } => Error::invalid(format!(
+                                    "model '{}', which it calls, is not available (its own reason says why)",
+                                    c.model
+                                )),
+                                e => Error::invalid(format!("{e} (a pipeline loads after the models its steps call)")),
+                            },
+                        )?;
                         let spec = &model.spec;
                         if !spec.batched() {
                             return Err(Error::invalid(format!(
