@@ -4,6 +4,7 @@ when its client leaves (HTTP disconnect, gRPC cancel), a large call is charged a
 tenants do not share cache entries, and absurd operator configs fail fast. Each test failed on the
 code before the hardening issue; CPU is read from /proc, memory from VmRSS."""
 
+import concurrent.futures
 import io
 import json
 import os
@@ -436,5 +437,38 @@ def test_a_pipeline_that_failed_for_want_of_a_model_loads_when_the_model_does(tm
         status, body = post(s, "/v2/repository/models/text_embedder/load", b"{}", admin)
         assert status == 200, body
         assert index_rows(s, METRICS_TOKEN)["outer"]["state"] == "READY"
+    finally:
+        s.stop()
+
+
+def test_one_tenant_cannot_evict_anothers_hot_entries(tmp_path):
+    repo = tmp_path / "models"
+    repo.mkdir()
+    for m in ("text_embedder", "text_encoder"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    cfg = repo / "text_embedder" / "config.toml"
+    cfg.write_text(cfg.read_text() + "\n[cache]\nenabled = true\n")
+    (tmp_path / "tokens").write_text("".join(f"{t} infer tenant={n}\n" for n, t in TOKENS.items())
+                                     + f"{METRICS_TOKEN} metrics\n")
+    (tmp_path / "tenants.toml").write_text("[tenants.alice]\n[tenants.bob]\n")
+    s = Server(repo, "--auth-token-file", str(tmp_path / "tokens"), "--tenant-header", "x-tenant",
+               "--tenant-config", str(tmp_path / "tenants.toml"), "--cache-local-bytes", str(2_000_000))
+    try:
+        def one(tenant, text):
+            body = json.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [text]}]})
+            status, answer = post(s, "/v2/models/text_embedder/infer", body.encode(),
+                                  {"Authorization": f"Bearer {TOKENS[tenant]}"})
+            assert status == 200, answer[:200]
+
+        bob = [f"bob's text {i}" for i in range(20)]
+        for _ in range(5):
+            for t in bob:
+                one("bob", t)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: one("alice", f"alice floods with text number {i}"), range(1500)))
+        before = cache_hits(s)
+        for t in bob:
+            one("bob", t)
+        assert cache_hits(s) - before == 20, "bob's 20 hot entries survive alice's 1,500 unique requests"
     finally:
         s.stop()

@@ -117,6 +117,7 @@ impl Engine {
                     ttl: Duration::from_secs_f64(cache_ttl.clamp(1.0, 1e9)),
                     shared_timeout,
                     max_value_bytes: cache_max_value_bytes,
+                    ..Default::default()
                 },
                 redis,
             );

@@ -218,6 +218,10 @@ struct ServeArgs {
     /// Response cache: responses larger than this many bytes are not cached.
     #[arg(long, env = "FERRITE_CACHE_MAX_VALUE_BYTES", default_value_t = 1 << 20)]
     cache_max_value_bytes: usize,
+    /// Response cache: the share (0 to 1) of the in-process tier one tenant's entries may hold,
+    /// so one tenant's volume cannot evict the others' hot entries.
+    #[arg(long, env = "FERRITE_CACHE_TENANT_SHARE", default_value_t = 0.5)]
+    cache_tenant_share: f64,
     /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `ferrite_core=debug` (one line per
     /// request at debug; never tensor data).
     #[arg(long, env = "FERRITE_LOG", default_value = "info")]
@@ -373,6 +377,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ttl: Duration::from_secs(args.cache_ttl.max(1)),
             shared_timeout,
             max_value_bytes: args.cache_max_value_bytes,
+            tenant_share: args.cache_tenant_share,
         },
         redis,
     );

@@ -35,6 +35,10 @@ pub struct CacheOptions {
     pub shared_timeout: Duration,
     /// Responses larger than this are not cached.
     pub max_value_bytes: usize,
+    /// The share of the in-process tier one named tenant's entries may hold (0 to 1); past it
+    /// the tenant's new answers are not kept there until some of its own expire or are evicted,
+    /// so one tenant's volume cannot evict every other tenant's hot entries.
+    pub tenant_share: f64,
 }
 
 impl Default for CacheOptions {
@@ -44,14 +48,27 @@ impl Default for CacheOptions {
             ttl: Duration::from_secs(300),
             shared_timeout: Duration::from_millis(5),
             max_value_bytes: 1 << 20,
+            tenant_share: 0.5,
         }
     }
 }
 
-type Value = Arc<Vec<Tensor>>;
+/// A cached answer, and the tenant whose share of the in-process tier it counts in (0: none).
+pub struct Entry {
+    tenant: u64,
+    pub outputs: Vec<Tensor>,
+}
+
+type Value = Arc<Entry>;
 
 fn weight(outputs: &[Tensor]) -> usize {
     outputs.iter().map(|t| t.name.len() + 64 + t.data.wire_len()).sum()
+}
+
+/// The tenant an entry counts for: a hash of its name, 0 for none (a model shared across
+/// tenants, or a process without tenants).
+fn tenant_id(tenant: Option<&str>) -> u64 {
+    tenant.filter(|t| !t.is_empty()).map_or(0, |t| xxhash_rust::xxh3::xxh3_64(t.as_bytes()).max(1))
 }
 
 /// Counters, for statistics and metrics.
@@ -60,6 +77,8 @@ pub struct CacheSnapshot {
     pub local_entries: u64,
     pub local_bytes: u64,
     pub local_budget_bytes: u64,
+    /// Answers not kept in the in-process tier because their tenant held its share of it.
+    pub local_over_share: u64,
     /// "off", "ok" or "degraded" (not connected, or the breaker is open).
     pub redis: &'static str,
     pub redis_hits: u64,
@@ -74,6 +93,11 @@ pub struct CacheSnapshot {
 pub struct ResponseCache {
     local: moka::sync::Cache<Key, Value>,
     budget: u64,
+    /// Bytes each tenant's entries hold in the in-process tier, and the most one may.
+    held: Arc<std::sync::Mutex<std::collections::HashMap<u64, u64>>>,
+    tenant_budget: u64,
+    /// Answers not kept in the in-process tier because their tenant held its share.
+    over_share: AtomicU64,
     max_value_bytes: usize,
     ttl: Duration,
     shared: Option<Shared>,
@@ -105,10 +129,23 @@ fn shared_key(key: Key) -> String {
 impl ResponseCache {
     /// Creates the cache, with `shared` as its second tier when given.
     pub fn new(options: &CacheOptions, shared: Option<Arc<dyn SharedTier>>) -> ResponseCache {
+        let held: Arc<std::sync::Mutex<std::collections::HashMap<u64, u64>>> = Arc::default();
+        let released = held.clone();
         let local = moka::sync::Cache::builder()
             .max_capacity(options.local_bytes)
-            .weigher(|_k: &Key, v: &Value| u32::try_from(weight(v)).unwrap_or(u32::MAX))
+            .weigher(|_k: &Key, v: &Value| u32::try_from(weight(&v.outputs)).unwrap_or(u32::MAX))
             .time_to_live(options.ttl)
+            .eviction_listener(move |_k, v: Value, _cause| {
+                if v.tenant != 0 {
+                    let mut held = released.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(n) = held.get_mut(&v.tenant) {
+                        *n = n.saturating_sub(weight(&v.outputs) as u64);
+                        if *n == 0 {
+                            held.remove(&v.tenant);
+                        }
+                    }
+                }
+            })
             .build();
         let shared = shared.map(|tier| Shared {
             tier,
@@ -124,6 +161,9 @@ impl ResponseCache {
         ResponseCache {
             local,
             budget: options.local_bytes,
+            held,
+            tenant_budget: (options.local_bytes as f64 * options.tenant_share.clamp(0.0, 1.0)) as u64,
+            over_share: AtomicU64::new(0),
             max_value_bytes: options.max_value_bytes,
             ttl: options.ttl,
             shared,
@@ -132,27 +172,44 @@ impl ResponseCache {
 
     /// Tier 1, then tier 2 (bounded by the shared tier's timeout). A tier-2 value is checked like
     /// client input (each tensor at most `max_elements` elements); a bad one is dropped from the
-    /// shared tier and counted, and a good one is promoted to tier 1.
-    pub async fn get(&self, key: Key, max_elements: usize) -> Option<Value> {
+    /// shared tier and counted, and a good one is promoted to tier 1 (in `tenant`'s share).
+    pub async fn get(&self, key: Key, max_elements: usize, tenant: Option<&str>) -> Option<Value> {
         if let Some(v) = self.local.get(&key) {
             return Some(v);
         }
-        let v = Arc::new(self.shared.as_ref()?.get(key, max_elements).await?);
-        self.local.insert(key, v.clone());
-        Some(v)
+        let outputs = self.shared.as_ref()?.get(key, max_elements).await?;
+        Some(self.keep(key, outputs, tenant))
     }
 
-    /// Stores a response in tier 1 now and queues it for tier 2.
-    pub fn put(&self, key: Key, outputs: &[Tensor]) {
+    /// Stores a response in tier 1 now (within `tenant`'s share) and queues it for tier 2.
+    pub fn put(&self, key: Key, outputs: &[Tensor], tenant: Option<&str>) {
         if weight(outputs) > self.max_value_bytes {
             return;
         }
-        self.local.insert(key, Arc::new(outputs.to_vec()));
+        self.keep(key, outputs.to_vec(), tenant);
         if let Some(s) = &self.shared {
             if !s.tier.put(shared_key(key), encode(outputs), self.ttl) {
                 s.dropped.fetch_add(1, Relaxed);
             }
         }
+    }
+
+    /// The entry of `outputs`, kept in tier 1 unless its tenant holds its share already.
+    fn keep(&self, key: Key, outputs: Vec<Tensor>, tenant: Option<&str>) -> Value {
+        let tenant = tenant_id(tenant);
+        let entry = Arc::new(Entry { tenant, outputs });
+        if tenant != 0 {
+            let w = weight(&entry.outputs) as u64;
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            let mine = held.entry(tenant).or_default();
+            if *mine + w > self.tenant_budget {
+                self.over_share.fetch_add(1, Relaxed);
+                return entry;
+            }
+            *mine += w;
+        }
+        self.local.insert(key, entry.clone());
+        entry
     }
 
     pub fn snapshot(&self) -> CacheSnapshot {
@@ -161,6 +218,7 @@ impl ResponseCache {
             local_entries: self.local.entry_count(),
             local_bytes: self.local.weighted_size(),
             local_budget_bytes: self.budget,
+            local_over_share: self.over_share.load(Relaxed),
             redis: "off",
             ..Default::default()
         };
@@ -362,13 +420,13 @@ mod tests {
         let cache = ResponseCache::new(&CacheOptions::default(), Some(tier.clone()));
         let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
         tier.values.lock().unwrap().insert(shared_key(k), vec![1, 2, 3]);
-        assert!(cache.get(k, 1 << 20).await.is_none());
+        assert!(cache.get(k, 1 << 20, None).await.is_none());
         assert_eq!(cache.snapshot().redis_bad_values, 1);
         assert_eq!(*tier.removed.lock().unwrap(), vec![shared_key(k)]);
         // A good value is a hit, and promoted to tier 1.
-        cache.put(k, &[t("y", &[2.0])]);
+        cache.put(k, &[t("y", &[2.0])], None);
         cache.local.invalidate(&k);
-        assert_eq!(cache.get(k, 1 << 20).await.unwrap()[0], t("y", &[2.0]));
+        assert_eq!(cache.get(k, 1 << 20, None).await.unwrap().outputs[0], t("y", &[2.0]));
     }
 
     #[tokio::test]
@@ -386,14 +444,14 @@ mod tests {
         // The probe's request is cancelled mid-lookup (client gone): the lookup hangs, then drops.
         tier.hang.store(true, Relaxed);
         let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
-        let probe = tokio::time::timeout(Duration::from_millis(50), cache.get(k, 1 << 20)).await;
+        let probe = tokio::time::timeout(Duration::from_millis(50), cache.get(k, 1 << 20, None)).await;
         assert!(probe.is_err(), "the lookup was cancelled");
         assert_eq!(cache.snapshot().redis, "degraded", "no probe succeeded yet");
         // The tier is back: the next request probes, succeeds and closes the breaker.
         tier.hang.store(false, Relaxed);
-        cache.put(k, &[t("y", &[2.0])]);
+        cache.put(k, &[t("y", &[2.0])], None);
         cache.local.invalidate(&k);
-        assert!(cache.get(k, 1 << 20).await.is_some());
+        assert!(cache.get(k, 1 << 20, None).await.is_some());
         assert!(shared.breaker.is_closed());
         assert_eq!(cache.snapshot().redis, "ok");
     }
@@ -419,16 +477,45 @@ mod tests {
     async fn local_tier_hits_and_stays_within_its_budget() {
         let cache = ResponseCache::new(&CacheOptions { local_bytes: 64 * 1024, ..Default::default() }, None);
         let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
-        assert!(cache.get(k, 1 << 20).await.is_none());
-        cache.put(k, &[t("y", &[3.0])]);
-        assert_eq!(cache.get(k, 1 << 20).await.unwrap()[0], t("y", &[3.0]));
+        assert!(cache.get(k, 1 << 20, None).await.is_none());
+        cache.put(k, &[t("y", &[3.0])], None);
+        assert_eq!(cache.get(k, 1 << 20, None).await.unwrap().outputs[0], t("y", &[3.0]));
         for i in 0..2000 {
             let k = key(None, "m", 1, 0, &[t("x", &[i as f32])], None);
-            cache.put(k, &[t("y", &vec![0.5; 256])]);
+            cache.put(k, &[t("y", &vec![0.5; 256])], None);
         }
         let s = cache.snapshot();
         assert!(s.local_bytes <= 64 * 1024, "{s:?}");
         assert!(s.local_entries > 0 && s.redis == "off");
+    }
+
+    #[tokio::test]
+    async fn one_tenant_cannot_take_more_than_its_share_of_the_local_tier() {
+        let cache = ResponseCache::new(&CacheOptions { local_bytes: 256 * 1024, ..Default::default() }, None);
+        let value = [t("y", &vec![0.5; 256])];
+        let bob: Vec<Key> = (0..20).map(|i| key(Some("bob"), "m", 1, 0, &[t("x", &[i as f32])], None)).collect();
+        for &k in &bob {
+            cache.put(k, &value, Some("bob"));
+            for _ in 0..5 {
+                assert!(cache.get(k, 1 << 20, Some("bob")).await.is_some());
+            }
+        }
+        for i in 0..5000 {
+            let k = key(Some("alice"), "m", 1, 0, &[t("x", &[i as f32])], None);
+            cache.put(k, &value, Some("alice"));
+        }
+        cache.local.run_pending_tasks();
+        let mut kept = 0;
+        for &k in &bob {
+            kept += cache.get(k, 1 << 20, Some("bob")).await.is_some() as usize;
+        }
+        assert_eq!(kept, 20, "bob's entries survive alice's flood");
+        let s = cache.snapshot();
+        assert!(s.local_over_share > 0 && s.local_bytes <= 256 * 1024, "{s:?}");
+        // Alice's entries expire or go, and her share frees: the accounting follows evictions.
+        cache.local.invalidate_all();
+        cache.local.run_pending_tasks();
+        assert!(cache.held.lock().unwrap().is_empty());
     }
 }
 

@@ -123,7 +123,9 @@ impl Core {
             .map(|n| (n.clone(), read(n)))
             .filter(|(_, s)| s.is_pipeline())
             .collect();
-        while let Some(i) = waiting.iter().position(|(_, s)| s.calls().iter().any(|c| planned.iter().any(|(p, _)| p == c))) {
+        while let Some(i) =
+            waiting.iter().position(|(_, s)| s.calls().iter().any(|c| planned.iter().any(|(p, _)| p == c)))
+        {
             planned.push(waiting.swap_remove(i));
         }
         let (ordered, cycles) = dependency_order(planned);

@@ -184,15 +184,19 @@ impl Model {
         let cache = self.cache.as_ref().filter(|_| !req.skip_cache);
         let tenant =
             if self.spec.cache_across_tenants { None } else { Some(req.tenant.as_deref().unwrap_or_default()) };
+        // The tenant whose share of the in-process tier an answer counts in.
+        let share = tenant.filter(|t| !t.is_empty());
         let key = cache
             .map(|_| cache::key(tenant, &self.spec.name, self.spec.version, self.content, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
-            if let Some(hit) = c.get(k, limits.max_elements).instrument(child(|| tracing::debug_span!("cache"))).await {
+            if let Some(hit) =
+                c.get(k, limits.max_elements, share).instrument(child(|| tracing::debug_span!("cache"))).await
+            {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
                 self.metrics.cache_hits.inc();
-                return Ok(self.response(req.id, hit.as_ref().clone()));
+                return Ok(self.response(req.id, hit.outputs.clone()));
             }
             self.stats.cache_miss.add(t.elapsed());
             self.metrics.cache_misses.inc();
@@ -227,7 +231,7 @@ impl Model {
         };
         let outputs = answer.map_err(|_| Error::internal("the batcher dropped the request"))??;
         if let (Some(c), Some(k)) = (cache, key) {
-            c.put(k, &outputs);
+            c.put(k, &outputs, share);
         }
         Ok(self.response(req.id, outputs))
     }
