@@ -75,4 +75,31 @@ name = "x"
 dims = [4]
 """)
 write("config", "empty.toml", "")
+
+# Encoded images for the decode and resize chain, one of each format and mode the decoders take.
+try:
+    import io
+
+    from PIL import Image
+
+    def image(name, img, fmt, **kw):
+        buf = io.BytesIO()
+        img.save(buf, fmt, **kw)
+        write("image", name, buf.getvalue())
+
+    rgb = Image.radial_gradient("L").resize((24, 16)).convert("RGB")
+    image("rgb.png", rgb, "PNG")
+    image("gray.png", rgb.convert("L"), "PNG")
+    image("rgba.png", rgb.convert("RGBA"), "PNG")
+    image("rgb16.png", rgb.convert("I;16"), "PNG")
+    image("baseline.jpg", rgb, "JPEG", quality=80)
+    image("progressive.jpg", rgb, "JPEG", progressive=True)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    image("rotated.jpg", rgb, "JPEG", exif=exif.tobytes())
+    image("lossless.webp", rgb, "WEBP", lossless=True)
+    image("lossy.webp", rgb, "WEBP", quality=50)
+    image("tall.png", Image.new("L", (1, 300)), "PNG")
+except ImportError:
+    print("Pillow is not installed: no image seeds")
 print("wrote", CORPUS)

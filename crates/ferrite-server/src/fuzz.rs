@@ -1,6 +1,6 @@
 //! Corpus-driven fuzzing of every parser a client or operator can feed: the JSON infer request,
 //! the binary-extension body, MessagePack, the gRPC request (protobuf decoding and conversion) and
-//! the model and tenant configs.
+//! the model and tenant configs, and the image decoders and resize behind a pipeline's steps.
 //!
 //! Each target first replays its corpus (`fuzz/corpus/<target>/`: seeds, and every crash found so
 //! far, kept as regression inputs), then mutates corpus entries for `FERRITE_FUZZ_SECS` seconds
@@ -189,6 +189,34 @@ fn config(data: &[u8]) {
     let _ = ferrite_core::admission::tenant::TenantConfig::parse(text);
 }
 
+/// The image steps a pipeline runs on a client's bytes: decode (small limits, so a fuzzed header
+/// cannot make one run slow), then resize, pad, crop and normalize.
+fn image(data: &[u8]) {
+    use std::sync::{Arc, OnceLock};
+
+    use ferrite_core::{engine::backend::BatchInput, Backend, DataType, TensorData};
+    static PIPELINE: OnceLock<ferrite_core::pipeline::Pipeline> = OnceLock::new();
+    let pipeline = PIPELINE.get_or_init(|| {
+        let steps = ferrite_core::control::repository::parse_config(
+            "[[steps]]\nop = \"decode_image\"\nmax_pixels = 1000000\nmax_side = 4096\n\
+             [[steps]]\nop = \"resize\"\nmode = \"shorter_side\"\nsize = [20]\n\
+             [[steps]]\nop = \"pad\"\nmode = \"square\"\n\
+             [[steps]]\nop = \"crop\"\nsize = [16, 16]\n\
+             [[steps]]\nop = \"normalize\"\n",
+        )
+        .unwrap()
+        .steps;
+        let registry = Arc::new(arc_swap::ArcSwap::from_pointee(ferrite_core::Registry::default()));
+        let dir = std::env::temp_dir();
+        ferrite_core::pipeline::Pipeline::build("fuzz", &dir, &steps, &[], &ferrite_core::Registry::default(), registry)
+            .unwrap()
+    });
+    let mut instance = pipeline.instance().unwrap();
+    let rows = TensorData::Strings(vec![Bytes::copy_from_slice(data)]);
+    let input = BatchInput { name: "image", datatype: DataType::Bytes, shape: vec![1], parts: vec![&rows] };
+    let _ = instance.run(&[input]);
+}
+
 #[test]
 fn fuzz_json_request() {
     fuzz("json", json);
@@ -207,6 +235,11 @@ fn fuzz_msgpack_request() {
 #[test]
 fn fuzz_grpc_request() {
     fuzz("grpc", grpc);
+}
+
+#[test]
+fn fuzz_image_decode_and_resize() {
+    fuzz("image", image);
 }
 
 #[test]

@@ -111,11 +111,11 @@ impl Core {
             }
         }
         let read = |n: &String| lifecycle::Sources::read(repo, n, lc.configs.get(n).map(String::as_str));
-        let mut planned: Vec<(String, lifecycle::Sources)> =
+        let mut planned: Vec<Planned> =
             names.into_iter().filter(|n| lc.wanted.contains(n)).map(|n| (n.clone(), read(&n))).collect();
         // A pipeline that failed for want of a model it calls is tried again when that model is
         // (re)built (Triton's repository manager retries dependents likewise), and so on up.
-        let mut waiting: Vec<(String, lifecycle::Sources)> = current
+        let mut waiting: Vec<Planned> = current
             .notes
             .keys()
             .filter(|n| lc.wanted.contains(*n) && !current.models.contains_key(*n))
@@ -297,11 +297,12 @@ impl Core {
     }
 }
 
+/// A model to build, with what it is built from.
+type Planned = (String, lifecycle::Sources);
+
 /// Models first, then pipelines each after the pipelines it calls (those it calls among `planned`).
 /// Pipelines that call each other in a cycle are left out, each with the cycle named.
-fn dependency_order(
-    planned: Vec<(String, lifecycle::Sources)>,
-) -> (Vec<(String, lifecycle::Sources)>, Vec<(String, String)>) {
+fn dependency_order(planned: Vec<Planned>) -> (Vec<Planned>, Vec<(String, String)>) {
     let (mut ordered, mut rest): (Vec<_>, Vec<_>) = planned.into_iter().partition(|(_, s)| !s.is_pipeline());
     loop {
         let ready = rest.iter().position(|(_, s)| s.calls().iter().all(|c| !rest.iter().any(|(n, _)| n == c)));
