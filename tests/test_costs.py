@@ -105,6 +105,8 @@ def costly(tmp_path_factory):
     # of work that must stop when its client leaves.
     pipeline(repo, "slow_images", [("decode_image", {"max_request_pixels": 2_000_000_000}),
                                    ("resize", {"size": [8, 8]}), raw], extra="max_batch_size = 64")
+    # One request per batch, so each worker holds one client's image at a time.
+    pipeline(repo, "one_by_one", [("decode_image", {}), ("resize", {"size": [8, 8]}), raw], extra="max_batch_size = 1")
     s = Server(repo)
     yield s
     s.stop()
@@ -472,3 +474,47 @@ def test_one_tenant_cannot_evict_anothers_hot_entries(tmp_path):
         assert cache_hits(s) - before == 20, "bob's 20 hot entries survive alice's 1,500 unique requests"
     finally:
         s.stop()
+
+
+def test_a_small_image_is_not_stuck_behind_large_ones(costly):
+    """As many clients as the pipeline has workers each send one 40-megapixel WebP per request
+    (within every limit), one request per batch: heavy requests never take the last worker, so a
+    client sending small JPEGs keeps its latency within a small multiple of its idle latency
+    (before, it waited for a worker to finish a WebP: seconds)."""
+    small = encode(Image.new("RGB", (64, 48), (120, 30, 200)), "JPEG")
+    bomb = encode(Image.new("RGB", (6320, 6320), (10, 20, 30)), "WEBP", lossless=True)
+    url = "/v2/models/one_by_one/infer"
+    sh, sb = binary_body([small])
+
+    def steady(seconds):
+        lat, end = [], time.time() + seconds
+        while time.time() < end:
+            t = time.perf_counter()
+            assert post(costly, url, sb, sh)[0] == 200
+            lat.append(time.perf_counter() - t)
+        return np.array(lat)
+
+    idle = steady(3)
+    stop = threading.Event()
+    bh, bb = binary_body([bomb])
+
+    def flood():
+        while not stop.is_set():
+            post(costly, url, bb, bh, timeout=300)
+
+    workers = int(json.loads(urllib.request.urlopen(f"http://{costly.url}/v2/models/one_by_one/config").read())
+                  ["instance_group"][0]["count"])
+    threads = [threading.Thread(target=flood) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        busy = steady(6)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    p99 = lambda lat: float(np.percentile(lat, 99))  # noqa: E731
+    print(f"\nsmall JPEGs, p99 alone {p99(idle) * 1e3:.1f} ms, beside {workers} clients of 40-megapixel WebPs "
+          f"{p99(busy) * 1e3:.1f} ms ({p99(busy) / p99(idle):.1f}x), max {busy.max() * 1e3:.0f} ms")
+    assert p99(busy) < max(20 * p99(idle), 0.3), (p99(idle), p99(busy))

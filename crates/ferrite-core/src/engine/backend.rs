@@ -25,6 +25,21 @@ pub trait Backend: Send + Sync {
     fn outputs(&self) -> &[TensorSpec];
     /// A new per-worker runner.
     fn instance(&self) -> Result<Box<dyn Instance>>;
+
+    /// What a request will cost, read from what its inputs declare before any work (a
+    /// pipeline's: the pixels its images' headers declare), or an error when that is over a
+    /// per-request budget. `None`: every request costs alike.
+    fn cost(&self) -> Option<Cost> {
+        None
+    }
+}
+
+/// A backend's estimate of a request's cost, in its own unit (see `Backend::cost`), and the
+/// cost past which a request is heavy.
+#[derive(Clone)]
+pub struct Cost {
+    pub of: std::sync::Arc<dyn Fn(&[Tensor]) -> Result<u64> + Send + Sync>,
+    pub heavy: u64,
 }
 
 /// Which request each row of a batch belongs to, and whether its client still waits: a backend

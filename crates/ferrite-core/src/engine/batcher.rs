@@ -52,6 +52,9 @@ struct Shared {
     solo_running: std::sync::atomic::AtomicBool,
     /// The model has a solo instance: workers take turns as the module says.
     has_solo: bool,
+    /// Batches of heavy requests running now: at most all instances but one, so light work
+    /// always finds one (see `Pending::heavy`).
+    heavy_running: AtomicUsize,
     /// Requests whose clients left after they were taken from the queue, before they ran.
     cancelled: std::sync::atomic::AtomicU64,
     /// One batch's recent run time, for refusing requests whose deadline cannot be met.
@@ -126,6 +129,7 @@ impl Batcher {
         let shared = Arc::new(Shared {
             submitted: Default::default(),
             cancelled: Default::default(),
+            heavy_running: AtomicUsize::new(0),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
             batch_time: BatchTime::default(),
             costs: Mutex::default(),
@@ -321,9 +325,14 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     q = shared.condvar(role).wait_timeout(q, turn).unwrap_or_else(|e| e.into_inner()).0;
                     continue;
                 }
-                let decision = q.next_batch(Instant::now(), &shared.policy, limit, flush);
+                let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
+                let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
+                let decision = q.next_batch_of(Instant::now(), &shared.policy, limit, flush, light_only);
                 match decision {
                     Decision::Run(batch) => {
+                        if batch.iter().any(|p| p.heavy) {
+                            shared.heavy_running.fetch_add(1, Ordering::AcqRel);
+                        }
                         let ticket = shared.tickets.fetch_add(1, Ordering::AcqRel);
                         shared.running.fetch_add(1, Ordering::AcqRel);
                         shared.solo_running.store(role == Role::Solo, Ordering::Release);
@@ -364,7 +373,11 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
         };
         let (batch, ticket) = batch;
         last_requests = batch.len();
+        let heavy = batch.iter().any(|p| p.heavy);
         execute(shared, instance.as_mut(), batch, ticket);
+        if heavy {
+            shared.heavy_running.fetch_sub(1, Ordering::AcqRel);
+        }
         if shared.has_solo {
             // Under the lock, so a worker deciding its turn sees this batch finished or is woken.
             let q = shared.lock();

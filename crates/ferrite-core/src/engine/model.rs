@@ -87,6 +87,8 @@ pub struct Model {
     pub(crate) content: u64,
     /// The config's warm-up requests: name, times to run, inputs.
     pub(crate) warmups: Vec<(String, usize, Vec<Tensor>)>,
+    /// What a request costs, when the backend can tell before running it.
+    cost: Option<crate::engine::backend::Cost>,
 }
 
 impl Model {
@@ -95,7 +97,8 @@ impl Model {
         let stats = Arc::new(ModelStats::default());
         let batcher = Batcher::start(&spec, backend, solo, stats.clone())?;
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
-        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0, warmups: Vec::new() })
+        let cost = backend.cost();
+        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0, warmups: Vec::new(), cost })
     }
 
     pub fn batcher(&self) -> &Batcher {
@@ -151,6 +154,7 @@ impl Model {
             span,
             warmup: true,
             hold: Hold::default(),
+            heavy: false,
         };
         self.batcher.submit(p)?;
         block_on(rx).map_err(|_| Error::internal("the warm-up request was dropped"))?.map(|_| ())
@@ -181,6 +185,11 @@ impl Model {
             Ok((inputs, rows, self.check_outputs(req.outputs.as_deref())?, self.level(req.priority)?))
         });
         let (inputs, rows, outputs, level) = validated?;
+        // A request over the backend's per-request budget is refused here, before it queues.
+        let heavy = match &self.cost {
+            Some(c) => (c.of)(&inputs)? > c.heavy,
+            None => false,
+        };
         let cache = self.cache.as_ref().filter(|_| !req.skip_cache);
         let tenant =
             if self.spec.cache_across_tenants { None } else { Some(req.tenant.as_deref().unwrap_or_default()) };
@@ -220,6 +229,7 @@ impl Model {
             span,
             warmup: false,
             hold,
+            heavy,
         })?;
         let answer = match wait_limit {
             None => rx.instrument(queued).await,

@@ -48,13 +48,17 @@ pub struct Pending {
     /// A load's warm-up request: run at once, and left out of the statistics.
     pub warmup: bool,
     pub hold: Hold,
+    /// Costly beyond the model's light work (a pipeline request of many megapixels): such
+    /// requests never take every instance at once, and never share a batch with light ones.
+    pub heavy: bool,
 }
 
 impl Pending {
     /// Whether `other` may share a batch with `self`: every non-batch dim equal.
     fn compatible(&self, other: &Pending) -> bool {
         // The same inputs (optional ones may be left out) with the same non-batch dims.
-        self.inputs.len() == other.inputs.len()
+        self.heavy == other.heavy
+            && self.inputs.len() == other.inputs.len()
             && self
                 .inputs
                 .iter()
@@ -204,15 +208,33 @@ impl Queue {
     /// policy's merge limit); a single larger request still runs alone. `flush` sends what is
     /// pending without waiting for the queue delay (at shutdown).
     pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, limit: usize, flush: bool) -> Decision {
+        self.next_batch_of(now, policy, limit, flush, false)
+    }
+
+    /// As `next_batch`; with `light_only`, heavy requests are passed over (they wait for an
+    /// instance that may take them), so an instance stays free for light work.
+    pub fn next_batch_of(
+        &mut self,
+        now: Instant,
+        policy: &BatchPolicy,
+        limit: usize,
+        flush: bool,
+        light_only: bool,
+    ) -> Decision {
         let limit = limit.min(policy.merge_limit).max(1);
         self.prune(now);
         if self.is_empty() {
             return Decision::Idle;
         }
-        if !policy.dynamic {
-            return Decision::Run(self.pop(1));
+        if light_only && self.levels.iter().flat_map(Level::iter).all(|p| p.heavy) {
+            // Only heavy work is queued: look again when an instance running it is done.
+            return Decision::WaitUntil(now + Duration::from_millis(20));
         }
-        let mut order = self.levels.iter().flat_map(Level::iter);
+        let light = |p: &&Pending| !(light_only && p.heavy);
+        if !policy.dynamic {
+            return Decision::Run(self.pop(1, light_only));
+        }
+        let mut order = self.levels.iter().flat_map(Level::iter).filter(light);
         let Some(first) = order.next() else {
             return Decision::Idle;
         };
@@ -236,12 +258,27 @@ impl Queue {
         } else {
             return Decision::WaitUntil(due);
         };
-        Decision::Run(self.pop(n))
+        Decision::Run(self.pop(n, light_only))
     }
 
-    fn pop(&mut self, mut n: usize) -> Vec<Pending> {
+    /// The first `n` requests in priority then arrival order (light ones only, with `light_only`).
+    fn pop(&mut self, mut n: usize, light_only: bool) -> Vec<Pending> {
         let mut out = Vec::with_capacity(n);
         for level in &mut self.levels {
+            if light_only {
+                for deque in [&mut level.fresh, &mut level.delayed] {
+                    while n > 0 {
+                        match deque.iter().position(|p| !p.heavy).and_then(|i| deque.remove(i)) {
+                            Some(p) => {
+                                out.push(p);
+                                n -= 1;
+                            }
+                            None => break,
+                        }
+                    }
+                }
+                continue;
+            }
             while n > 0 {
                 match level.pop_front() {
                     Some(p) => {
@@ -306,6 +343,7 @@ mod tests {
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
+            heavy: false,
         })
         .unwrap();
         Req { rx }
@@ -418,6 +456,7 @@ mod tests {
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
+            heavy: false,
         };
         let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
@@ -439,6 +478,7 @@ mod tests {
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
+            heavy: false,
         })
         .unwrap();
         assert!(matches!(
@@ -482,6 +522,7 @@ mod tests {
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
+            heavy: false,
         })
         .unwrap();
         rx
@@ -505,6 +546,7 @@ mod tests {
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
+            heavy: false,
         };
         assert!(matches!(q.push(extra), Err(Error::Unavailable { .. })));
         // The other level still takes work.

@@ -129,14 +129,14 @@ impl Decode {
     /// Width and height as the header declares them (after the checks that need no decoding):
     /// what decoding the image will cost, to charge it before paying.
     pub fn declared(&self, bytes: &[u8]) -> Result<(u32, u32)> {
-        let (_, (w, h)) = self.open(bytes)?;
+        let (_, (w, h)) = self.open(bytes, false)?;
         Ok((w, h))
     }
 
     /// The decoder, after every check that can be made before decoding: size in bytes, format,
     /// each side and the area, the bytes the decoded pixels take, and (JPEG) the scans and that
-    /// the file is whole.
-    fn open<'b>(&self, bytes: &'b [u8]) -> Result<(Box<dyn ImageDecoder + 'b>, (u32, u32))> {
+    /// the file is whole (`whole`: a walk over all its bytes, left for the decode itself).
+    fn open<'b>(&self, bytes: &'b [u8], whole: bool) -> Result<(Box<dyn ImageDecoder + 'b>, (u32, u32))> {
         if bytes.is_empty() {
             return Err(Error::invalid("the image is empty"));
         }
@@ -151,7 +151,8 @@ impl Decode {
         let mut reader =
             image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.into()))?;
         match reader.format() {
-            Some(image::ImageFormat::Jpeg) => jpeg_scans(bytes, self.max_scans)?,
+            Some(image::ImageFormat::Jpeg) if whole => jpeg_scans(bytes, self.max_scans)?,
+            Some(image::ImageFormat::Jpeg) => {}
             Some(image::ImageFormat::Png | image::ImageFormat::WebP) => {}
             _ => return Err(Error::invalid("the image is not a JPEG, PNG or WebP")),
         }
@@ -197,7 +198,7 @@ impl Decode {
 
     fn decode(&self, bytes: &[u8]) -> Result<Picture> {
         let bad = |e: image::ImageError| Error::invalid(format!("cannot decode the image: {e}"));
-        let (mut decoder, _) = self.open(bytes)?;
+        let (mut decoder, _) = self.open(bytes, true)?;
         let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
         let img = DynamicImage::from_decoder(decoder).map_err(bad)?;
         // To 8-bit RGB first, so the rotation copies the smallest form of the image.

@@ -29,7 +29,7 @@ use crate::{
     admission::Limits,
     control::Registry,
     engine::{
-        backend::{BatchInput, Instance, Live},
+        backend::{BatchInput, Cost, Instance, Live},
         spec::TensorSpec,
     },
     Backend, DataType, Error, InferRequest, Result, Tensor, TensorData,
@@ -129,6 +129,10 @@ pub(crate) enum Kind {
 
 /// Rows that a step could not process, each with its error; the rest of the batch is sound.
 pub(crate) type RowErrors = Vec<(usize, Error)>;
+
+/// Decoded pixels past which a pipeline request is heavy (about a 2,300 x 1,700 image): it may
+/// take every worker but one, never the last, so a small image is never stuck behind large ones.
+const HEAVY_PIXELS: u64 = 4_000_000;
 
 /// A built step: its name for errors and metrics, and what it does.
 struct Step {
@@ -370,6 +374,41 @@ impl Backend for Pipeline {
 
     fn outputs(&self) -> &[TensorSpec] {
         &self.outputs
+    }
+
+    /// The pixels a request's images declare in their headers, against each decode step's
+    /// `max_request_pixels` (refused at admission, before the request queues). A request of more
+    /// than a few megapixels is heavy: it never takes the last worker light requests need.
+    fn cost(&self) -> Option<Cost> {
+        if !self.steps.iter().any(|s| matches!(s.op, Op::Decode(_))) {
+            return None;
+        }
+        let steps = self.steps.clone();
+        let of = move |inputs: &[Tensor]| -> Result<u64> {
+            let mut total = 0u64;
+            for step in steps.iter() {
+                let Op::Decode(d) = &step.op else { continue };
+                let Some(TensorData::Strings(images)) = inputs.iter().find(|t| t.name == d.input()).map(|t| &t.data)
+                else {
+                    continue;
+                };
+                let mut pixels = 0u64;
+                // An image whose header does not read costs nothing here; its row fails at decode.
+                for (w, h) in images.iter().filter_map(|b| d.declared(b).ok()) {
+                    pixels += u64::from(w) * u64::from(h);
+                }
+                if pixels > d.max_request_pixels {
+                    return Err(Error::invalid(format!(
+                        "step '{}': the request's images decode to {pixels} pixels together, more than {} \
+                         (decode_image max_request_pixels)",
+                        step.name, d.max_request_pixels
+                    )));
+                }
+                total += pixels;
+            }
+            Ok(total)
+        };
+        Some(Cost { of: Arc::new(of), heavy: HEAVY_PIXELS })
     }
 
     fn instance(&self) -> Result<Box<dyn Instance>> {

@@ -1,0 +1,157 @@
+"""A steady client beside hostile floods (bench/run.sh --hostile): what one tenant's costly requests
+do to another's latency, on the bundled repository, with the release binary.
+
+- images: one client sends a 64x48 JPEG to `image_classifier` back to back, alone, then while 4
+  clients each send requests of 16 WebPs of 6320x6320 (1.7 KB each, 40 megapixels decoded), and
+  while 4 clients each send one such WebP per request (what the per-request budget lets through);
+- text: one client sends one short text to TEI's /embed, alone, then while 2 clients each send
+  OpenAI /v1/embeddings calls of 2048 texts of 200 words.
+
+Reports the steady client's p50, p99 and max, its requests completed, and the server's CPU, and
+writes bench/results/hostile.md. Guards the cost rule: the steady client's p99 beside the floods
+stays within a small multiple of its idle p99.
+
+Usage: python3 bench/hostile.py [--duration 10]
+"""
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.run import ROOT, RESULTS, WORK, free_port  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def encode(img, fmt, **kw):
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def binary_body(images):
+    raw = b"".join(len(i).to_bytes(4, "little") + i for i in images)
+    header = json.dumps({"inputs": [{"name": "image", "shape": [len(images)], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    return {"Inference-Header-Content-Length": str(len(header))}, header + raw
+
+
+def post(url, body, headers):
+    req = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code
+
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def steady(url, body, headers, duration, stop=None):
+    """Latencies (s) of back-to-back requests for `duration` seconds."""
+    lat = []
+    end = time.time() + duration
+    while time.time() < end:
+        t = time.perf_counter()
+        status = post(url, body, headers)
+        lat.append(time.perf_counter() - t)
+        assert status == 200, status
+    return np.array(lat)
+
+
+def flood(url, body, headers, stop, statuses):
+    while not stop.is_set():
+        statuses.append(post(url, body, headers))
+
+
+def scenario(name, pid, steady_req, flood_req, flooders, duration):
+    idle = steady(*steady_req, duration)
+    stop = threading.Event()
+    statuses = []
+    threads = [threading.Thread(target=flood, args=(*flood_req, stop, statuses)) for _ in range(flooders)]
+    cpu = cpu_seconds(pid)
+    for t in threads:
+        t.start()
+    busy = steady(*steady_req, duration)
+    stop.set()
+    for t in threads:
+        t.join()
+    cpu = cpu_seconds(pid) - cpu
+    row = lambda lat: (np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3, lat.max() * 1e3, len(lat))  # noqa: E731
+    codes = {c: statuses.count(c) for c in sorted(set(statuses))}
+    return name, row(idle), row(busy), codes, cpu
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=float, default=10)
+    args = ap.parse_args()
+    binary = ROOT / "target" / "release" / "ferrite"
+    subprocess.run(["cargo", "build", "--release", "--locked", "--bin", "ferrite"], check=True, cwd=ROOT)
+    repo = WORK / "hostile"
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(ROOT / "models", repo)
+    port, grpc, metrics = free_port(), free_port(), free_port()
+    log = open(WORK / "hostile.log", "w")
+    proc = subprocess.Popen([str(binary), "serve", "--model-repository", str(repo), "--http-port", str(port),
+                             "--grpc-port", str(grpc), "--metrics-port", str(metrics)], stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"{base}/v2/health/ready", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    try:
+        small = encode(Image.new("RGB", (64, 48), (120, 30, 200)), "JPEG")
+        bomb = encode(Image.new("RGB", (6320, 6320), (10, 20, 30)), "WEBP", lossless=True)
+        h, b = binary_body([small])
+        fh, fb = binary_body([bomb] * 16)
+        one_h, one_b = binary_body([bomb])
+        url = f"{base}/v2/models/image_classifier/infer"
+        rows = [scenario("images: 4 clients of 16 WebP bombs", proc.pid, (url, b, h), (url, fb, fh), 4, args.duration),
+                scenario("images: 4 clients of 1 WebP bomb (within the limits)", proc.pid, (url, b, h),
+                         (url, one_b, one_h), 4, args.duration)]
+        json_h = {"Content-Type": "application/json"}
+        one = json.dumps({"inputs": "a short text to embed"}).encode()
+        words = " ".join(["word"] * 200)
+        many = json.dumps({"model": "text_embedder", "input": [f"{i} {words}" for i in range(2048)]}).encode()
+        rows.append(scenario("text: 2 clients of 2048-text embeddings", proc.pid, (f"{base}/embed", one, json_h),
+                             (f"{base}/v1/embeddings", many, json_h), 2, args.duration))
+    finally:
+        proc.terminate()
+        proc.wait()
+    lines = ["# A steady client beside hostile floods", "",
+             f"`python3 bench/hostile.py --duration {args.duration:g}`, {time.strftime('%Y-%m-%d')}, "
+             f"{os.cpu_count()} CPUs, release binary on the bundled repository; the steady client sends one "
+             "request at a time, alone and then beside the floods.", "",
+             "| load | steady p50 / p99 / max idle (ms) | beside the flood (ms) | p99 multiple | steady requests idle / beside | flood answers | server CPU-s beside |",
+             "|---|---|---|---|---|---|---|"]
+    for name, idle, busy, codes, cpu in rows:
+        lines.append(f"| {name} | {idle[0]:.1f} / {idle[1]:.1f} / {idle[2]:.1f} | {busy[0]:.1f} / {busy[1]:.1f} / "
+                     f"{busy[2]:.1f} | {busy[1] / idle[1]:.1f}x | {idle[3]} / {busy[3]} | {codes} | {cpu:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (RESULTS / "hostile.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
