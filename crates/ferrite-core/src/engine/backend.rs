@@ -38,9 +38,12 @@ pub trait Backend: Send + Sync {
 /// cost past which a request is heavy.
 #[derive(Clone)]
 pub struct Cost {
-    pub of: std::sync::Arc<dyn Fn(&[Tensor]) -> Result<u64> + Send + Sync>,
+    pub of: std::sync::Arc<CostOf>,
     pub heavy: u64,
 }
+
+/// The cost of a request's inputs (validated, in model order), or why it is over budget.
+pub type CostOf = dyn Fn(&[Tensor]) -> Result<u64> + Send + Sync;
 
 /// Which request each row of a batch belongs to, and whether its client still waits: a backend
 /// that works row by row (a pipeline) stops paying for the rows of a client that has left, and
