@@ -74,7 +74,9 @@ def image_server(tmp_path_factory):
     raw = ("normalize", {"dtype": "UINT8", "layout": "NHWC"})
     pipeline(repo, "decoded", [("decode_image", {}), raw], extra="max_batch_size = 8")
     for f in ("nearest", "bilinear", "bicubic"):
-        pipeline(repo, f"exact_{f}", [("decode_image", {}), ("resize", {"size": [37, 23], "filter": f}), raw])
+        # A budget of decoded pixels per request past eight 36-megapixel images (the memory test).
+        pipeline(repo, f"exact_{f}", [("decode_image", {"max_request_pixels": 300_000_000}),
+                                      ("resize", {"size": [37, 23], "filter": f}), raw])
     pipeline(repo, "shorter", [("decode_image", {}), ("resize", {"mode": "shorter_side", "size": [36]}), raw])
     pipeline(repo, "longer", [("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64]}), raw])
     pipeline(repo, "letterbox", [("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64]}),
@@ -207,10 +209,13 @@ def test_images_of_different_sizes_share_a_batch_and_bad_ones_fail_alone(image_s
             e = f.result()
             assert isinstance(e, Exception) and "[400]" in str(e) and "step 'decode_image'" in str(e), e
             assert why in str(e), (why, e)
-    # A decompression bomb is refused from its header: 20000 x 20000 pixels in a few KB.
+    # A decompression bomb is refused from its header: 20000 x 20000 pixels in a few KB (a side over
+    # max_side), and 8000 x 8000 (within the sides, over max_pixels).
     bomb = encode(Image.new("L", (20000, 20000)), "PNG", optimize=True)
     assert len(bomb) < 500_000
     e = call(bomb, "decoded")
+    assert "[400]" in str(e) and "max_side" in str(e), e
+    e = call(encode(Image.new("L", (8000, 8000)), "PNG", optimize=True), "decoded")
     assert "[400]" in str(e) and "more than 40000000 pixels" in str(e), e
     # Two rows of one request, the second corrupt: the error names its row.
     e = call_rows(image_server.url, [good[0], b"junk"])

@@ -130,6 +130,9 @@ pub(crate) enum Kind {
 /// Rows that a step could not process, each with its error; the rest of the batch is sound.
 pub(crate) type RowErrors = Vec<(usize, Error)>;
 
+/// How often a model step waiting on another model checks whether its rows' clients are still there.
+const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Decoded pixels past which a pipeline request is heavy (about a 2,300 x 1,700 image): it may
 /// take every worker but one, never the last, so a small image is never stuck behind large ones.
 const HEAVY_PIXELS: u64 = 4_000_000;
@@ -479,7 +482,10 @@ impl Instance for Worker {
                     Op::Image(op) => op.run(&mut values),
                     Op::Normalize(n) => n.run(&mut values),
                     Op::Tokenize(t) => t.run(&mut values),
-                    Op::Model(m) => self.model_step(m, &mut values, index.len()).map_err(|e| vec![(usize::MAX, e)]),
+                    Op::Model(m) => {
+                        let awaited = |r: usize| live.awaited(index[r]);
+                        self.model_step(m, &mut values, index.len(), &awaited).map_err(|e| vec![(usize::MAX, e)])
+                    }
                     Op::Post(p) => p.run(&mut values),
                 };
                 self.observe(step, start.elapsed());
@@ -495,6 +501,11 @@ impl Instance for Worker {
                 return Err(first);
             }
             i += chain;
+        }
+        // Rows whose clients left during the last step (a model call skipped for them) go too.
+        keep_rows(&mut values, &mut index, |row| live.awaited(row));
+        if index.is_empty() {
+            return Err(Error::unavailable("every client of the batch left", None));
         }
         self.outputs
             .iter()
@@ -621,8 +632,15 @@ impl Worker {
     }
 
     /// Runs rows through another model's batcher: rows whose inputs have equal shapes go
-    /// together, in calls of at most its max batch size.
-    fn model_step(&self, c: &ModelStepConfig, values: &mut BTreeMap<String, Value>, rows: usize) -> Result<()> {
+    /// together, in calls of at most its max batch size. A call whose rows' clients have all left
+    /// is not made, or is dropped from that model's queue while it waits there.
+    fn model_step(
+        &self,
+        c: &ModelStepConfig,
+        values: &mut BTreeMap<String, Value>,
+        rows: usize,
+        awaited: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
         let registry =
             self.registry.upgrade().ok_or_else(|| Error::unavailable("the server is shutting down", None))?;
         let served = registry.load_full();
@@ -654,12 +672,27 @@ impl Worker {
         let mut answers: Vec<Option<Vec<Tensor>>> = vec![None; rows];
         for members in groups.values() {
             for chunk in members.chunks(spec.batch.max_batch_size.max(1)) {
+                let gone = || !chunk.iter().any(|&r| awaited(r));
+                if gone() {
+                    continue;
+                }
                 let inputs = given
                     .iter()
                     .map(|(name, r)| stack(name, chunk.iter().map(|&i| r[i].clone()).collect()))
                     .collect::<Result<Vec<_>>>()?;
                 let req = InferRequest { model_name: c.model.clone(), inputs, skip_cache: true, ..Default::default() };
-                let resp = self.runtime.block_on(model.infer(req, &Limits::default()))?;
+                let limits = Limits::default();
+                let resp = self.runtime.block_on(async {
+                    let mut call = std::pin::pin!(model.infer(req, &limits));
+                    loop {
+                        match tokio::time::timeout(CLIENT_CHECK, call.as_mut()).await {
+                            Ok(answer) => return answer,
+                            // Dropping the call drops its place in the model's queue.
+                            Err(_) if gone() => return Err(Error::unavailable("every client of the call left", None)),
+                            Err(_) => {}
+                        }
+                    }
+                })?;
                 for (k, &row) in chunk.iter().enumerate() {
                     answers[row] = Some(resp.outputs.iter().map(|o| unstack(o, k)).collect());
                 }
