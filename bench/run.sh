@@ -9,6 +9,7 @@
 #        bench/run.sh --pipelines [--duration 10]  (image and text pipelines vs FastAPI and the ceiling)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
+#        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,10 @@ fi
 if [ "${1:-}" = "--soak" ]; then
     shift
     exec python3 bench/soak.py "$@"
+fi
+if [ "${1:-}" = "--hostile" ]; then
+    shift
+    exec python3 bench/hostile.py "$@"
 fi
 if [ "${1:-}" = "--all" ]; then
     # The whole suite in one go (about 20 minutes): model kinds, the per-front-end profile, and

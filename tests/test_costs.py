@@ -243,6 +243,17 @@ def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     after = cpu_seconds(pid) - left
     print(f"\ngRPC, 24 images: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after the call was cancelled")
     assert after < max(whole / 4, 1.0), (whole, after)
+    # Four such requests on a stream, cancelled with it.
+    c.start_stream(callback=lambda result, error: None)
+    for _ in range(4):
+        c.async_stream_infer("slow_images", [x])
+    time.sleep(max(whole / 10, 0.3))
+    c.stop_stream(cancel_requests=True)
+    left = cpu_seconds(pid)
+    settle(pid)
+    after = cpu_seconds(pid) - left
+    print(f"gRPC stream of 4 such requests: {after:.2f} CPU-s after it was cancelled")
+    assert after < max(whole / 4, 1.0), (whole, after)
 
 
 @pytest.fixture(scope="module")

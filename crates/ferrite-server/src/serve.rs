@@ -80,6 +80,26 @@ fn desired_replicas(policy: ferrite_core::telemetry::scale::ScalePolicy, window:
     });
 }
 
+/// How often memory freed by a burst is handed back to the system.
+const TRIM_EVERY: Duration = Duration::from_secs(20);
+
+/// Hands memory that bursts grew and then freed back to the system: glibc keeps freed memory in
+/// each thread's arena (after a burst of 2048-text calls, hundreds of megabytes stayed resident
+/// with nothing in use), and only `malloc_trim` returns what sits between live allocations.
+fn trim_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(TRIM_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            // Walks the arenas (milliseconds for a heap of hundreds of megabytes): off the I/O threads.
+            // SAFETY: malloc_trim has no preconditions; it only releases free memory.
+            let _ = tokio::task::spawn_blocking(|| unsafe { libc::malloc_trim(0) }).await;
+        }
+    });
+}
+
 /// How often `--auth-token-file` is checked for a change.
 const AUTH_FILE_CHECK: Duration = Duration::from_secs(2);
 
@@ -101,6 +121,7 @@ pub async fn run(
         auth.watch(AUTH_FILE_CHECK);
     }
     desired_replicas(cfg.scale.clone(), cfg.scale_window);
+    trim_memory();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<InferenceServer>().await;
     let shutdown_core = core.clone();
