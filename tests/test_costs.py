@@ -256,10 +256,8 @@ def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     assert after < max(whole / 4, 1.0), (whole, after)
 
 
-@pytest.fixture(scope="module")
-def tenants(tmp_path_factory):
-    """Two tenants bound to their own tokens, the embedder cached, a cap of 4 requests each."""
-    root = tmp_path_factory.mktemp("tenants")
+def tenant_server(root, limits, *args):
+    """alice and bob bound to their own tokens with `limits` each, the embedder cached."""
     repo = root / "models"
     repo.mkdir()
     for m in ("text_embedder", "text_encoder"):
@@ -268,9 +266,15 @@ def tenants(tmp_path_factory):
     cfg.write_text(cfg.read_text() + "\n[cache]\nenabled = true\n")
     (root / "tokens").write_text("".join(f"{t} infer tenant={n}\n" for n, t in TOKENS.items())
                                  + f"{METRICS_TOKEN} metrics\n")
-    (root / "tenants.toml").write_text("[tenants.alice]\nmax_concurrent = 4\n[tenants.bob]\nmax_concurrent = 4\n")
-    s = Server(repo, "--auth-token-file", str(root / "tokens"), "--tenant-header", "x-tenant",
-               "--tenant-config", str(root / "tenants.toml"))
+    (root / "tenants.toml").write_text(f"[tenants.alice]\n{limits}\n[tenants.bob]\n{limits}\n")
+    return Server(repo, "--auth-token-file", str(root / "tokens"), "--tenant-header", "x-tenant",
+                  "--tenant-config", str(root / "tenants.toml"), *args)
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    """Two tenants, a cap of 4 requests each."""
+    s = tenant_server(tmp_path_factory.mktemp("tenants"), "max_concurrent = 4")
     yield s
     s.stop()
 
@@ -455,17 +459,7 @@ def test_a_pipeline_that_failed_for_want_of_a_model_loads_when_the_model_does(tm
 
 
 def test_one_tenant_cannot_evict_anothers_hot_entries(tmp_path):
-    repo = tmp_path / "models"
-    repo.mkdir()
-    for m in ("text_embedder", "text_encoder"):
-        shutil.copytree(ROOT / "models" / m, repo / m)
-    cfg = repo / "text_embedder" / "config.toml"
-    cfg.write_text(cfg.read_text() + "\n[cache]\nenabled = true\n")
-    (tmp_path / "tokens").write_text("".join(f"{t} infer tenant={n}\n" for n, t in TOKENS.items())
-                                     + f"{METRICS_TOKEN} metrics\n")
-    (tmp_path / "tenants.toml").write_text("[tenants.alice]\n[tenants.bob]\n")
-    s = Server(repo, "--auth-token-file", str(tmp_path / "tokens"), "--tenant-header", "x-tenant",
-               "--tenant-config", str(tmp_path / "tenants.toml"), "--cache-local-bytes", str(2_000_000))
+    s = tenant_server(tmp_path, "", "--cache-local-bytes", str(2_000_000))
     try:
         def one(tenant, text):
             body = json.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [text]}]})
