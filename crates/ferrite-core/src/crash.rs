@@ -62,15 +62,16 @@ pub fn earlier_reports(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Installs the handler, writing reports into `dir` (created if missing); returns the report's
-/// path. Installing again moves the reports to the new `dir`.
-pub fn install(dir: &Path) -> Result<PathBuf, String> {
+/// path. Installing again moves the reports to the new `dir`. `runtime` names the inference
+/// runtime loaded (its version), for the report's header.
+pub fn install(dir: &Path, runtime: &str) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("crash directory {}: {e}", dir.display()))?;
     let dir = dir.canonicalize().map_err(|e| format!("crash directory {}: {e}", dir.display()))?;
     let path = report_path(&dir);
     let header = format!(
         "Ferrite crash report\nferrite {}\nonnxruntime {}\npid {}\n",
         crate::wire::VERSION,
-        crate::engine::onnx::runtime_version().unwrap_or("not loaded"),
+        runtime,
         std::process::id()
     );
     let c_path =
@@ -253,7 +254,7 @@ mod tests {
     #[test]
     fn what_runs_is_recorded_within_its_buffer() {
         let dir = tempfile::tempdir().unwrap();
-        let path = install(dir.path()).unwrap();
+        let path = install(dir.path(), "test").unwrap();
         assert!(path.ends_with(format!("ferrite-crash-{}.txt", std::process::id())));
         running(|w| {
             let _ = write!(w, "model m version 1\n{}", "x".repeat(2 * RUNNING_BYTES));

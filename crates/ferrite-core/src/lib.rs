@@ -2,30 +2,33 @@
 //! wire types into [`InferRequest`] (with the shared pieces in [`wire`]), call [`Core::infer`],
 //! and map [`Error`] once each.
 //!
-//! The map, in the order a request meets the parts:
+//! The map, as layers: each module imports only those in the rows above it (and `error`, `data`
+//! and `wire`, the ground floor), never one below; `tests/layers.rs` fails on any import cycle.
 //!
-//! | module | what it is |
-//! |---|---|
-//! | [`core`] | [`Core`], one per process: the path of a request (admission, routing, the model, the canary's record) |
-//! | [`wire`] | what every front-end shares about the V2 protocol: request parameters, batch-dim shapes |
-//! | [`admission`] | request and concurrency limits, per-tenant limits, refusing deadlines that cannot be met |
-//! | [`cache`] | the response cache: keys, the in-process tier, and the trait a shared tier (Redis) implements |
-//! | [`engine`] | one model's data plane: tensors, spec, backend trait and ONNX Runtime adapter, queue, batcher |
-//! | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
-//! | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
-//! | [`pipeline`] | pipelines: native pre- and post-processing steps and calls to other models, served as a model |
-//! | [`error`] | the one error enum every front-end maps |
-//! | [`crash`] | crash reports: what a worker runs, written out by a fatal-signal handler |
+//! | layer | module | what it is |
+//! |---|---|---|
+//! | ground | [`error`] | the one error enum every front-end maps |
+//! | ground | [`data`] | datatypes, tensors, the request and response types the front-ends hand the core |
+//! | ground | [`wire`] | what every front-end shares about the V2 protocol: request parameters, header checks, `Retry-After` |
+//! | ground | [`crash`] | crash reports: what a worker runs, written out by a fatal-signal handler |
+//! | ground | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
+//! | admission | [`admission`] | request and concurrency limits, per-tenant limits, the deadline estimate |
+//! | cache | [`cache`] | the response cache: keys, the in-process tier, and the trait a shared tier (Redis) implements |
+//! | engine | [`engine`] | one model's data plane: spec, backend trait and ONNX Runtime adapter, queue, batcher, costs |
+//! | pipeline | [`pipeline`] | native pre- and post-processing steps and calls to other models, served as a model (it finds those through its `Models` trait) |
+//! | control | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
+//! | core | [`core`] | [`Core`], one per process: the path of a request (admission, routing, the model, the canary's record) and the control plane's operations |
+//! | services | [`embed`] | text embeddings as OpenAI's and TEI's APIs ask for them, over `Core` |
 //!
-//! Layers depend one way: `engine` knows nothing of `control` but the version policy and warm-ups
-//! it reports; `control` builds `engine` models; `core` ties them together. A change to batching touches
-//! `engine` (and `admission` for its estimates) alone.
+//! A change to batching touches `engine` alone; the control plane builds models, never the reverse.
 
 pub mod admission;
 pub mod cache;
 pub mod control;
 pub mod core;
 pub mod crash;
+pub mod data;
+pub mod embed;
 pub mod engine;
 pub mod error;
 pub mod pipeline;
@@ -34,11 +37,11 @@ pub mod wire;
 
 pub use crate::core::{Core, ModelControl, Startup};
 pub use admission::Limits;
-pub use control::{canary::CanaryRoute, IndexEntry, LoadOptions, Registry, Repository};
-pub use engine::{
-    backend::Backend,
+pub use control::{IndexEntry, LoadOptions, Registry, Repository};
+pub use data::{
     dtype::DataType,
-    model::{InferRequest, InferResponse, Model},
+    request::{CanaryRoute, InferRequest, InferResponse},
     tensor::{Tensor, TensorData},
 };
+pub use engine::{backend::Backend, model::Model};
 pub use error::{Error, Result};

@@ -2,7 +2,12 @@
 //! core honours, read the same way whichever wire they came over. (Shapes as clients see them,
 //! with the batch dim, are [`ModelSpec::wire_shape`](crate::engine::spec::ModelSpec::wire_shape).)
 
-use crate::{Error, Result};
+use std::time::Duration;
+
+use crate::{data::tensor::element_count, DataType, Error, Result};
+
+/// How long a client refused for a full queue or a limit is told to wait.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The protocol extensions the server metadata lists (Triton's names), over every front-end.
 pub const EXTENSIONS: &[&str] = &[
@@ -67,6 +72,40 @@ fn unsigned<'a>(get: &impl Fn(&str) -> Option<Param<'a>>, key: &str) -> Result<O
         Some(Param::Int(v)) if v >= 0 => Ok(Some(v as u64)),
         Some(_) => Err(Error::invalid(format!("parameter '{key}' must be a non-negative integer"))),
     }
+}
+
+/// Tensors one request may name (inputs, and requested outputs, each). Far above any model's
+/// count; it bounds the work a request can cause before the model is consulted.
+pub const MAX_TENSORS_PER_REQUEST: usize = 256;
+
+/// Refuses a request that names more inputs or outputs than `MAX_TENSORS_PER_REQUEST`.
+pub fn check_tensor_counts(inputs: usize, outputs: usize) -> Result<()> {
+    if inputs.max(outputs) > MAX_TENSORS_PER_REQUEST {
+        return Err(Error::invalid(format!(
+            "a request may name at most {MAX_TENSORS_PER_REQUEST} inputs and {MAX_TENSORS_PER_REQUEST} outputs"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a wire tensor's header before anything is allocated for it: the datatype's V2 name, a
+/// shape without negative dims, and an element count within `max_elements`.
+pub fn parse_header(
+    name: &str,
+    datatype: &str,
+    shape: &[i64],
+    max_elements: usize,
+) -> Result<(DataType, Vec<usize>, usize)> {
+    let dt = DataType::parse(datatype)
+        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{datatype}'")))?;
+    let dims = shape
+        .iter()
+        .map(|&d| {
+            usize::try_from(d).map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {shape:?}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let count = element_count(&dims, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
+    Ok((dt, dims, count))
 }
 
 #[cfg(test)]

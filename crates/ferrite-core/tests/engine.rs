@@ -663,8 +663,7 @@ async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
     let s = model.stats.snapshot("p", 1);
     assert_eq!(s.batch_stats.iter().find(|b| b.batch_size == 8).map(|b| b.compute_infer.count), Some(1), "{s:?}");
     // Every run that held the panicking row panicked, and was counted: 8, 4, 2, then 1 row.
-    assert!(ferrite_core::telemetry::metrics::render(&core)
-        .contains("ferrite_backend_panics_total{model=\"p\",version=\"1\"} 4"));
+    assert!(core.metrics().contains("ferrite_backend_panics_total{model=\"p\",version=\"1\"} 4"));
 }
 
 /// Echoes after 5 ms, recording which kind of instance ran and whether a solo run ever overlapped

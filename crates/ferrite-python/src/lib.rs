@@ -72,7 +72,9 @@ fn library_version(path: PathBuf) -> PyResult<String> {
 /// enabled faulthandler first, which then adds every Python thread's stack); returns its path.
 #[pyfunction]
 fn install_crash_handler(dir: PathBuf) -> PyResult<String> {
-    ferrite_core::crash::install(&dir).map(|p| p.display().to_string()).map_err(InvalidInput::new_err)
+    ferrite_core::crash::install(&dir, ferrite_core::engine::onnx::runtime_version().unwrap_or("not loaded"))
+        .map(|p| p.display().to_string())
+        .map_err(InvalidInput::new_err)
 }
 
 /// A model repository loaded in-process: every model of `<repository>/<name>/<version>/model.onnx`.

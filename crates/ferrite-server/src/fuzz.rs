@@ -206,7 +206,8 @@ fn image(data: &[u8]) {
         )
         .unwrap()
         .steps;
-        let registry = Arc::new(arc_swap::ArcSwap::from_pointee(ferrite_core::Registry::default()));
+        let registry: Arc<dyn ferrite_core::pipeline::Models> =
+            Arc::new(arc_swap::ArcSwap::from_pointee(ferrite_core::Registry::default()));
         let dir = std::env::temp_dir();
         ferrite_core::pipeline::Pipeline::build("fuzz", &dir, &steps, &[], &ferrite_core::Registry::default(), registry)
             .unwrap()

@@ -345,7 +345,10 @@ fn main() {
             sample_rate,
         })
         .map_err(anyhow::Error::msg)?;
-        match ferrite_core::crash::install(&args.crash_dir) {
+        match ferrite_core::crash::install(
+            &args.crash_dir,
+            ferrite_core::engine::onnx::runtime_version().unwrap_or("not loaded"),
+        ) {
             Ok(path) => tracing::debug!(report = %path.display(), "crash reports on"),
             Err(e) => tracing::warn!(error = %e, "crash reports off"),
         }

@@ -10,7 +10,7 @@ use std::sync::{
     Arc,
 };
 
-use crate::{engine::queue::RETRY_AFTER, Error, Result};
+use crate::{wire::RETRY_AFTER, Error, Result};
 
 /// Caps on what one request may make the server hold.
 #[derive(Debug, Clone)]

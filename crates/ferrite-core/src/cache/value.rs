@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 
-use crate::{engine::tensor::element_count, DataType, Error, Result, Tensor, TensorData};
+use crate::{data::tensor::element_count, DataType, Error, Result, Tensor, TensorData};
 
 /// Compact binary form for Redis: per tensor its name, datatype, shape and wire bytes.
 pub fn encode(outputs: &[Tensor]) -> Vec<u8> {

@@ -27,7 +27,7 @@ use std::{
 
 use serde::Deserialize;
 
-use crate::{control::registry::Served, Error, Model, Result};
+use crate::{control::registry::Served, CanaryRoute, Error, Model, Result};
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -69,26 +69,6 @@ impl CanaryConfig {
             return Err(Error::invalid("canary thresholds must not be negative"));
         }
         Ok(())
-    }
-}
-
-/// How a request asks to be routed (the `x-ferrite-canary` header).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum CanaryRoute {
-    #[default]
-    Auto,
-    Always,
-    Never,
-}
-
-impl CanaryRoute {
-    pub fn parse(value: &str) -> Option<CanaryRoute> {
-        match value.trim() {
-            "always" => Some(CanaryRoute::Always),
-            "never" => Some(CanaryRoute::Never),
-            "auto" | "" => Some(CanaryRoute::Auto),
-            _ => None,
-        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 use serde::Deserialize;
 
+pub use crate::engine::spec::{VersionPolicy, WarmupConfig, WarmupInputConfig};
 use crate::{
     engine::onnx::OnnxOptions,
     engine::spec::{
@@ -56,35 +57,6 @@ pub struct ModelConfig {
     /// when the model loads, not each time the file is read.
     #[serde(skip)]
     pub notes: Vec<String>,
-}
-
-/// `[[warmup]]`: one warm-up request; its inputs each of zeros, random values or a file's bytes.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct WarmupConfig {
-    pub name: String,
-    /// Rows of the request (each a copy of the inputs below); 0 means 1.
-    #[serde(default)]
-    pub batch_size: usize,
-    /// Times the request is run; 0 means once.
-    #[serde(default)]
-    pub count: usize,
-    pub inputs: std::collections::BTreeMap<String, WarmupInputConfig>,
-}
-
-/// One input of a warm-up request: `dims` without the batch dim, and exactly one data source.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct WarmupInputConfig {
-    pub datatype: String,
-    pub dims: Vec<i64>,
-    #[serde(default)]
-    pub zero_data: bool,
-    #[serde(default)]
-    pub random_data: bool,
-    /// A file of the model's `warmup/` directory: the row's raw bytes, row-major (BYTES: each
-    /// element a 4-byte little-endian length, then its bytes).
-    pub input_data_file: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -161,20 +133,6 @@ pub struct VersionPolicyConfig {
     pub latest: Option<usize>,
     pub all: Option<bool>,
     pub specific: Option<Vec<u64>>,
-}
-
-/// Which of the versions on disk a model serves (Triton's `version_policy`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum VersionPolicy {
-    Latest(usize),
-    All,
-    Specific(Vec<u64>),
-}
-
-impl Default for VersionPolicy {
-    fn default() -> Self {
-        VersionPolicy::Latest(1)
-    }
 }
 
 impl VersionPolicyConfig {

@@ -4,7 +4,10 @@
 //! are; a version that fails to load or validate leaves the running one (if any) in service and
 //! a note for the repository index.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use arc_swap::ArcSwap;
 
@@ -17,6 +20,17 @@ use crate::{
     },
     Error, Model, Result,
 };
+
+/// Which models should be served, and the state the last change left them in.
+#[derive(Default)]
+pub(crate) struct Lifecycle {
+    /// Models to serve: all on disk, or (explicit control) those loaded through the API.
+    pub(crate) wanted: BTreeSet<String>,
+    /// Model configs from an external source (etcd), by model name; they replace `config.toml`.
+    pub(crate) configs: BTreeMap<String, String>,
+    /// The disk and config signature each model was last built from.
+    pub(crate) applied: BTreeMap<String, u64>,
+}
 
 /// What a model's serving depends on, as read from the repository (and the external config):
 /// its config text and its version files. A model is rebuilt when this changes.

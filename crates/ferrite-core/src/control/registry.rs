@@ -5,10 +5,11 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
+pub(crate) use crate::engine::model::release;
 use crate::{
-    control::canary::{Canary, CanaryRoute, CanaryState, Side},
-    engine::queue::RETRY_AFTER,
-    Error, Model, Result,
+    control::canary::{Canary, CanaryState, Side},
+    wire::RETRY_AFTER,
+    CanaryRoute, Error, Model, Result,
 };
 
 /// The loaded versions of one model.
@@ -184,10 +185,21 @@ impl Registry {
     }
 }
 
-/// Lets go of a request's model (or a registry). The last holder of a replaced or unloaded model
-/// frees it (worker threads joined, session released) on a thread of its own, not the caller's.
-pub(crate) fn release<T: Send + Sync + 'static>(value: Arc<T>) {
-    if Arc::strong_count(&value) == 1 {
-        let _ = std::thread::Builder::new().name("ferrite-free".into()).spawn(move || drop(value));
+/// What serves, as a pipeline's model steps see it while the pipeline is built.
+impl crate::pipeline::Models for Registry {
+    fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
+        Registry::model(self, name, version)
+    }
+}
+
+/// What serves now, as a pipeline's model steps see it when they run: the registry of the moment,
+/// let go off the caller's thread (freeing a replaced one joins its models' threads, which may
+/// include the caller's).
+impl crate::pipeline::Models for arc_swap::ArcSwap<Registry> {
+    fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
+        let served = self.load_full();
+        let model = served.model(name, version);
+        release(served);
+        model
     }
 }

@@ -222,7 +222,7 @@ impl Repository {
             )));
         }
         let outputs: Vec<String> = config.output.iter().map(|o| o.name.clone()).collect();
-        let pipeline = crate::pipeline::Pipeline::build(name, &dir, &config.steps, &outputs, models, registry)?;
+        let pipeline = crate::pipeline::Pipeline::build(name, &dir, &config.steps, &outputs, models, registry as _)?;
         for (what, stated, derived) in
             [("input", &config.input, pipeline.inputs()), ("output", &config.output, pipeline.outputs())]
         {

@@ -25,10 +25,11 @@ use crate::{
     engine::{
         backend::{BatchInput, Instance, Live},
         costs::BatchCosts,
-        queue::{Decision, Pending, Queue, RETRY_AFTER},
+        queue::{Decision, Pending, Queue},
         spec::{reshaped, BatchPolicy, ModelSpec, TimeoutAction},
     },
     telemetry::{metrics::ModelMetrics, stats::ModelStats},
+    wire::RETRY_AFTER,
     Backend, Error, Result, Tensor,
 };
 

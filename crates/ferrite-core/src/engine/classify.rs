@@ -3,7 +3,7 @@
 //! `"value:index"`, or `"value:index:label"` when the output has labels (`label_filename`), highest
 //! first. Floats are written as C's `%f` (Triton's `std::to_string`), integers as they are.
 
-use crate::{engine::dtype::DataType, Error, Result, Tensor, TensorData};
+use crate::{DataType, Error, Result, Tensor, TensorData};
 
 /// Whether outputs of `datatype` can be classified.
 pub fn classifiable(datatype: DataType) -> bool {

@@ -1,4 +1,4 @@
-//! The data plane of one model: tensors and their types, the resolved spec a model runs with,
+//! The data plane of one model: the resolved spec a model runs with,
 //! the backend contract and its ONNX Runtime adapter, the checks a request passes, the queue that
 //! forms batches and the batcher whose own threads run them.
 
@@ -6,10 +6,8 @@ pub mod backend;
 pub mod batcher;
 pub mod classify;
 pub mod costs;
-pub mod dtype;
 pub mod model;
 pub mod onnx;
 pub mod queue;
 pub mod spec;
-pub mod tensor;
 pub mod tuning;

@@ -12,50 +12,17 @@ use tracing::Instrument;
 use crate::{
     admission::Limits,
     cache::{self, ResponseCache},
-    control::canary::CanaryRoute,
+    data::tensor::element_count,
     engine::{
         backend::Instance,
         batcher::Batcher,
         classify,
         queue::{Hold, Pending},
         spec::{ModelSpec, TimeoutAction},
-        tensor::element_count,
     },
     telemetry::{metrics, stats::ModelStats},
-    Backend, Error, Result, Tensor, TensorData,
+    Backend, Error, InferRequest, InferResponse, Result, Tensor, TensorData,
 };
-
-/// A request as the front-ends hand it to the core.
-#[derive(Debug, Clone, Default)]
-pub struct InferRequest {
-    pub model_name: String,
-    /// `None` or empty: the version the model serves.
-    pub model_version: Option<String>,
-    pub id: Option<String>,
-    pub inputs: Vec<Tensor>,
-    /// Names of the outputs to return; `None` for all.
-    pub outputs: Option<Vec<String>>,
-    /// Outputs answered as their top `k` classes (Triton's classification extension), by name.
-    pub classification: Vec<(String, usize)>,
-    /// 1 is the highest; 0 means the model's default level.
-    pub priority: u32,
-    /// Microseconds; may only shorten the model's default timeout. 0 means none.
-    pub timeout_us: Option<u64>,
-    /// Bypass the response cache for this request (request parameter `cache: false`).
-    pub skip_cache: bool,
-    /// Who sent it, for per-tenant limits (from the `--tenant-header` header).
-    pub tenant: Option<String>,
-    /// The `x-ferrite-canary` header: how an unversioned request may be routed to a canary.
-    pub canary: CanaryRoute,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct InferResponse {
-    pub model_name: String,
-    pub model_version: String,
-    pub id: Option<String>,
-    pub outputs: Vec<Tensor>,
-}
 
 /// Records a request whose caller went away before it was answered.
 struct Outcome<'m> {
@@ -374,6 +341,14 @@ impl Model {
             return Err(Error::invalid(format!("priority {priority} is outside 1..={levels}")));
         }
         Ok(p.max(1) as usize - 1)
+    }
+}
+
+/// Lets go of a request's model (or a registry). The last holder of a replaced or unloaded model
+/// frees it (worker threads joined, session released) on a thread of its own, not the caller's.
+pub(crate) fn release<T: Send + Sync + 'static>(value: Arc<T>) {
+    if Arc::strong_count(&value) == 1 {
+        let _ = std::thread::Builder::new().name("ferrite-free".into()).spawn(move || drop(value));
     }
 }
 

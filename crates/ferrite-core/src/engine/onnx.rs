@@ -15,10 +15,10 @@ use ort::{
 };
 
 use crate::{
+    data::tensor::aligned_bytes,
     engine::{
         backend::{Backend, BatchInput, Instance},
         spec::TensorSpec,
-        tensor::aligned_bytes,
     },
     DataType, Error, Result, Tensor, TensorData,
 };

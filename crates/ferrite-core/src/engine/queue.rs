@@ -11,11 +11,9 @@ use tokio::sync::oneshot;
 
 use crate::{
     engine::spec::{BatchPolicy, QueuePolicy, TimeoutAction},
+    wire::RETRY_AFTER,
     Error, Result, Tensor,
 };
-
-/// How long a client refused for a full queue is told to wait.
-pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// What a request holds while its work is queued or running (its tenant's concurrency place, its
 /// place under the process's cap): released when the batcher is done with it, not when its client

@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use crate::{control::config::VersionPolicy, engine::onnx::OnnxOptions, DataType, Error, Result};
+use crate::{engine::onnx::OnnxOptions, DataType, Error, Result};
 
 /// Defaults for a batching model whose config does not say otherwise. Chosen by the `bench/`
 /// measurements on a 2-core host (see README "Defaults"): merging up to 64 rows with no added
@@ -145,7 +145,7 @@ pub struct ModelSpec {
     /// The file each version directory holds the model in.
     pub model_filename: String,
     /// The warm-up requests the config states (run at each load).
-    pub warmup: Vec<crate::control::config::WarmupConfig>,
+    pub warmup: Vec<WarmupConfig>,
     /// The models a pipeline's steps call (empty for a model).
     pub uses: Vec<String>,
     /// Responses are cached (when the process has a cache).
@@ -218,4 +218,49 @@ pub(crate) fn reshaped(shape: &[usize], batched: bool, to: &[i64]) -> Result<Vec
         return Err(Error::invalid(format!("shape {row:?} cannot be reshaped to {to:?}")));
     }
     Ok(out)
+}
+// The load records a spec carries for its model's warm-ups and Triton's `/config` (read from
+// `config.toml` or `config.pbtxt` by `control::config`, which re-exports them).
+
+/// Which of the versions on disk a model serves (Triton's `version_policy`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VersionPolicy {
+    Latest(usize),
+    All,
+    Specific(Vec<u64>),
+}
+
+impl Default for VersionPolicy {
+    fn default() -> Self {
+        VersionPolicy::Latest(1)
+    }
+}
+
+/// `[[warmup]]`: one warm-up request; its inputs each of zeros, random values or a file's bytes.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupConfig {
+    pub name: String,
+    /// Rows of the request (each a copy of the inputs below); 0 means 1.
+    #[serde(default)]
+    pub batch_size: usize,
+    /// Times the request is run; 0 means once.
+    #[serde(default)]
+    pub count: usize,
+    pub inputs: std::collections::BTreeMap<String, WarmupInputConfig>,
+}
+
+/// One input of a warm-up request: `dims` without the batch dim, and exactly one data source.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupInputConfig {
+    pub datatype: String,
+    pub dims: Vec<i64>,
+    #[serde(default)]
+    pub zero_data: bool,
+    #[serde(default)]
+    pub random_data: bool,
+    /// A file of the model's `warmup/` directory: the row's raw bytes, row-major (BYTES: each
+    /// element a 4-byte little-endian length, then its bytes).
+    pub input_data_file: Option<String>,
 }

@@ -10,7 +10,6 @@
 //! into its calls. A step that fails for some rows names them (`Instance::failed_rows`), and the
 //! batcher runs the batch again without them: a corrupt image fails its own request alone.
 
-pub mod embed;
 mod image;
 mod post;
 mod text;
@@ -22,12 +21,10 @@ use std::{
     time::Instant,
 };
 
-use arc_swap::ArcSwap;
 use serde::Deserialize;
 
 use crate::{
     admission::Limits,
-    control::Registry,
     engine::{
         backend::{BatchInput, Cost, Instance, Live},
         spec::TensorSpec,
@@ -152,13 +149,19 @@ enum Op {
     Post(post::Post),
 }
 
+/// Where a pipeline's model steps find the models they call: what will serve beside it while it
+/// is built, and what serves now when it runs (the control plane's registry).
+pub trait Models: Send + Sync {
+    fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<crate::Model>>;
+}
+
 /// A pipeline as a backend: its inputs and outputs as clients see them (dims without the batch
 /// dim), and its built steps, shared by its worker instances.
 pub struct Pipeline {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
     steps: Arc<Vec<Step>>,
-    registry: Weak<ArcSwap<Registry>>,
+    registry: Weak<dyn Models>,
     /// The models its steps call.
     pub uses: Vec<String>,
     label: String,
@@ -191,8 +194,8 @@ impl Pipeline {
         dir: &Path,
         steps: &[StepConfig],
         outputs: &[String],
-        models: &Registry,
-        registry: Arc<ArcSwap<Registry>>,
+        models: &dyn Models,
+        registry: Arc<dyn Models>,
     ) -> Result<Pipeline> {
         if steps.is_empty() {
             return Err(Error::invalid("a pipeline needs at least one step"));
@@ -435,7 +438,7 @@ impl Backend for Pipeline {
 struct Worker {
     steps: Arc<Vec<Step>>,
     /// Weak: the registry holds this pipeline, whose workers must not keep it alive.
-    registry: Weak<ArcSwap<Registry>>,
+    registry: Weak<dyn Models>,
     outputs: Vec<String>,
     runtime: tokio::runtime::Runtime,
     failed: RowErrors,
@@ -643,12 +646,8 @@ impl Worker {
     ) -> Result<()> {
         let registry =
             self.registry.upgrade().ok_or_else(|| Error::unavailable("the server is shutting down", None))?;
-        let served = registry.load_full();
+        let model = registry.model(&c.model, c.version.map(|v| v.to_string()).as_deref());
         drop(registry);
-        let model = served.model(&c.model, c.version.map(|v| v.to_string()).as_deref());
-        // A registry replaced meanwhile is freed off this thread (its models' threads are joined
-        // as it goes, this one's among them when it held this pipeline).
-        crate::control::registry::release(served);
         // A model unloaded under a pipeline that calls it: the pipeline cannot serve for now.
         let model = model.map_err(|e| match e {
             Error::NotFound(m) => Error::unavailable(format!("{m}, which this pipeline calls"), None),
@@ -703,7 +702,7 @@ impl Worker {
             values.insert(c.outputs.get(&t.name).unwrap_or(&t.name).clone(), Value::Rows(rows));
         }
         // A version unloaded meanwhile is freed off this thread.
-        crate::control::registry::release(model);
+        crate::engine::model::release(model);
         Ok(())
     }
 }
@@ -790,7 +789,7 @@ pub(crate) fn stack(name: &str, rows: Vec<Tensor>) -> Result<Tensor> {
                 buf.extend_from_slice(b);
             }
         }
-        TensorData::Fixed(crate::engine::tensor::aligned_bytes(&buf))
+        TensorData::Fixed(crate::data::tensor::aligned_bytes(&buf))
     };
     Ok(Tensor::new(name, datatype, std::iter::once(n).chain(shape).collect(), data))
 }
@@ -839,6 +838,7 @@ pub(crate) fn per_row<T, U>(items: &[T], mut f: impl FnMut(&T) -> Result<U>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Registry;
 
     fn steps(toml_text: &str) -> Result<Vec<StepConfig>> {
         crate::control::repository::parse_config(toml_text).map(|c| c.steps)
@@ -856,7 +856,7 @@ mod tests {
 
     #[test]
     fn a_build_names_the_step_that_cannot_be_built() {
-        let registry = Arc::new(ArcSwap::from_pointee(Registry::default()));
+        let registry: Arc<dyn Models> = Arc::new(arc_swap::ArcSwap::from_pointee(Registry::default()));
         let dir = std::env::temp_dir();
         let build = |text: &str| {
             Pipeline::build("p", &dir, &steps(text).unwrap(), &[], &Registry::default(), registry.clone())

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::{Core, Error};
+use crate::Error;
 
 /// Seconds, from 100 µs to 10 s.
 const DURATION_BUCKETS: &[f64] =
@@ -227,21 +227,10 @@ pub fn reason(e: &Error) -> &'static str {
     }
 }
 
-/// The Prometheus text format, with gauges that are read from the engine's state brought up to date.
-pub fn render(core: &Core) -> String {
+/// The Prometheus text format of every metric, as the gauges read now (`Core::metrics` brings the
+/// engine's gauges up to date first).
+pub fn render() -> String {
     let m = global();
-    // Versions unloaded since the last scrape drop out of the per-version gauges.
-    m.pending.reset();
-    m.model_ready.reset();
-    for model in core.models() {
-        let v = model.spec.version.to_string();
-        let labels = [model.spec.name.as_str(), v.as_str()];
-        m.pending.with_label_values(&labels).set(model.batcher().queued() as i64);
-        m.model_ready.with_label_values(&labels).set(core.is_ready() as i64);
-    }
-    if let Some(c) = core.cache() {
-        m.redis_up.set((c.snapshot().redis == "ok") as i64);
-    }
     let mut out = Vec::new();
     // Encoding gathered families into a Vec cannot fail.
     let _ = TextEncoder::new().encode(&m.registry.gather(), &mut out);

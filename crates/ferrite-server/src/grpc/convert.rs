@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use bytes::Bytes;
 use ferrite_core::{
     engine::spec::TensorSpec,
-    engine::tensor::parse_header,
     telemetry::stats::StatsSnapshot,
+    wire::parse_header,
     wire::{Param, RequestParams},
     DataType, Error, InferRequest, InferResponse, Model, Tensor, TensorData,
 };
@@ -40,7 +40,7 @@ pub fn wants_final_response(req: &pb::ModelInferRequest) -> bool {
 }
 
 pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferRequest, Error> {
-    ferrite_core::engine::tensor::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
+    ferrite_core::wire::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
     let raw = req.raw_input_contents;
     if !raw.is_empty() {
         if raw.len() != req.inputs.len() {

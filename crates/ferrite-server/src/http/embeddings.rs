@@ -11,7 +11,7 @@ use axum::{
 };
 use base64::Engine as _;
 use bytes::Bytes;
-use ferrite_core::pipeline::embed;
+use ferrite_core::embed;
 use serde::Deserialize;
 use serde_json::{json, Value};
 

@@ -11,7 +11,7 @@ use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
 use super::decode::{param_bool, param_u64, request_params, Params, Sink};
-use ferrite_core::engine::tensor::{check_tensor_counts, parse_header};
+use ferrite_core::wire::{check_tensor_counts, parse_header};
 
 #[derive(Deserialize)]
 pub struct JsonRequest<'a> {

@@ -229,7 +229,7 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    let body = ferrite_core::telemetry::metrics::render(&s.core);
+    let body = s.core.metrics();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -16,7 +16,7 @@ use serde::{
 };
 
 use super::decode::{request_params, Params, Sink};
-use ferrite_core::engine::tensor::parse_header;
+use ferrite_core::wire::parse_header;
 
 pub const CONTENT_TYPE: &str = "application/msgpack";
 
@@ -62,10 +62,7 @@ fn bad(e: impl fmt::Display) -> Error {
 
 pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: usize) -> Result<InferRequest, Error> {
     let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
-    ferrite_core::engine::tensor::check_tensor_counts(
-        header.inputs.len(),
-        header.outputs.as_ref().map_or(0, Vec::len),
-    )?;
+    ferrite_core::wire::check_tensor_counts(header.inputs.len(), header.outputs.as_ref().map_or(0, Vec::len))?;
     let mut sinks = Vec::with_capacity(header.inputs.len());
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {

@@ -53,40 +53,6 @@ pub fn element_count(shape: &[usize], max: usize) -> Result<usize> {
     Ok(n)
 }
 
-/// Tensors one request may name (inputs, and requested outputs, each). Far above any model's
-/// count; it bounds the work a request can cause before the model is consulted.
-pub const MAX_TENSORS_PER_REQUEST: usize = 256;
-
-/// Refuses a request that names more inputs or outputs than `MAX_TENSORS_PER_REQUEST`.
-pub fn check_tensor_counts(inputs: usize, outputs: usize) -> Result<()> {
-    if inputs.max(outputs) > MAX_TENSORS_PER_REQUEST {
-        return Err(Error::invalid(format!(
-            "a request may name at most {MAX_TENSORS_PER_REQUEST} inputs and {MAX_TENSORS_PER_REQUEST} outputs"
-        )));
-    }
-    Ok(())
-}
-
-/// Checks a wire tensor's header before anything is allocated for it: the datatype's V2 name, a
-/// shape without negative dims, and an element count within `max_elements`.
-pub fn parse_header(
-    name: &str,
-    datatype: &str,
-    shape: &[i64],
-    max_elements: usize,
-) -> Result<(DataType, Vec<usize>, usize)> {
-    let dt = DataType::parse(datatype)
-        .ok_or_else(|| Error::invalid(format!("input '{name}': unknown datatype '{datatype}'")))?;
-    let dims = shape
-        .iter()
-        .map(|&d| {
-            usize::try_from(d).map_err(|_| Error::invalid(format!("input '{name}': negative dim in shape {shape:?}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let count = element_count(&dims, max_elements).map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
-    Ok((dt, dims, count))
-}
-
 impl TensorData {
     /// Decodes the raw wire form shared by Triton's binary extension and gRPC raw contents:
     /// fixed-size elements little-endian with no padding, BYTES as a 4-byte little-endian length

@@ -2,6 +2,8 @@
 //! to a model version, the model's own checks, cache and batcher, then the canary's record. The
 //! control plane (loads, reloads, unloads, polling, external configs) is in `control`.
 
+mod models;
+
 use std::{
     collections::BTreeMap,
     path::Path,
@@ -15,7 +17,8 @@ use crate::{
     admission::{self, tenant::Tenants, Limits},
     cache::ResponseCache,
     control::{registry, Lifecycle, LoadOptions, Registry, Repository},
-    engine::queue::{Hold, RETRY_AFTER},
+    engine::queue::Hold,
+    wire::RETRY_AFTER,
     Error, InferRequest, InferResponse, Model, Result,
 };
 
@@ -241,6 +244,24 @@ impl Core {
         }
         registry::release(model);
         result
+    }
+
+    /// The Prometheus text format, with the gauges read from the engine's state brought up to date.
+    pub fn metrics(&self) -> String {
+        let m = crate::telemetry::metrics::global();
+        // Versions unloaded since the last scrape drop out of the per-version gauges.
+        m.pending.reset();
+        m.model_ready.reset();
+        for model in self.models() {
+            let v = model.spec.version.to_string();
+            let labels = [model.spec.name.as_str(), v.as_str()];
+            m.pending.with_label_values(&labels).set(model.batcher().queued() as i64);
+            m.model_ready.with_label_values(&labels).set(self.is_ready() as i64);
+        }
+        if let Some(c) = self.cache() {
+            m.redis_up.set((c.snapshot().redis == "ok") as i64);
+        }
+        crate::telemetry::metrics::render()
     }
 
     /// Stops accepting work; queued and running requests go on.

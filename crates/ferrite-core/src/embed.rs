@@ -87,7 +87,7 @@ pub async fn embed(
     let mut tokens = 0u64;
     for resp in windowed(chunks.len(), window, |i| call(chunks[i])).await? {
         let v = &resp.outputs[0];
-        let values = super::floats(v)?;
+        let values = crate::pipeline::floats(v)?;
         let width = v.shape.get(1).copied().unwrap_or(0).max(1);
         for row in values.chunks(width) {
             let mut row = row.to_vec();
@@ -98,7 +98,7 @@ pub async fn embed(
             vectors.push(row);
         }
         if let Some(c) = resp.outputs.get(1) {
-            tokens += super::floats(c)?.iter().map(|&n| n as u64).sum::<u64>();
+            tokens += crate::pipeline::floats(c)?.iter().map(|&n| n as u64).sum::<u64>();
         }
     }
     Ok(Embeddings { model: model.to_string(), vectors, tokens })
