@@ -24,9 +24,9 @@ use crate::{
     admission::deadline::BatchTime,
     engine::{
         backend::{BatchInput, Instance, Live},
-        costs::BatchCosts,
+        costs::{BatchCosts, EXPLORE_EVERY},
         queue::{Decision, Pending, Queue},
-        spec::{reshaped, BatchPolicy, ModelSpec, TimeoutAction},
+        spec::{reshaped, ModelSpec, TimeoutAction},
     },
     telemetry::{metrics::ModelMetrics, stats::ModelStats},
     wire::RETRY_AFTER,
@@ -53,6 +53,8 @@ struct Shared {
     solo_running: std::sync::atomic::AtomicBool,
     /// The model has a solo instance: workers take turns as the module says.
     has_solo: bool,
+    /// Batches formed so far (for exploring past the measured merge limit now and then).
+    formed: std::sync::atomic::AtomicU64,
     /// Batches of heavy requests running now: at most all instances but one, so light work
     /// always finds one (see `Pending::heavy`).
     heavy_running: AtomicUsize,
@@ -67,7 +69,6 @@ struct Shared {
     tickets: std::sync::atomic::AtomicU64,
     answered: Mutex<u64>,
     answered_turn: Condvar,
-    policy: BatchPolicy,
     spec: ModelSpec,
     stats: Arc<ModelStats>,
     metrics: ModelMetrics,
@@ -78,8 +79,16 @@ impl Shared {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The merge limit the measured costs allow now (a read: deciding whose turn work is, or
+    /// waking up, changes nothing).
     fn limit(&self) -> usize {
-        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.policy.merge_limit)
+        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, false)
+    }
+
+    /// The merge limit for the next batch formed: one in `EXPLORE_EVERY` ignores the measurements.
+    fn batch_limit(&self) -> usize {
+        let explore = (self.formed.load(Ordering::Relaxed) + 1).is_multiple_of(EXPLORE_EVERY);
+        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, explore)
     }
 
     fn condvar(&self, role: Role) -> &Condvar {
@@ -123,6 +132,7 @@ impl Batcher {
         backend: &dyn Backend,
         solo: Option<Box<dyn Instance>>,
         stats: Arc<ModelStats>,
+        metrics: ModelMetrics,
     ) -> Result<Batcher> {
         let mut instances = (0..spec.instance_count)
             .map(|_| backend.instance().map(|i| (i, Role::Shared)))
@@ -131,6 +141,7 @@ impl Batcher {
             submitted: Default::default(),
             cancelled: Default::default(),
             heavy_running: AtomicUsize::new(0),
+            formed: Default::default(),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
             batch_time: BatchTime::default(),
             costs: Mutex::default(),
@@ -144,10 +155,9 @@ impl Batcher {
             running: AtomicUsize::new(0),
             solo_running: Default::default(),
             has_solo: solo.is_some(),
-            policy: spec.batch.clone(),
             spec: spec.clone(),
             stats,
-            metrics: ModelMetrics::new(&spec.name, spec.version),
+            metrics,
         });
         if let Some(solo) = solo {
             for (_, role) in &mut instances {
@@ -200,7 +210,7 @@ impl Batcher {
     }
 
     fn rejects_late(&self, level: usize) -> bool {
-        let levels = &self.shared.policy.level_queues;
+        let levels = &self.shared.spec.batch.level_queues;
         levels.get(level).or(levels.last()).is_none_or(|q| q.timeout_action == TimeoutAction::Reject)
     }
 
@@ -210,7 +220,7 @@ impl Batcher {
     fn estimate_wait(&self, q: &mut Queue, level: usize) -> Option<Duration> {
         // Requests whose clients left, or that expired, are not work ahead.
         q.prune(Instant::now());
-        let policy = &self.shared.policy;
+        let policy = &self.shared.spec.batch;
         let batches_ahead = if policy.dynamic {
             q.rows_ahead(level).div_ceil(policy.max_batch_size.max(1))
         } else {
@@ -304,7 +314,7 @@ fn my_turn(shared: &Shared, q: &Queue, role: Role, limit: usize) -> bool {
         return true;
     }
     let running = shared.running.load(Ordering::Acquire);
-    let one_batch = q.len() == 1 || (shared.policy.dynamic && q.rows() <= limit.min(shared.policy.merge_limit));
+    let one_batch = q.len() == 1 || (shared.spec.batch.dynamic && q.rows() <= limit.min(shared.spec.batch.merge_limit));
     match role {
         Role::Solo => running == 0 && one_batch,
         _ => !shared.solo_running.load(Ordering::Acquire) && (running > 0 || !one_batch),
@@ -318,8 +328,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
             let mut q = shared.lock();
             loop {
                 let flush = shared.closed.load(Ordering::Acquire);
-                let limit = shared.limit();
-                if !my_turn(shared, &q, role, limit) {
+                if !my_turn(shared, &q, role, shared.limit()) {
                     // The other kind of instance takes this work, or is running: wait for a
                     // submit or a finished batch to change that (the timeout only guards).
                     let turn = Duration::from_millis(50);
@@ -328,9 +337,11 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
                 let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
-                let decision = q.next_batch_of(Instant::now(), &shared.policy, limit, flush, light_only);
+                let decision =
+                    q.next_batch_of(Instant::now(), &shared.spec.batch, shared.batch_limit(), flush, light_only);
                 match decision {
                     Decision::Run(batch) => {
+                        shared.formed.fetch_add(1, Ordering::Relaxed);
                         if batch.iter().any(|p| p.heavy) {
                             shared.heavy_running.fetch_add(1, Ordering::AcqRel);
                         }
@@ -401,7 +412,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
 fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ticket: u64) {
     // Held from here, so that a batch that unwinds still passes the turn on (its drop waits for
     // it): a lost turn would stall every later batch of the model.
-    let mut turn = shared.policy.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
+    let mut turn = shared.spec.batch.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
     let start = Instant::now();
     for p in batch.iter().filter(|p| !p.warmup) {
         shared.stats.queue.add(start - p.enqueued);

@@ -62,8 +62,8 @@ impl Model {
     /// Starts the model's batcher on instances of `backend`, and `solo` (see the batcher).
     pub fn start(spec: ModelSpec, backend: &dyn Backend, solo: Option<Box<dyn Instance>>) -> Result<Model> {
         let stats = Arc::new(ModelStats::default());
-        let batcher = Batcher::start(&spec, backend, solo, stats.clone())?;
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
+        let batcher = Batcher::start(&spec, backend, solo, stats.clone(), metrics.clone())?;
         let cost = backend.cost();
         Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0, warmups: Vec::new(), cost })
     }

@@ -8,7 +8,7 @@ use fast_image_resize as fr;
 use image::{DynamicImage, ImageDecoder, RgbImage};
 use serde::Deserialize;
 
-use super::{per_row, Kind, RowErrors, Value};
+use super::{per_row, Kind, StepError, Value};
 use crate::{DataType, Error, Result, Tensor, TensorData};
 
 /// A decoded image and how its pixels map to the image as it was sent.
@@ -119,7 +119,7 @@ impl Decode {
         Ok(bytes)
     }
 
-    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), StepError> {
         let rows = super::rows_of(values, &self.input)?;
         let pictures = per_row(rows, |t| self.decode(Self::image(t)?))?;
         values.insert(self.output.clone(), Value::Images(pictures));
@@ -447,12 +447,12 @@ impl ImageOp {
         self
     }
 
-    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), StepError> {
         let (ImageOp::Resize { input, output, .. }
         | ImageOp::Pad { input, output, .. }
         | ImageOp::Crop { input, output, .. }) = self;
         let Some(Value::Images(pictures)) = values.get(input) else {
-            return Err(vec![(usize::MAX, Error::internal(format!("'{input}' is not an image")))]);
+            return Err(StepError::Batch(Error::internal(format!("'{input}' is not an image"))));
         };
         let out = per_row(pictures, |p| self.apply(p))?;
         values.insert(output.clone(), Value::Images(out));
@@ -650,9 +650,9 @@ impl Normalize {
         Kind::Tensor(self.dtype, dims)
     }
 
-    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), StepError> {
         let Some(Value::Images(pictures)) = values.get(&self.input) else {
-            return Err(vec![(usize::MAX, Error::internal(format!("'{}' is not an image", self.input)))]);
+            return Err(StepError::Batch(Error::internal(format!("'{}' is not an image", self.input))));
         };
         let rows = per_row(pictures, |p| Ok(self.tensor(&p.pixels)))?;
         values.insert(self.output.clone(), Value::Rows(rows));

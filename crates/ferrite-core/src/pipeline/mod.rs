@@ -124,8 +124,22 @@ pub(crate) enum Kind {
     Image(Option<(u32, u32)>),
 }
 
-/// Rows that a step could not process, each with its error; the rest of the batch is sound.
-pub(crate) type RowErrors = Vec<(usize, Error)>;
+/// Why a step failed: the whole batch (a fault that is no row's), or some of its rows, each with
+/// its error (the rest of the batch is sound, and runs again without them).
+pub(crate) enum StepError {
+    Batch(Error),
+    Rows(Vec<(usize, Error)>),
+}
+
+impl StepError {
+    /// The error as step `step`'s.
+    fn named(self, step: &Step) -> StepError {
+        match self {
+            StepError::Batch(e) => StepError::Batch(named(step, e)),
+            StepError::Rows(rows) => StepError::Rows(rows.into_iter().map(|(r, e)| (r, named(step, e))).collect()),
+        }
+    }
+}
 
 /// How often a model step waiting on another model checks whether its rows' clients are still there.
 const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
@@ -252,56 +266,9 @@ impl Pipeline {
                         (Op::Tokenize(Box::new(t)), written)
                     }
                     StepConfig::Model(c) => {
-                        let model = models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(
-                            |e| match e {
-                                // Its reason is its own (a chain of pipelines would nest each one's).
-                                Error::Unavailable { .. } => Error::invalid(format!(
-                                    "model '{}', which it calls, is not available (its own reason says why)",
-                                    c.model
-                                )),
-                                e => Error::invalid(format!("{e} (a pipeline loads after the models its steps call)")),
-                            },
-                        )?;
-                        let spec = &model.spec;
-                        if !spec.batched() {
-                            return Err(Error::invalid(format!(
-                                "model '{}' does not batch (max_batch_size 0); a pipeline's model steps take rows",
-                                c.model
-                            )));
-                        }
-                        if let Some(unknown) = c.inputs.keys().find(|k| !spec.inputs.iter().any(|t| &&t.name == k)) {
-                            return Err(Error::invalid(format!("model '{}' has no input '{unknown}'", c.model)));
-                        }
-                        if let Some(unknown) = c.outputs.keys().find(|k| !spec.outputs.iter().any(|t| &&t.name == k)) {
-                            return Err(Error::invalid(format!("model '{}' has no output '{unknown}'", c.model)));
-                        }
-                        for t in &spec.inputs {
-                            let value = c.inputs.get(&t.name).unwrap_or(&t.name);
-                            if !known.values.contains_key(value) && spec.optional.contains(&t.name) {
-                                continue;
-                            }
-                            match known.need(value, Kind::Tensor(t.datatype, t.dims.clone()))? {
-                                Kind::Tensor(d, _) if d == t.datatype => {}
-                                other => {
-                                    return Err(Error::invalid(format!(
-                                        "model '{}' input '{}' takes {}, but '{value}' is {other:?}",
-                                        c.model, t.name, t.datatype
-                                    )))
-                                }
-                            }
-                        }
-                        let written = spec
-                            .outputs
-                            .iter()
-                            .map(|t| {
-                                (
-                                    c.outputs.get(&t.name).unwrap_or(&t.name).clone(),
-                                    Kind::Tensor(t.datatype, t.dims.clone()),
-                                )
-                            })
-                            .collect();
+                        let (op, written) = model_step(c, models, &mut known)?;
                         uses.push(c.model.clone());
-                        (Op::Model(c.clone()), written)
+                        (op, written)
                     }
                     StepConfig::Pool(c) => post::Post::pool(c, &mut known)?,
                     StepConfig::Softmax(c) => post::Post::unary(post::Unary::Softmax, c, &mut known)?,
@@ -356,6 +323,52 @@ impl Known {
         self.values.insert(value.to_string(), kind.clone());
         Ok(kind)
     }
+}
+
+/// The build of a model step: the model it calls must serve and batch, the inputs and outputs it
+/// maps must be the model's, and each input must be written before it as the type the model takes.
+fn model_step(c: &ModelStepConfig, models: &dyn Models, known: &mut Known) -> Result<(Op, Vec<(String, Kind)>)> {
+    let model = models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(|e| match e {
+        // Its reason is its own (a chain of pipelines would nest each one's).
+        Error::Unavailable { .. } => {
+            Error::invalid(format!("model '{}', which it calls, is not available (its own reason says why)", c.model))
+        }
+        e => Error::invalid(format!("{e} (a pipeline loads after the models its steps call)")),
+    })?;
+    let spec = &model.spec;
+    if !spec.batched() {
+        return Err(Error::invalid(format!(
+            "model '{}' does not batch (max_batch_size 0); a pipeline's model steps take rows",
+            c.model
+        )));
+    }
+    if let Some(unknown) = c.inputs.keys().find(|k| !spec.inputs.iter().any(|t| &&t.name == k)) {
+        return Err(Error::invalid(format!("model '{}' has no input '{unknown}'", c.model)));
+    }
+    if let Some(unknown) = c.outputs.keys().find(|k| !spec.outputs.iter().any(|t| &&t.name == k)) {
+        return Err(Error::invalid(format!("model '{}' has no output '{unknown}'", c.model)));
+    }
+    for t in &spec.inputs {
+        let value = c.inputs.get(&t.name).unwrap_or(&t.name);
+        if !known.values.contains_key(value) && spec.optional.contains(&t.name) {
+            continue;
+        }
+        match known.need(value, Kind::Tensor(t.datatype, t.dims.clone()))? {
+            Kind::Tensor(d, _) if d == t.datatype => {}
+            other => {
+                return Err(Error::invalid(format!(
+                    "model '{}' input '{}' takes {}, but '{value}' is {other:?}",
+                    c.model, t.name, t.datatype
+                )))
+            }
+        }
+    }
+    let written = spec
+        .outputs
+        .iter()
+        .map(|t| (c.outputs.get(&t.name).unwrap_or(&t.name).clone(), Kind::Tensor(t.datatype, t.dims.clone())))
+        .collect();
+    Ok((Op::Model(c.clone()), written))
 }
 
 /// The build of a resize, pad or crop step: image in, image out (default both `image`).
@@ -441,7 +454,7 @@ struct Worker {
     registry: Weak<dyn Models>,
     outputs: Vec<String>,
     runtime: tokio::runtime::Runtime,
-    failed: RowErrors,
+    failed: Vec<(usize, Error)>,
     label: String,
 }
 
@@ -481,27 +494,28 @@ impl Instance for Worker {
                 let step = &self.steps[i];
                 let start = Instant::now();
                 let result = match &step.op {
-                    Op::Decode(_) => Err(vec![(usize::MAX, Error::internal("a decode runs in an image chain"))]),
+                    Op::Decode(_) => Err(StepError::Batch(Error::internal("a decode runs in an image chain"))),
                     Op::Image(op) => op.run(&mut values),
                     Op::Normalize(n) => n.run(&mut values),
                     Op::Tokenize(t) => t.run(&mut values),
                     Op::Model(m) => {
                         let awaited = |r: usize| live.awaited(index[r]);
-                        self.model_step(m, &mut values, index.len(), &awaited).map_err(|e| vec![(usize::MAX, e)])
+                        self.model_step(m, &mut values, index.len(), &awaited).map_err(StepError::Batch)
                     }
                     Op::Post(p) => p.run(&mut values),
                 };
                 self.observe(step, start.elapsed());
-                result.map_err(|errors| errors.into_iter().map(|(r, e)| (r, named(step, e))).collect())
+                result.map_err(|e| e.named(step))
             };
-            if let Err(mut errors) = result {
+            match result {
+                Ok(()) => {}
                 // A failure of the whole batch (a model step's) is not a row's.
-                if let Some(i) = errors.iter().position(|(r, _)| *r == usize::MAX) {
-                    return Err(errors.swap_remove(i).1);
+                Err(StepError::Batch(e)) => return Err(e),
+                Err(StepError::Rows(rows)) => {
+                    let first = rows.first().map_or_else(|| Error::internal("a step failed"), |(_, e)| e.clone());
+                    self.failed = rows.into_iter().map(|(r, e)| (index[r], e)).collect();
+                    return Err(first);
                 }
-                let first = errors[0].1.clone();
-                self.failed = errors.into_iter().map(|(r, e)| (index[r], e)).collect();
-                return Err(first);
             }
             i += chain;
         }
@@ -519,7 +533,7 @@ impl Instance for Worker {
             .collect()
     }
 
-    fn failed_rows(&mut self) -> RowErrors {
+    fn failed_rows(&mut self) -> Vec<(usize, Error)> {
         std::mem::take(&mut self.failed)
     }
 }
@@ -583,7 +597,7 @@ impl Worker {
         values: &mut BTreeMap<String, Value>,
         index: &mut Vec<usize>,
         live: &Live<'_>,
-    ) -> Result<(), RowErrors> {
+    ) -> Result<(), StepError> {
         let mut took = vec![std::time::Duration::ZERO; chain.len()];
         let mut written: BTreeMap<String, Vec<image::Picture>> = BTreeMap::new();
         let mut errors = Vec::new();
@@ -605,16 +619,20 @@ impl Worker {
                 let start = Instant::now();
                 let result = match &step.op {
                     Op::Decode(d) => charge(d, &one, spent.entry(live.request_of(row)).or_default())
-                        .map_err(|e| vec![(0, e)])
+                        .map_err(|e| StepError::Rows(vec![(0, e)]))
                         .and_then(|()| d.run(&mut one)),
                     Op::Image(op) => op.run(&mut one),
-                    _ => Err(vec![(usize::MAX, Error::internal("not an image step"))]),
+                    _ => Err(StepError::Batch(Error::internal("not an image step"))),
                 };
                 took[k] += start.elapsed();
-                if let Err(e) = result {
-                    let (at, e) = e.into_iter().next().unwrap_or((usize::MAX, Error::internal("a step failed")));
-                    errors.push((if at == usize::MAX { at } else { r }, named(step, e)));
-                    continue 'rows;
+                match result.map_err(|e| e.named(step)) {
+                    Ok(()) => {}
+                    Err(StepError::Batch(e)) => return Err(StepError::Batch(e)),
+                    Err(StepError::Rows(mut failed)) => {
+                        let e = failed.pop().map_or_else(|| Error::internal("a step failed"), |(_, e)| e);
+                        errors.push((r, e));
+                        continue 'rows;
+                    }
                 }
             }
             for (name, v) in one {
@@ -627,7 +645,7 @@ impl Worker {
             self.observe(step, t);
         }
         if !errors.is_empty() {
-            return Err(errors);
+            return Err(StepError::Rows(errors));
         }
         keep_rows(values, index, |row| !gone.contains(&row));
         values.extend(written.into_iter().map(|(name, pictures)| (name, Value::Images(pictures))));
@@ -808,18 +826,15 @@ pub(crate) fn floats(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// The rows of value `name`, which must be tensors.
-pub(crate) fn rows_of<'v>(
-    values: &'v BTreeMap<String, Value>,
-    name: &str,
-) -> Result<&'v Vec<Tensor>, Vec<(usize, Error)>> {
+pub(crate) fn rows_of<'v>(values: &'v BTreeMap<String, Value>, name: &str) -> Result<&'v Vec<Tensor>, StepError> {
     match values.get(name) {
         Some(Value::Rows(r)) => Ok(r),
-        _ => Err(vec![(usize::MAX, Error::internal(format!("value '{name}' is not a tensor")))]),
+        _ => Err(StepError::Batch(Error::internal(format!("value '{name}' is not a tensor")))),
     }
 }
 
 /// Runs `f` on every row, collecting the rows that fail.
-pub(crate) fn per_row<T, U>(items: &[T], mut f: impl FnMut(&T) -> Result<U>) -> Result<Vec<U>, RowErrors> {
+pub(crate) fn per_row<T, U>(items: &[T], mut f: impl FnMut(&T) -> Result<U>) -> Result<Vec<U>, StepError> {
     let mut out = Vec::with_capacity(items.len());
     let mut errors = Vec::new();
     for (i, item) in items.iter().enumerate() {
@@ -831,7 +846,7 @@ pub(crate) fn per_row<T, U>(items: &[T], mut f: impl FnMut(&T) -> Result<U>) -> 
     if errors.is_empty() {
         Ok(out)
     } else {
-        Err(errors)
+        Err(StepError::Rows(errors))
     }
 }
 

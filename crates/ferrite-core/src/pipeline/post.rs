@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use serde::Deserialize;
 
-use super::{floats, per_row, read_labels, rows_of, Kind, Op, RowErrors, Value};
+use super::{floats, per_row, read_labels, rows_of, Kind, Op, StepError, Value};
 use crate::{DataType, Error, Result, Tensor, TensorData};
 
 type Built = (Op, Vec<(String, Kind)>);
@@ -193,7 +193,7 @@ impl Post {
         Ok((Op::Post(Post::Nms(Box::new(nms))), written))
     }
 
-    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), StepError> {
         match self {
             Post::Pool { input, mask, output, mode, normalize } => {
                 let hidden = rows_of(values, input)?;
@@ -225,7 +225,7 @@ impl Post {
             Post::Nms(n) => {
                 let outputs = rows_of(values, &n.input)?;
                 let Some(Value::Images(pictures)) = values.get(&n.image) else {
-                    return Err(vec![(usize::MAX, Error::internal(format!("'{}' is not an image", n.image)))]);
+                    return Err(StepError::Batch(Error::internal(format!("'{}' is not an image", n.image))));
                 };
                 let index: Vec<usize> = (0..outputs.len()).collect();
                 let found = per_row(&index, |&i| n.detect(&outputs[i], &pictures[i].geometry))?;

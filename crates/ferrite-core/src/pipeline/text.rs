@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use tokenizers::{Tokenizer, TruncationParams};
 
-use super::{model_file, per_row, Kind, RowErrors, Value};
+use super::{model_file, per_row, Kind, StepError, Value};
 use crate::{DataType, Error, Result, Tensor, TensorData};
 
 fn default_text() -> String {
@@ -109,7 +109,7 @@ impl Tokenize {
         out
     }
 
-    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), RowErrors> {
+    pub fn run(&self, values: &mut BTreeMap<String, Value>) -> Result<(), StepError> {
         let texts = super::rows_of(values, &self.input)?;
         let pairs = match &self.pair {
             Some(p) => Some(super::rows_of(values, p)?),

@@ -143,7 +143,9 @@ impl Metrics {
     }
 }
 
-/// One model version's series, looked up once so the hot path does no label hashing.
+/// One model version's series, looked up once so the hot path does no label hashing (cloned
+/// handles share the series).
+#[derive(Clone)]
 pub struct ModelMetrics {
     labels: [String; 2],
     pub success: prometheus::IntCounter,
