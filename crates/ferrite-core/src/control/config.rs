@@ -355,7 +355,10 @@ impl ModelSpec {
                 .collect(),
             reshape,
             optional: config.input.iter().filter(|i| i.optional).map(|i| i.name.clone()).collect(),
-            model_filename: config.default_model_filename.clone().unwrap_or_else(|| "model.onnx".into()),
+            model_filename: config
+                .default_model_filename
+                .clone()
+                .unwrap_or_else(|| crate::control::repository::DEFAULT_MODEL_FILENAME.into()),
             warmup: config.warmup.clone(),
             uses: Vec::new(),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),

@@ -177,8 +177,8 @@ pub(crate) fn build(
         }
     }
     if versions.is_empty() {
-        let why: Vec<String> = notes.versions.iter().map(|(v, e)| format!("version {v}: {e}")).collect();
-        notes.model.get_or_insert_with(|| format!("no version could be loaded ({})", why.join("; ")));
+        let why = notes.reason();
+        notes.model.get_or_insert_with(|| format!("no version could be loaded ({why})"));
         return (None, notes);
     }
     let canary = config.canary.as_ref().filter(|c| versions.contains_key(&c.version)).and_then(|c| {

@@ -92,6 +92,14 @@ pub struct Notes {
     pub versions: BTreeMap<u64, String>,
 }
 
+impl Notes {
+    /// Every note in one line: the model's, then each version's.
+    pub fn reason(&self) -> String {
+        let versions = self.versions.iter().map(|(v, e)| format!("version {v}: {e}"));
+        self.model.iter().cloned().chain(versions).collect::<Vec<_>>().join("; ")
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Registry {
     pub models: BTreeMap<String, Arc<Served>>,

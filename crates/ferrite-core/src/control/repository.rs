@@ -253,9 +253,8 @@ impl Repository {
         let inputs: Vec<_> = pipeline.inputs().iter().map(batched).collect();
         let outputs: Vec<_> = pipeline.outputs().iter().map(batched).collect();
         // Its workers run the native steps and wait for its model steps: twice as many as the CPU
-        // budget has threads, so some prepare batches while others wait; batches of 32 rows. (The
-        // pipelines benchmark, image and text at 32 and 128 clients: one worker per thread and 64
-        // rows left the models waiting on the text pipeline, 0.84 of its ceiling against 1.0.)
+        // budget has threads, so some prepare batches while others wait; batches of 32 rows (the
+        // pipelines benchmark's choice: bench/results/pipelines.md).
         let mut plain = config.clone();
         plain.input.clear();
         plain.output.clear();
@@ -459,7 +458,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
         0 => None,
         n => {
             // It runs only when the model is otherwise idle, so its threads may spin between the
-            // operators of a run (a kinds run: the MLP's lone requests 20% faster, load unchanged)
+            // operators of a run (lone requests gain, load does not lose: bench/results/kinds.md)
             // unless the config says not to.
             let spinning = ort.spinning.unwrap_or(true);
             let options = OnnxOptions { intra_threads: n, spinning, ..spec.onnx.clone() };

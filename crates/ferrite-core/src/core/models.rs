@@ -133,9 +133,7 @@ impl Core {
             if notes.model.is_none() && notes.versions.is_empty() {
                 next.notes.remove(name);
             } else {
-                let mut why: Vec<String> = notes.model.iter().cloned().collect();
-                why.extend(notes.versions.iter().map(|(v, e)| format!("version {v}: {e}")));
-                failed.push(format!("model '{name}': {}", why.join("; ")));
+                failed.push(format!("model '{name}': {}", notes.reason()));
                 next.notes.insert(name.clone(), notes);
             }
         }
@@ -173,11 +171,7 @@ impl Core {
         let r = self.inner.registry.load();
         match r.notes.get(name) {
             None => Ok(()),
-            Some(n) => {
-                let mut why: Vec<String> = n.model.iter().cloned().collect();
-                why.extend(n.versions.iter().map(|(v, e)| format!("version {v}: {e}")));
-                Err(Error::invalid(format!("failed to load '{name}': {}", why.join("; "))))
-            }
+            Some(n) => Err(Error::invalid(format!("failed to load '{name}': {}", n.reason()))),
         }
     }
 

@@ -1,9 +1,9 @@
 //! Self-tuning at load: a bounded calibration that measures a model's run time against batch size
 //! for each plan of the CPU budget (one instance on every core; one single-threaded instance per
 //! core) and picks what serves it fastest. Spinning is measured only when the config asks for it:
-//! in-process it looks 10-30% faster, but in the server its spinning threads take the cores the
-//! I/O threads need (a kinds run: the MLP calibrated to spin served 0.33 of its ceiling
-//! at 128 clients, against 0.44 without), which a measurement without the I/O cannot see. What
+//! in-process it looks faster, but in the server its spinning threads take the cores the I/O
+//! threads need (README "Self-tuning" has the measurements), which a measurement without the
+//! I/O cannot see. What
 //! wins on an MLP (merging 64 rows) loses on a conv net (slower per image in batches), so nothing
 //! here is a constant: the choice comes from the model's own measurements, and config values
 //! always win (a plan that contradicts the config is not tried).
