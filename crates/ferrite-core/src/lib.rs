@@ -12,9 +12,9 @@
 //! | ground | [`wire`] | what every front-end shares about the V2 protocol: request parameters, header checks, `Retry-After` |
 //! | ground | [`crash`] | crash reports: what a worker runs, written out by a fatal-signal handler |
 //! | ground | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
-//! | admission | [`admission`] | request and concurrency limits, per-tenant limits, the deadline estimate |
+//! | admission | [`admission`] | request and concurrency limits, per-tenant limits |
 //! | cache | [`cache`] | the response cache: keys, the in-process tier, and the trait a shared tier (Redis) implements |
-//! | engine | [`engine`] | one model's data plane: spec, backend trait and ONNX Runtime adapter, queue, batcher, costs |
+//! | engine | [`engine`] | one model's data plane: spec, backend trait and ONNX Runtime adapter, queue, batcher, its measured costs and deadline estimate |
 //! | pipeline | [`pipeline`] | native pre- and post-processing steps and calls to other models, served as a model (it finds those through its `Models` trait) |
 //! | control | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
 //! | core | [`core`] | [`Core`], one per process: the path of a request (admission, routing, the model, the canary's record) and the control plane's operations |

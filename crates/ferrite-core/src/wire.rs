@@ -6,6 +6,10 @@ use std::time::Duration;
 
 use crate::{data::tensor::element_count, DataType, Error, Result};
 
+/// Input elements one request may carry unless the server is told otherwise
+/// (`--max-request-elements`).
+pub const DEFAULT_MAX_ELEMENTS: usize = 1 << 23;
+
 /// How long a client refused for a full queue or a limit is told to wait.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 

@@ -1,8 +1,7 @@
 //! Admission: what a request must pass before it may queue. Caps on what one request may make
-//! the server hold, the process-wide concurrency cap, per-tenant limits, and the estimate that
-//! refuses a request whose deadline cannot be met.
+//! the server hold, the process-wide concurrency cap, and per-tenant limits. (The estimate that
+//! refuses a request whose deadline cannot be met is the batcher's own: `engine::deadline`.)
 
-pub mod deadline;
 pub mod tenant;
 
 use std::sync::{
@@ -24,7 +23,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_elements: 1 << 23, max_concurrent_requests: 0 }
+        Limits { max_elements: crate::wire::DEFAULT_MAX_ELEMENTS, max_concurrent_requests: 0 }
     }
 }
 

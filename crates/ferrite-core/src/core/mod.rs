@@ -238,7 +238,7 @@ impl Core {
         // NaN answers to NaN questions are not the candidate's fault.
         let nan_inputs = canary.is_some() && crate::control::canary::has_nan(&req.inputs);
         let start = Instant::now();
-        let result = model.infer_holding(req, &self.inner.limits, hold).await;
+        let result = model.infer_holding(req, self.inner.limits.max_elements, hold).await;
         if let Some((canary, side)) = canary {
             canary.observe(&model.spec.name, side, nan_inputs, &result, start.elapsed());
         }

@@ -21,10 +21,10 @@ use std::{
 };
 
 use crate::{
-    admission::deadline::BatchTime,
     engine::{
         backend::{BatchInput, Instance, Live},
         costs::{BatchCosts, EXPLORE_EVERY},
+        deadline::BatchTime,
         queue::{Decision, Pending, Queue},
         spec::{reshaped, ModelSpec, TimeoutAction},
     },

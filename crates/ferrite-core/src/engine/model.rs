@@ -10,7 +10,6 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::{
-    admission::Limits,
     cache::{self, ResponseCache},
     data::tensor::element_count,
     engine::{
@@ -72,20 +71,20 @@ impl Model {
         &self.batcher
     }
 
-    /// Validates, queues and awaits one request.
-    pub async fn infer(&self, req: InferRequest, limits: &Limits) -> Result<InferResponse> {
-        self.infer_holding(req, limits, Hold::default()).await
+    /// Validates, queues and awaits one request of at most `max_elements` input elements.
+    pub async fn infer(&self, req: InferRequest, max_elements: usize) -> Result<InferResponse> {
+        self.infer_holding(req, max_elements, Hold::default()).await
     }
 
     /// As `infer`; `hold` is kept until the request's work has stopped (see [`Hold`]).
-    pub async fn infer_holding(&self, mut req: InferRequest, limits: &Limits, hold: Hold) -> Result<InferResponse> {
+    pub async fn infer_holding(&self, mut req: InferRequest, max_elements: usize, hold: Hold) -> Result<InferResponse> {
         let start = Instant::now();
         // Counts the request as cancelled if its caller stops waiting (the future is dropped).
         let mut outcome = Outcome { model: self, start, done: false };
         let id = req.id.clone();
         let classes = std::mem::take(&mut req.classification);
         let result = match self.check_classification(&classes) {
-            Ok(()) => self.run(req, limits, hold).await.and_then(|r| self.classify(r, &classes)),
+            Ok(()) => self.run(req, max_elements, hold).await.and_then(|r| self.classify(r, &classes)),
             Err(e) => Err(e),
         };
         outcome.done = true;
@@ -106,7 +105,7 @@ impl Model {
     /// through the batcher, blocking the calling thread. Not counted in the statistics of real
     /// traffic.
     pub fn warm_up(&self, inputs: Vec<Tensor>) -> Result<()> {
-        let (inputs, rows) = self.check_inputs(inputs, &Limits::default())?;
+        let (inputs, rows) = self.check_inputs(inputs, crate::wire::DEFAULT_MAX_ELEMENTS)?;
         let (tx, rx) = oneshot::channel();
         let now = Instant::now();
         let span = tracing::Span::none();
@@ -143,12 +142,12 @@ impl Model {
         self.metrics.request.observe(elapsed.as_secs_f64());
     }
 
-    async fn run(&self, req: InferRequest, limits: &Limits, hold: Hold) -> Result<InferResponse> {
+    async fn run(&self, req: InferRequest, max_elements: usize, hold: Hold) -> Result<InferResponse> {
         // Child spans only for a request that is being traced (front-ends give the others none).
         let traced = !tracing::Span::current().is_none();
         let child = |span: fn() -> tracing::Span| if traced { span() } else { tracing::Span::none() };
         let validated = child(|| tracing::debug_span!("validate")).in_scope(|| -> Result<_> {
-            let (inputs, rows) = self.check_inputs(req.inputs, limits)?;
+            let (inputs, rows) = self.check_inputs(req.inputs, max_elements)?;
             Ok((inputs, rows, self.check_outputs(req.outputs.as_deref())?, self.level(req.priority)?))
         });
         let (inputs, rows, outputs, level) = validated?;
@@ -166,9 +165,7 @@ impl Model {
             .map(|_| cache::key(tenant, &self.spec.name, self.spec.version, self.content, &inputs, outputs.as_deref()));
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
-            if let Some(hit) =
-                c.get(k, limits.max_elements, share).instrument(child(|| tracing::debug_span!("cache"))).await
-            {
+            if let Some(hit) = c.get(k, max_elements, share).instrument(child(|| tracing::debug_span!("cache"))).await {
                 // A hit never enters the queue.
                 self.stats.cache_hit.add(t.elapsed());
                 self.metrics.cache_hits.inc();
@@ -218,7 +215,7 @@ impl Model {
     }
 
     /// Puts inputs in model order and checks each against the spec before anything is queued.
-    fn check_inputs(&self, given: Vec<Tensor>, limits: &Limits) -> Result<(Vec<Tensor>, usize)> {
+    fn check_inputs(&self, given: Vec<Tensor>, max_elements: usize) -> Result<(Vec<Tensor>, usize)> {
         let spec = &self.spec;
         let batched = spec.batched();
         let mut slots: Vec<Option<Tensor>> = vec![None; spec.inputs.len()];
@@ -262,9 +259,9 @@ impl Model {
                 )));
             }
             elements = elements
-                .checked_add(element_count(&t.shape, limits.max_elements)?)
-                .filter(|&n| n <= limits.max_elements)
-                .ok_or_else(|| Error::invalid(format!("request has more than {} elements", limits.max_elements)))?;
+                .checked_add(element_count(&t.shape, max_elements)?)
+                .filter(|&n| n <= max_elements)
+                .ok_or_else(|| Error::invalid(format!("request has more than {max_elements} elements")))?;
             t.check_size()?;
             // ONNX Runtime's strings are UTF-8: a BYTES element that is not would fail the whole
             // batch it joined, so it is refused here, before it can share one.

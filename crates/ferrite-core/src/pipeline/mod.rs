@@ -24,7 +24,6 @@ use std::{
 use serde::Deserialize;
 
 use crate::{
-    admission::Limits,
     engine::{
         backend::{BatchInput, Cost, Instance, Live},
         spec::TensorSpec,
@@ -698,9 +697,8 @@ impl Worker {
                     .map(|(name, r)| stack(name, chunk.iter().map(|&i| r[i].clone()).collect()))
                     .collect::<Result<Vec<_>>>()?;
                 let req = InferRequest { model_name: c.model.clone(), inputs, skip_cache: true, ..Default::default() };
-                let limits = Limits::default();
                 let resp = self.runtime.block_on(async {
-                    let mut call = std::pin::pin!(model.infer(req, &limits));
+                    let mut call = std::pin::pin!(model.infer(req, crate::wire::DEFAULT_MAX_ELEMENTS));
                     loop {
                         match tokio::time::timeout(CLIENT_CHECK, call.as_mut()).await {
                             Ok(answer) => return answer,
