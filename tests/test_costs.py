@@ -256,12 +256,18 @@ def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     assert after < max(whole / 4, 1.0), (whole, after)
 
 
-def tenant_server(root, limits, *args):
-    """alice and bob bound to their own tokens with `limits` each, the embedder cached."""
+def text_repo(root):
+    """A repository of the bundled text embedder (a pipeline) and the encoder it calls."""
     repo = root / "models"
     repo.mkdir()
     for m in ("text_embedder", "text_encoder"):
         shutil.copytree(ROOT / "models" / m, repo / m)
+    return repo
+
+
+def tenant_server(root, limits, *args):
+    """alice and bob bound to their own tokens with `limits` each, the embedder cached."""
+    repo = text_repo(root)
     cfg = repo / "text_embedder" / "config.toml"
     cfg.write_text(cfg.read_text() + "\n[cache]\nenabled = true\n")
     (root / "tokens").write_text("".join(f"{t} infer tenant={n}\n" for n, t in TOKENS.items())
@@ -406,10 +412,7 @@ def index_rows(server, token):
 
 
 def test_pipelines_load_after_the_pipelines_they_call_and_cycles_are_named(tmp_path):
-    repo = tmp_path / "models"
-    repo.mkdir()
-    for m in ("text_embedder", "text_encoder"):
-        shutil.copytree(ROOT / "models" / m, repo / m)
+    repo = text_repo(tmp_path)
     # Named before what they call: a_outer -> chain0 -> ... -> chain39 -> text_embedder.
     embed_calling(repo, "a_outer", "chain0")
     for i in range(40):
@@ -429,7 +432,7 @@ def test_pipelines_load_after_the_pipelines_they_call_and_cycles_are_named(tmp_p
             assert rows[name]["state"] == "UNAVAILABLE" and "cycle" in rows[name]["reason"], rows[name]
         assert "cyc_a -> cyc_b -> cyc_a" in rows["cyc_a"]["reason"]
         assert "broken_inner" in rows["broken_outer"]["reason"] and len(rows["broken_outer"]["reason"]) < 300
-        c = httpclient.InferenceServerClient(s.url, )
+        c = httpclient.InferenceServerClient(s.url)
         x = httpclient.InferInput("text", [1], "BYTES")
         x.set_data_from_numpy(np.array([b"hello world"], dtype=object))
         headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
@@ -440,10 +443,7 @@ def test_pipelines_load_after_the_pipelines_they_call_and_cycles_are_named(tmp_p
 
 
 def test_a_pipeline_that_failed_for_want_of_a_model_loads_when_the_model_does(tmp_path):
-    repo = tmp_path / "models"
-    repo.mkdir()
-    for m in ("text_embedder", "text_encoder"):
-        shutil.copytree(ROOT / "models" / m, repo / m)
+    repo = text_repo(tmp_path)
     embed_calling(repo, "outer", "text_embedder")
     (tmp_path / "tokens").write_text(f"{METRICS_TOKEN} admin,infer\n")
     s = Server(repo, "--auth-token-file", str(tmp_path / "tokens"), "--model-control-mode", "explicit",
