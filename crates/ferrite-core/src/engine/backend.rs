@@ -46,41 +46,43 @@ pub struct Cost {
 pub type CostOf = dyn Fn(&[Tensor]) -> Result<u64> + Send + Sync;
 
 /// Which request each row of a batch belongs to, and whether its client still waits: a backend
-/// that works row by row (a pipeline) stops paying for the rows of a client that has left, and
-/// charges per-request budgets to the request that spends them.
+/// that works row by row (a pipeline) stops paying for the rows of a client that has left.
 pub struct Live<'a> {
-    /// Each request's first row and whether it is still awaited; empty: one request, always awaited.
-    requests: Vec<(usize, &'a dyn Fn() -> bool)>,
+    /// Each request's first row, in batch order; empty: one request, always awaited.
+    starts: Vec<usize>,
+    /// Whether the client of request `i` (in batch order) still waits.
+    awaited: &'a dyn Fn(usize) -> bool,
 }
 
 impl<'a> Live<'a> {
     /// A batch of one request whose caller always waits (warm-ups, calibration, tests).
     pub fn everyone() -> Live<'static> {
-        Live { requests: Vec::new() }
+        Live { starts: Vec::new(), awaited: &|_| true }
     }
 
-    /// Requests of `rows` rows each, in batch order, with a check of whether each is still awaited.
-    pub fn new(requests: impl IntoIterator<Item = (usize, &'a dyn Fn() -> bool)>) -> Live<'a> {
-        let mut start = 0;
-        let requests = requests
+    /// Requests of `rows` rows each, in batch order; `awaited(i)` tells whether request i's
+    /// client still waits.
+    pub fn new(rows: impl IntoIterator<Item = usize>, awaited: &'a dyn Fn(usize) -> bool) -> Live<'a> {
+        let mut next = 0;
+        let starts = rows
             .into_iter()
-            .map(|(rows, awaited)| {
-                let first = start;
-                start += rows;
-                (first, awaited)
+            .map(|n| {
+                let first = next;
+                next += n;
+                first
             })
             .collect();
-        Live { requests }
+        Live { starts, awaited }
     }
 
     /// The index of the request row `row` belongs to.
     pub fn request_of(&self, row: usize) -> usize {
-        self.requests.partition_point(|(first, _)| *first <= row).saturating_sub(1)
+        self.starts.partition_point(|&first| first <= row).saturating_sub(1)
     }
 
     /// Whether the client of row `row` still waits for it.
     pub fn awaited(&self, row: usize) -> bool {
-        self.requests.get(self.request_of(row)).is_none_or(|(_, awaited)| awaited())
+        self.starts.is_empty() || (self.awaited)(self.request_of(row))
     }
 }
 

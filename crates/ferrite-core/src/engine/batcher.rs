@@ -591,9 +591,8 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
             let _ = writeln!(w, "input '{}' {} {:?}", i.name, i.datatype, i.shape);
         }
     });
-    let awaited: Vec<Box<dyn Fn() -> bool + '_>> =
-        group.iter().map(|p| Box::new(move || p.warmup || !p.reply.is_closed()) as Box<dyn Fn() -> bool>).collect();
-    let live = Live::new(group.iter().zip(&awaited).map(|(p, a)| (p.rows, a.as_ref())));
+    let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
+    let live = Live::new(group.iter().map(|p| p.rows), &awaited);
     let result = catch_unwind(AssertUnwindSafe(|| instance.run_live(&inputs, &live))).unwrap_or_else(|_| {
         // The batch fails (and is run apart); the instance and the server go on.
         tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");

@@ -588,8 +588,8 @@ impl Worker {
 
     /// Runs `chain` (a decode and image steps) row by row; on success the batch gets the images
     /// each value ends with. Rows that fail are all named. A row whose client has left is skipped
-    /// and dropped (from `values` and `index`); the pixels a request's images decode to are
-    /// charged to it before each is decoded, against the decode's `max_request_pixels`.
+    /// and dropped (from `values` and `index`). (A request's decoded pixels were charged at
+    /// admission, by `Backend::cost`.)
     fn image_chain(
         &self,
         chain: &[Step],
@@ -601,7 +601,6 @@ impl Worker {
         let mut written: BTreeMap<String, Vec<image::Picture>> = BTreeMap::new();
         let mut errors = Vec::new();
         let mut gone = Vec::new();
-        let mut spent: BTreeMap<usize, u64> = BTreeMap::new();
         'rows: for (r, &row) in index.iter().enumerate() {
             if !live.awaited(row) {
                 gone.push(row);
@@ -617,9 +616,7 @@ impl Worker {
             for (k, step) in chain.iter().enumerate() {
                 let start = Instant::now();
                 let result = match &step.op {
-                    Op::Decode(d) => charge(d, &one, spent.entry(live.request_of(row)).or_default())
-                        .map_err(|e| StepError::Rows(vec![(0, e)]))
-                        .and_then(|()| d.run(&mut one)),
+                    Op::Decode(d) => d.run(&mut one),
                     Op::Image(op) => op.run(&mut one),
                     _ => Err(StepError::Batch(Error::internal("not an image step"))),
                 };
@@ -725,22 +722,6 @@ impl Worker {
 
 fn empty(t: &TensorSpec) -> Tensor {
     Tensor::new(&t.name, t.datatype, vec![0], TensorData::Fixed(Default::default()))
-}
-
-/// Charges the image of `one` (a row's values) to its request's decoded pixels, `spent`, before it
-/// is decoded: a request's images together may decode to at most the step's `max_request_pixels`.
-fn charge(d: &image::Decode, one: &BTreeMap<String, Value>, spent: &mut u64) -> Result<()> {
-    let Some(Value::Rows(r)) = one.get(d.input()) else { return Ok(()) };
-    let Some(t) = r.first() else { return Ok(()) };
-    let (w, h) = d.declared(image::Decode::image(t)?)?;
-    *spent += u64::from(w) * u64::from(h);
-    if *spent > d.max_request_pixels {
-        return Err(Error::invalid(format!(
-            "the request's images decode to more than {} pixels together (decode_image max_request_pixels)",
-            d.max_request_pixels
-        )));
-    }
-    Ok(())
 }
 
 /// One input of the batch as a tensor per row (without the batch dim).
@@ -914,9 +895,8 @@ mod tests {
 
     #[test]
     fn live_rows_belong_to_their_requests() {
-        let yes = || true;
-        let no = || false;
-        let live = Live::new([(2, &yes as &dyn Fn() -> bool), (3, &no), (1, &yes)]);
+        let awaited = |i: usize| i != 1;
+        let live = Live::new([2, 3, 1], &awaited);
         assert_eq!((0..6).map(|r| live.request_of(r)).collect::<Vec<_>>(), vec![0, 0, 1, 1, 1, 2]);
         assert_eq!((0..6).map(|r| live.awaited(r)).collect::<Vec<_>>(), vec![true, true, false, false, false, true]);
         assert!(Live::everyone().awaited(7));
