@@ -184,10 +184,13 @@ def test_jpeg_scan_bombs_and_truncated_jpegs_are_refused(costly):
     assert post(costly, "/v2/models/image_classifier/infer", body, headers)[0] == 200
 
 
+def slow_image():
+    """A 2000x2000 lossless WebP of a few hundred bytes, decoded in full."""
+    return encode(Image.new("RGB", (2000, 2000), (1, 2, 3)), "WEBP", lossless=True)
+
+
 def slow_request(n=24):
-    """n 2000x2000 images (lossless WebP, a few hundred bytes each), each decoded in full."""
-    img = encode(Image.new("RGB", (2000, 2000), (1, 2, 3)), "WEBP", lossless=True)
-    return binary_body([img] * n)
+    return binary_body([slow_image()] * n)
 
 
 def settle(pid, quiet=0.3, limit=30.0):
@@ -200,6 +203,15 @@ def settle(pid, quiet=0.3, limit=30.0):
         if now - last < quiet:
             return
         last = now
+
+
+def assert_stopped(pid, whole, what):
+    """The server's CPU once it has settled, after a client left work that costs `whole` CPU-s."""
+    left = cpu_seconds(pid)
+    settle(pid)
+    after = cpu_seconds(pid) - left
+    print(f"\n{what}: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after the client left")
+    assert after < max(whole / 4, 1.0), (whole, after)
 
 
 def test_work_stops_when_an_http_client_leaves(costly):
@@ -218,42 +230,28 @@ def test_work_stops_when_an_http_client_leaves(costly):
                  .encode() + body)
     time.sleep(max(whole / 10, 0.3))
     sock.close()
-    left = cpu_seconds(pid)
-    settle(pid)
-    after = cpu_seconds(pid) - left
-    print(f"\n24 images: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after the client left")
-    assert after < max(whole / 4, 1.0), (whole, after)
+    assert_stopped(pid, whole, "24 images over HTTP")
 
 
 def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     pid = costly.proc.pid
-    _, body = slow_request()
-    img = encode(Image.new("RGB", (2000, 2000), (1, 2, 3)), "WEBP", lossless=True)
     c = grpcclient.InferenceServerClient(costly.grpc_url)
     x = grpcclient.InferInput("image", [24], "BYTES")
-    x.set_data_from_numpy(np.array([img] * 24, dtype=object))
+    x.set_data_from_numpy(np.array([slow_image()] * 24, dtype=object))
     start = cpu_seconds(pid)
     c.infer("slow_images", [x])
     whole = cpu_seconds(pid) - start
     settle(pid)
     with pytest.raises(Exception):
         c.infer("slow_images", [x], client_timeout=max(whole / 10, 0.3))
-    left = cpu_seconds(pid)
-    settle(pid)
-    after = cpu_seconds(pid) - left
-    print(f"\ngRPC, 24 images: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after the call was cancelled")
-    assert after < max(whole / 4, 1.0), (whole, after)
+    assert_stopped(pid, whole, "24 images, a gRPC call cancelled")
     # Four such requests on a stream, cancelled with it.
     c.start_stream(callback=lambda result, error: None)
     for _ in range(4):
         c.async_stream_infer("slow_images", [x])
     time.sleep(max(whole / 10, 0.3))
     c.stop_stream(cancel_requests=True)
-    left = cpu_seconds(pid)
-    settle(pid)
-    after = cpu_seconds(pid) - left
-    print(f"gRPC stream of 4 such requests: {after:.2f} CPU-s after it was cancelled")
-    assert after < max(whole / 4, 1.0), (whole, after)
+    assert_stopped(pid, whole, "4 such requests, a gRPC stream cancelled")
 
 
 def text_repo(root):
