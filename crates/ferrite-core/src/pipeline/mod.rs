@@ -539,10 +539,11 @@ impl Instance for Worker {
 
 /// Keeps the rows of every value whose batch row (`index`) passes `keep`, and their index.
 fn keep_rows(values: &mut BTreeMap<String, Value>, index: &mut Vec<usize>, keep: impl Fn(usize) -> bool) {
-    let kept: Vec<bool> = index.iter().map(|&row| keep(row)).collect();
-    if kept.iter().all(|&k| k) {
+    // Nearly always every row is kept: nothing is allocated then.
+    if index.iter().all(|&row| keep(row)) {
         return;
     }
+    let kept: Vec<bool> = index.iter().map(|&row| keep(row)).collect();
     fn retain<T>(v: &mut Vec<T>, kept: &[bool]) {
         let mut k = kept.iter();
         v.retain(|_| k.next().copied().unwrap_or(false));
