@@ -39,9 +39,11 @@ pub use crate::core::{Core, ModelControl, Startup};
 pub use admission::Limits;
 pub use control::{IndexEntry, LoadOptions, Registry, Repository};
 pub use data::{
-    dtype::DataType,
+    dtype::{DataType, Element, Number},
     request::{CanaryRoute, InferRequest, InferResponse},
     tensor::{Tensor, TensorData},
 };
 pub use engine::{backend::Backend, model::Model};
 pub use error::{Error, Result};
+/// For [`dispatch!`]'s half-precision types.
+pub use half;

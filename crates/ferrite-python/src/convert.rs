@@ -1,7 +1,7 @@
 //! NumPy arrays to core tensors and back, without copying fixed-size data.
 
 use bytes::Bytes;
-use ferrite_core::{engine::spec::ModelSpec, DataType, Tensor, TensorData};
+use ferrite_core::{dispatch, engine::spec::ModelSpec, DataType, Tensor, TensorData};
 use numpy::{
     ndarray::{ArrayView, IxDyn},
     npyffi, Element, PyArray, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
@@ -33,22 +33,12 @@ impl AsRef<[u8]> for ArrayOwner {
     }
 }
 
+/// NumPy's dtype for `dt`; none for BYTES and for BF16 (NumPy has no bfloat16 of its own).
 fn np_dtype(py: Python<'_>, dt: DataType) -> Option<Bound<'_, PyArrayDescr>> {
-    Some(match dt {
-        DataType::Bool => numpy::dtype::<bool>(py),
-        DataType::Uint8 => numpy::dtype::<u8>(py),
-        DataType::Uint16 => numpy::dtype::<u16>(py),
-        DataType::Uint32 => numpy::dtype::<u32>(py),
-        DataType::Uint64 => numpy::dtype::<u64>(py),
-        DataType::Int8 => numpy::dtype::<i8>(py),
-        DataType::Int16 => numpy::dtype::<i16>(py),
-        DataType::Int32 => numpy::dtype::<i32>(py),
-        DataType::Int64 => numpy::dtype::<i64>(py),
-        DataType::Fp16 => numpy::dtype::<half::f16>(py),
-        DataType::Fp32 => numpy::dtype::<f32>(py),
-        DataType::Fp64 => numpy::dtype::<f64>(py),
-        DataType::Bf16 | DataType::Bytes => return None,
-    })
+    match dt {
+        DataType::Bf16 => None,
+        dt => dispatch!(dt, T => Some(numpy::dtype::<T>(py)), bytes => None),
+    }
 }
 
 /// The datatype an array already has (for inputs the model does not name; the core refuses them).
@@ -210,25 +200,15 @@ pub fn outputs(py: Python<'_>, tensors: Vec<Tensor>) -> PyResult<Bound<'_, PyDic
                 np.call_method1("array", (list, "object"))?.call_method1("reshape", (shape,))?
             }
             TensorData::Fixed(data) => match t.datatype {
-                DataType::Bool => view::<bool>(py, &shape, data)?,
-                DataType::Uint8 => view::<u8>(py, &shape, data)?,
-                DataType::Uint16 => view::<u16>(py, &shape, data)?,
-                DataType::Uint32 => view::<u32>(py, &shape, data)?,
-                DataType::Uint64 => view::<u64>(py, &shape, data)?,
-                DataType::Int8 => view::<i8>(py, &shape, data)?,
-                DataType::Int16 => view::<i16>(py, &shape, data)?,
-                DataType::Int32 => view::<i32>(py, &shape, data)?,
-                DataType::Int64 => view::<i64>(py, &shape, data)?,
-                DataType::Fp16 => view::<half::f16>(py, &shape, data)?,
-                DataType::Fp32 => view::<f32>(py, &shape, data)?,
-                DataType::Fp64 => view::<f64>(py, &shape, data)?,
                 DataType::Bf16 => {
                     // NumPy has no bfloat16: widen to float32 (a copy).
                     let v: Vec<f32> =
                         data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
                     PyArray::from_vec(py, v).reshape(shape)?.into_any()
                 }
-                DataType::Bytes => unreachable!("BYTES data is never raw"),
+                dt => {
+                    dispatch!(dt, T => view::<T>(py, &shape, data)?, bytes => unreachable!("BYTES data is never raw"))
+                }
             },
         };
         dict.set_item(t.name, value)?;

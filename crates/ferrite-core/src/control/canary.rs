@@ -301,16 +301,12 @@ impl Canary {
 /// Whether an answer counts as a failure of the model for canary purposes: floating outputs
 /// holding NaN.
 pub fn has_nan(outputs: &[crate::Tensor]) -> bool {
-    use crate::{DataType, TensorData};
+    use crate::{Element, TensorData};
     outputs.iter().any(|t| {
         let TensorData::Fixed(b) = &t.data else { return false };
-        match t.datatype {
-            DataType::Fp32 => b.chunks_exact(4).any(|c| f32::from_le_bytes(c.try_into().unwrap()).is_nan()),
-            DataType::Fp64 => b.chunks_exact(8).any(|c| f64::from_le_bytes(c.try_into().unwrap()).is_nan()),
-            DataType::Fp16 => b.chunks_exact(2).any(|c| half::f16::from_le_bytes([c[0], c[1]]).is_nan()),
-            DataType::Bf16 => b.chunks_exact(2).any(|c| half::bf16::from_le_bytes([c[0], c[1]]).is_nan()),
-            _ => false,
-        }
+        let size = t.datatype.size().unwrap_or(1);
+        t.datatype.is_float()
+            && crate::dispatch!(t.datatype, T => b.chunks_exact(size).any(|c| T::read_le(c).to_f64().is_nan()), bytes => false)
     })
 }
 

@@ -576,23 +576,17 @@ fn warmup_samples(spec: &ModelSpec, onnx: &Path) -> Result<Vec<(String, usize, V
 /// `n` random values of `dt`: floats in [0, 1), integers in 0..8 (small enough to index any
 /// table a model looks ids up in), booleans.
 fn random_data(dt: crate::DataType, n: usize, random: &mut impl FnMut() -> u64) -> crate::TensorData {
-    use crate::DataType as D;
+    use crate::{DataType as D, Element};
     let mut out = Vec::with_capacity(n * dt.size().unwrap_or(1));
     for _ in 0..n {
         let r = random();
         let unit = (r >> 40) as f32 / (1u64 << 24) as f32;
-        match dt {
-            D::Fp32 => out.extend_from_slice(&unit.to_le_bytes()),
-            D::Fp64 => out.extend_from_slice(&f64::from(unit).to_le_bytes()),
-            D::Fp16 => out.extend_from_slice(&half::f16::from_f32(unit).to_le_bytes()),
-            D::Bf16 => out.extend_from_slice(&half::bf16::from_f32(unit).to_le_bytes()),
-            D::Bool => out.push((r & 1) as u8),
-            other => {
-                let mut v = vec![0u8; other.size().unwrap_or(1)];
-                v[0] = (r % 8) as u8;
-                out.extend_from_slice(&v);
-            }
-        }
+        let v = match dt {
+            D::Bool => (r & 1) as f64,
+            dt if dt.is_float() => f64::from(unit),
+            _ => (r % 8) as f64,
+        };
+        crate::dispatch!(dt, T => T::cast(v).put_le(&mut out), bytes => unreachable!("BYTES are made apart"));
     }
     crate::TensorData::Fixed(out.into())
 }

@@ -130,7 +130,7 @@ impl Tensor {
     }
 
     /// A fixed-size tensor from typed values (for tests, examples and backends).
-    pub fn from_le<T: LeBytes>(name: &str, datatype: DataType, shape: Vec<usize>, values: &[T]) -> Self {
+    pub fn from_le<T: crate::Element>(name: &str, datatype: DataType, shape: Vec<usize>, values: &[T]) -> Self {
         let mut buf = Vec::with_capacity(std::mem::size_of_val(values));
         for v in values {
             v.put_le(&mut buf);
@@ -183,28 +183,6 @@ impl Tensor {
             TensorData::Strings(v) => TensorData::Strings(v[start * per_row..(start + rows) * per_row].to_vec()),
         };
         Tensor { name: self.name.clone(), datatype: self.datatype, shape, data }
-    }
-}
-
-/// Little-endian encoding of the fixed-size element types.
-pub trait LeBytes: Copy {
-    fn put_le(self, buf: &mut Vec<u8>);
-}
-
-macro_rules! le_bytes {
-    ($($t:ty),*) => {$(
-        impl LeBytes for $t {
-            fn put_le(self, buf: &mut Vec<u8>) {
-                buf.extend_from_slice(&self.to_le_bytes());
-            }
-        }
-    )*};
-}
-le_bytes!(u8, u16, u32, u64, i8, i16, i32, i64, f32, f64, half::f16, half::bf16);
-
-impl LeBytes for bool {
-    fn put_le(self, buf: &mut Vec<u8>) {
-        buf.push(self as u8);
     }
 }
 

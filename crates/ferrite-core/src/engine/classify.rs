@@ -3,7 +3,7 @@
 //! `"value:index"`, or `"value:index:label"` when the output has labels (`label_filename`), highest
 //! first. Floats are written as C's `%f` (Triton's `std::to_string`), integers as they are.
 
-use crate::{DataType, Error, Result, Tensor, TensorData};
+use crate::{DataType, Element, Error, Result, Tensor, TensorData};
 
 /// Whether outputs of `datatype` can be classified.
 pub fn classifiable(datatype: DataType) -> bool {
@@ -20,7 +20,7 @@ pub fn top_k(t: &Tensor, k: usize, batched: bool, labels: Option<&[String]>) -> 
     let rows = if batched { t.shape.first().copied().unwrap_or(1) } else { 1 };
     let per_row = values.len().checked_div(rows).unwrap_or(0);
     let k = k.min(per_row);
-    let integer = !matches!(t.datatype, DataType::Fp16 | DataType::Bf16 | DataType::Fp32 | DataType::Fp64);
+    let integer = !t.datatype.is_float();
     let mut items = Vec::with_capacity(rows * k);
     for row in values.chunks(per_row.max(1)).take(rows) {
         let mut order: Vec<usize> = (0..row.len()).collect();
@@ -52,26 +52,13 @@ pub(crate) fn elements<T>(t: &Tensor, to: impl Fn(f64) -> T) -> Result<Vec<T>> {
     let TensorData::Fixed(b) = &t.data else {
         return Err(Error::invalid(format!("output '{}' of type {} cannot be classified", t.name, t.datatype)));
     };
-    macro_rules! each {
-        ($ty:ty, $n:expr, $conv:expr) => {
-            b.chunks_exact($n).map(|c| to($conv(<$ty>::from_le_bytes(c.try_into().unwrap())))).collect()
-        };
+    if t.datatype == DataType::Bool {
+        return Err(Error::invalid(format!("output '{}' of type BOOL cannot be classified", t.name)));
     }
-    Ok(match t.datatype {
-        DataType::Fp32 => each!(f32, 4, f64::from),
-        DataType::Fp64 => each!(f64, 8, |v| v),
-        DataType::Fp16 => each!(half::f16, 2, |v: half::f16| v.to_f64()),
-        DataType::Bf16 => each!(half::bf16, 2, |v: half::bf16| v.to_f64()),
-        DataType::Int8 => each!(i8, 1, f64::from),
-        DataType::Int16 => each!(i16, 2, f64::from),
-        DataType::Int32 => each!(i32, 4, f64::from),
-        DataType::Int64 => each!(i64, 8, |v| v as f64),
-        DataType::Uint8 => each!(u8, 1, f64::from),
-        DataType::Uint16 => each!(u16, 2, f64::from),
-        DataType::Uint32 => each!(u32, 4, f64::from),
-        DataType::Uint64 => each!(u64, 8, |v| v as f64),
-        other => return Err(Error::invalid(format!("output '{}' of type {other} cannot be classified", t.name))),
-    })
+    let size = t.datatype.size().unwrap_or(1);
+    Ok(
+        crate::dispatch!(t.datatype, T => b.chunks_exact(size).map(|c| to(T::read_le(c).to_f64())).collect(), bytes => unreachable!("BYTES data is never fixed")),
+    )
 }
 
 #[cfg(test)]

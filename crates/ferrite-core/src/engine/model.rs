@@ -372,7 +372,7 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 /// Synthetic inputs of `rows` rows (when the model batches) for `spec`: no zeros (ones, halves
 /// and "a"s), variable dims as 1. For warm-ups and the calibration.
 pub fn synthetic_inputs(spec: &ModelSpec, rows: usize) -> Vec<Tensor> {
-    use crate::DataType as D;
+    use crate::{Element, TensorData};
     spec.inputs
         .iter()
         .map(|s| {
@@ -383,25 +383,14 @@ pub fn synthetic_inputs(spec: &ModelSpec, rows: usize) -> Vec<Tensor> {
                 .chain(s.dims.iter().map(|&d| if d < 0 { 1 } else { d as usize }))
                 .collect();
             let n: usize = shape.iter().product();
-            match s.datatype {
-                D::Bytes => Tensor::new(
-                    s.name.clone(),
-                    D::Bytes,
-                    shape,
-                    crate::TensorData::Strings(vec![bytes::Bytes::from_static(b"a"); n]),
-                ),
-                D::Fp16 => Tensor::from_le(&s.name, D::Fp16, shape, &vec![half::f16::from_f32(0.5); n]),
-                D::Bf16 => Tensor::from_le(&s.name, D::Bf16, shape, &vec![half::bf16::from_f32(0.5); n]),
-                D::Fp32 => Tensor::from_le(&s.name, D::Fp32, shape, &vec![0.5f32; n]),
-                D::Fp64 => Tensor::from_le(&s.name, D::Fp64, shape, &vec![0.5f64; n]),
-                other => {
-                    // Integers and booleans: the value 1 in the type's width.
-                    let width = other.size().unwrap_or(1);
-                    let mut one = vec![0u8; width];
-                    one[0] = 1;
-                    Tensor::new(s.name.clone(), other, shape, crate::TensorData::Fixed(one.repeat(n).into()))
-                }
-            }
+            // Floats a half, integers and booleans one, strings "a".
+            let v = if s.datatype.is_float() { 0.5 } else { 1.0 };
+            let data = crate::dispatch!(s.datatype, T => {
+                let mut buf = Vec::with_capacity(n * std::mem::size_of::<T>());
+                (0..n).for_each(|_| T::cast(v).put_le(&mut buf));
+                TensorData::Fixed(buf.into())
+            }, bytes => TensorData::Strings(vec![bytes::Bytes::from_static(b"a"); n]));
+            Tensor::new(s.name.clone(), s.datatype, shape, data)
         })
         .collect()
 }

@@ -4,11 +4,12 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use ferrite_core::{
+    dispatch,
     engine::spec::TensorSpec,
     telemetry::stats::StatsSnapshot,
     wire::parse_header,
     wire::{Param, RequestParams},
-    DataType, Error, InferRequest, InferResponse, Model, Tensor, TensorData,
+    DataType, Element, Error, InferRequest, InferResponse, Model, Number, Tensor, TensorData,
 };
 
 use super::pb::{
@@ -101,37 +102,31 @@ fn input(i: InferInputTensor, raw: Option<Bytes>, max_elements: usize) -> Result
     Ok(Tensor::new(name, datatype, shape, data))
 }
 
-/// Typed contents: the repeated field that matches the datatype, range-checked, to little-endian.
+/// Typed contents: the repeated field the protocol gives the datatype, range-checked, to
+/// little-endian.
 fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Result<TensorData, Error> {
-    fn pack<T: Copy, U: TryFrom<T>, const N: usize>(
-        name: &str,
-        dt: DataType,
-        values: &[T],
-        to: fn(U) -> [u8; N],
-    ) -> Result<TensorData, Error> {
-        let mut out = Vec::with_capacity(values.len() * N);
-        for &v in values {
-            let v = U::try_from(v)
-                .map_err(|_| Error::invalid(format!("input '{name}': a value is out of range for {dt}")))?;
-            out.extend_from_slice(&to(v));
-        }
+    fn pack<U: Copy + Into<Number>>(name: &str, dt: DataType, values: &[U]) -> Result<TensorData, Error> {
+        let out = dispatch!(dt, T => {
+            let mut out = Vec::with_capacity(values.len() * std::mem::size_of::<T>());
+            for &v in values {
+                T::from_number(v.into())
+                    .ok_or_else(|| Error::invalid(format!("input '{name}': a value is out of range for {dt}")))?
+                    .put_le(&mut out);
+            }
+            out
+        }, bytes => unreachable!("BYTES have their own field"));
         Ok(TensorData::Fixed(out.into()))
     }
     let (given, data) = match dt {
-        DataType::Bool => (
-            c.bool_contents.len(),
-            TensorData::Fixed(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<_>>().into()),
-        ),
-        DataType::Int8 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i8::to_le_bytes)?),
-        DataType::Int16 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i16::to_le_bytes)?),
-        DataType::Int32 => (c.int_contents.len(), pack(name, dt, &c.int_contents, i32::to_le_bytes)?),
-        DataType::Int64 => (c.int64_contents.len(), pack(name, dt, &c.int64_contents, i64::to_le_bytes)?),
-        DataType::Uint8 => (c.uint_contents.len(), pack(name, dt, &c.uint_contents, u8::to_le_bytes)?),
-        DataType::Uint16 => (c.uint_contents.len(), pack(name, dt, &c.uint_contents, u16::to_le_bytes)?),
-        DataType::Uint32 => (c.uint_contents.len(), pack(name, dt, &c.uint_contents, u32::to_le_bytes)?),
-        DataType::Uint64 => (c.uint64_contents.len(), pack(name, dt, &c.uint64_contents, u64::to_le_bytes)?),
-        DataType::Fp32 => (c.fp32_contents.len(), pack(name, dt, &c.fp32_contents, f32::to_le_bytes)?),
-        DataType::Fp64 => (c.fp64_contents.len(), pack(name, dt, &c.fp64_contents, f64::to_le_bytes)?),
+        DataType::Bool => (c.bool_contents.len(), pack(name, dt, &c.bool_contents)?),
+        DataType::Int8 | DataType::Int16 | DataType::Int32 => (c.int_contents.len(), pack(name, dt, &c.int_contents)?),
+        DataType::Int64 => (c.int64_contents.len(), pack(name, dt, &c.int64_contents)?),
+        DataType::Uint8 | DataType::Uint16 | DataType::Uint32 => {
+            (c.uint_contents.len(), pack(name, dt, &c.uint_contents)?)
+        }
+        DataType::Uint64 => (c.uint64_contents.len(), pack(name, dt, &c.uint64_contents)?),
+        DataType::Fp32 => (c.fp32_contents.len(), pack(name, dt, &c.fp32_contents)?),
+        DataType::Fp64 => (c.fp64_contents.len(), pack(name, dt, &c.fp64_contents)?),
         DataType::Bytes => (c.bytes_contents.len(), TensorData::Strings(c.bytes_contents)),
         DataType::Fp16 | DataType::Bf16 => {
             return Err(Error::invalid(format!("input '{name}': {dt} has no typed contents; send raw_input_contents")))

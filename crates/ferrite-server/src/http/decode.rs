@@ -5,8 +5,9 @@ use std::{collections::HashMap, fmt};
 
 use bytes::Bytes;
 use ferrite_core::{
+    dispatch,
     wire::{Param as WireParam, RequestParams},
-    DataType, Error, TensorData,
+    DataType, Element, Error, Number, TensorData,
 };
 use serde::{
     de::{DeserializeSeed, SeqAccess, Visitor},
@@ -164,48 +165,30 @@ impl Sink {
         self.count += 1;
         let dt = self.datatype;
         let bad = |what: &str| format!("input '{}': {what} is not a valid {dt} value", self.name);
-        macro_rules! int {
-            ($t:ty) => {{
-                let x: $t = match v {
-                    Scalar::I64(i) => <$t>::try_from(i).map_err(|_| bad(&i.to_string()))?,
-                    Scalar::U64(u) => <$t>::try_from(u).map_err(|_| bad(&u.to_string()))?,
-                    _ => return Err(bad("a non-integer")),
-                };
-                self.raw.extend_from_slice(&x.to_le_bytes());
-            }};
+        if dt == DataType::Bytes {
+            let Scalar::Str(s) = v else { return Err(bad("a non-string")) };
+            self.strings.push(Bytes::copy_from_slice(s.as_bytes()));
+            return Ok(());
         }
-        let float = |v: Scalar<'_>| -> Result<f64, String> {
-            Ok(match v {
-                Scalar::F64(f) => f,
-                Scalar::I64(i) => i as f64,
-                Scalar::U64(u) => u as f64,
-                Scalar::Str("NaN") => f64::NAN,
-                Scalar::Str("Infinity") => f64::INFINITY,
-                Scalar::Str("-Infinity") => f64::NEG_INFINITY,
-                _ => return Err(bad("a non-number")),
-            })
+        let n = match v {
+            Scalar::Bool(b) => Some(Number::Bool(b)),
+            Scalar::I64(i) => Some(Number::Int(i.into())),
+            Scalar::U64(u) => Some(Number::Int(u.into())),
+            Scalar::F64(f) => Some(Number::Float(f)),
+            Scalar::Str("NaN") => Some(Number::Float(f64::NAN)),
+            Scalar::Str("Infinity") => Some(Number::Float(f64::INFINITY)),
+            Scalar::Str("-Infinity") => Some(Number::Float(f64::NEG_INFINITY)),
+            Scalar::Str(_) => None,
         };
-        match dt {
-            DataType::Bool => match v {
-                Scalar::Bool(b) => self.raw.push(b as u8),
-                _ => return Err(bad("a non-boolean")),
-            },
-            DataType::Uint8 => int!(u8),
-            DataType::Uint16 => int!(u16),
-            DataType::Uint32 => int!(u32),
-            DataType::Uint64 => int!(u64),
-            DataType::Int8 => int!(i8),
-            DataType::Int16 => int!(i16),
-            DataType::Int32 => int!(i32),
-            DataType::Int64 => int!(i64),
-            DataType::Fp16 => self.raw.extend_from_slice(&half::f16::from_f64(float(v)?).to_le_bytes()),
-            DataType::Bf16 => self.raw.extend_from_slice(&half::bf16::from_f64(float(v)?).to_le_bytes()),
-            DataType::Fp32 => self.raw.extend_from_slice(&(float(v)? as f32).to_le_bytes()),
-            DataType::Fp64 => self.raw.extend_from_slice(&float(v)?.to_le_bytes()),
-            DataType::Bytes => match v {
-                Scalar::Str(s) => self.strings.push(Bytes::copy_from_slice(s.as_bytes())),
-                _ => return Err(bad("a non-string")),
-            },
+        let raw = &mut self.raw;
+        let put = dispatch!(dt, T => n.and_then(T::from_number).map(|x| x.put_le(raw)), bytes => None);
+        if put.is_none() {
+            return Err(match n {
+                _ if dt == DataType::Bool => bad("a non-boolean"),
+                _ if dt.is_float() => bad("a non-number"),
+                Some(Number::Int(i)) => bad(&i.to_string()),
+                _ => bad("a non-integer"),
+            });
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! Binary inputs are slices of the request body, not copies.
 
 use bytes::Bytes;
-use ferrite_core::{DataType, Error, InferRequest, InferResponse, Tensor, TensorData};
+use ferrite_core::{dispatch, DataType, Element, Error, InferRequest, InferResponse, Number, Tensor, TensorData};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -241,27 +241,19 @@ fn push_data(out: &mut String, t: &Tensor) {
         return;
     };
     let mut ib = itoa::Buffer::new();
-    for (i, c) in raw.chunks_exact(size).enumerate() {
+    dispatch!(t.datatype, T => for (i, c) in raw.chunks_exact(size).enumerate() {
         if i > 0 {
             out.push(',');
         }
-        match t.datatype {
-            DataType::Bool => out.push_str(if c[0] != 0 { "true" } else { "false" }),
-            DataType::Uint8 => out.push_str(ib.format(c[0])),
-            DataType::Int8 => out.push_str(ib.format(c[0] as i8)),
-            DataType::Uint16 => out.push_str(ib.format(u16::from_le_bytes([c[0], c[1]]))),
-            DataType::Int16 => out.push_str(ib.format(i16::from_le_bytes([c[0], c[1]]))),
-            DataType::Uint32 => out.push_str(ib.format(u32::from_le_bytes(c.try_into().unwrap_or_default()))),
-            DataType::Int32 => out.push_str(ib.format(i32::from_le_bytes(c.try_into().unwrap_or_default()))),
-            DataType::Uint64 => out.push_str(ib.format(u64::from_le_bytes(c.try_into().unwrap_or_default()))),
-            DataType::Int64 => out.push_str(ib.format(i64::from_le_bytes(c.try_into().unwrap_or_default()))),
-            DataType::Fp16 => push_float(out, half::f16::from_le_bytes([c[0], c[1]]).to_f64(), true),
-            DataType::Bf16 => push_float(out, half::bf16::from_le_bytes([c[0], c[1]]).to_f64(), true),
-            DataType::Fp32 => push_float(out, f32::from_le_bytes(c.try_into().unwrap_or_default()) as f64, true),
-            DataType::Fp64 => push_float(out, f64::from_le_bytes(c.try_into().unwrap_or_default()), false),
-            DataType::Bytes => {}
+        match T::read_le(c).number() {
+            Number::Bool(b) => out.push_str(if b { "true" } else { "false" }),
+            Number::Int(v) => out.push_str(match i64::try_from(v) {
+                Ok(v) => ib.format(v),
+                Err(_) => ib.format(v),
+            }),
+            Number::Float(f) => push_float(out, f, T::DATATYPE != DataType::Fp64),
         }
-    }
+    }, bytes => {})
 }
 
 /// A model config in Triton's JSON shape: protobuf's JSON with the proto's field names, every
