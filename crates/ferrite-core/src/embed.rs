@@ -5,7 +5,7 @@
 
 use std::{future::Future, pin::Pin};
 
-use crate::{engine::spec::ModelSpec, Core, DataType, Error, InferRequest, Result, Tensor, TensorData};
+use crate::{engine::spec::ModelSpec, Core, DataType, Error, InferRequest, Result, Route, Tensor, TensorData};
 
 /// Texts one call may carry (OpenAI's limit).
 pub const MAX_INPUTS: usize = 2048;
@@ -39,69 +39,88 @@ pub fn models(core: &Core) -> Vec<String> {
     names
 }
 
-/// The width of the vectors `model` answers, when its spec fixes it (checked before any work).
-pub fn width(core: &Core, model: &str) -> Option<usize> {
-    let m = core.model(model, None).ok()?;
-    let (_, output, _) = tensors(&m.spec)?;
-    let dims = &m.spec.outputs.iter().find(|o| o.name == output)?.dims;
-    usize::try_from(*dims.first()?).ok()
+/// An embedding model, looked up once for a call: its width is checked and its texts are run on
+/// the same version (a canary's choice included).
+pub struct Embedder {
+    route: Route,
+    input: String,
+    output: String,
+    count: Option<String>,
 }
 
-/// Embeds `texts` with `model` in calls of at most its max batch size; `normalize` scales each
-/// vector to unit length. `tenant` as for `Core::infer`: the whole call is admitted once, as one
-/// request of its tenant, and holds that place until its last batch is done. At most as many
-/// batches as the model has workers are queued at once, so other clients' requests queue behind
-/// a few of a long call's batches, not all of them.
-pub async fn embed(
-    core: &Core,
-    model: &str,
-    texts: Vec<bytes::Bytes>,
-    normalize: bool,
-    tenant: Option<String>,
-) -> Result<Embeddings> {
-    if texts.is_empty() || texts.len() > MAX_INPUTS {
-        return Err(Error::invalid(format!("give 1 to {MAX_INPUTS} texts, not {}", texts.len())));
+impl Embedder {
+    pub fn new(core: &Core, model: &str) -> Result<Embedder> {
+        let route = core.route(&InferRequest { model_name: model.to_string(), ..Default::default() })?;
+        let (input, output, count) = tensors(&route.model().spec).ok_or_else(|| {
+            Error::invalid(format!("model '{model}' does not answer embeddings (one text in, one vector out per row)"))
+        })?;
+        Ok(Embedder { route, input, output, count })
     }
-    let m = core.model(model, None)?;
-    let (input, output, count) = tensors(&m.spec).ok_or_else(|| {
-        Error::invalid(format!("model '{model}' does not answer embeddings (one text in, one vector out per row)"))
-    })?;
-    let rows = m.spec.batch.max_batch_size.max(1);
-    let window = m.spec.instance_count.max(1);
-    drop(m);
-    let charged = core.admit(model, tenant.as_deref())?;
-    let chunks: Vec<&[bytes::Bytes]> = texts.chunks(rows).collect();
-    let call = |chunk: &[bytes::Bytes]| {
-        let req = InferRequest {
-            model_name: model.to_string(),
-            inputs: vec![Tensor::new(&input, DataType::Bytes, vec![chunk.len()], TensorData::Strings(chunk.to_vec()))],
-            outputs: Some(std::iter::once(output.clone()).chain(count.clone()).collect()),
-            tenant: tenant.clone(),
-            ..Default::default()
+
+    /// The width of the vectors the model answers, when its spec fixes it (checked before any work).
+    pub fn width(&self) -> Option<usize> {
+        let dims = &self.route.model().spec.outputs.iter().find(|o| o.name == self.output)?.dims;
+        usize::try_from(*dims.first()?).ok()
+    }
+
+    /// Embeds `texts` in calls of at most the model's max batch size; `normalize` scales each
+    /// vector to unit length. `tenant` as for `Core::infer`: the whole call is admitted once, as
+    /// one request of its tenant, and holds that place until its last batch is done. At most as
+    /// many batches as the model has workers are queued at once, so other clients' requests queue
+    /// behind a few of a long call's batches, not all of them.
+    pub async fn embed(
+        self,
+        core: &Core,
+        texts: Vec<bytes::Bytes>,
+        normalize: bool,
+        tenant: Option<String>,
+    ) -> Result<Embeddings> {
+        if texts.is_empty() || texts.len() > MAX_INPUTS {
+            return Err(Error::invalid(format!("give 1 to {MAX_INPUTS} texts, not {}", texts.len())));
+        }
+        let spec = &self.route.model().spec;
+        let model = spec.name.clone();
+        let rows = spec.batch.max_batch_size.max(1);
+        let window = spec.instance_count.max(1);
+        let charged = core.admit(&self.route, tenant.as_deref())?;
+        let chunks: Vec<&[bytes::Bytes]> = texts.chunks(rows).collect();
+        let call = |chunk: &[bytes::Bytes]| {
+            let req = InferRequest {
+                model_name: model.clone(),
+                inputs: vec![Tensor::new(
+                    &self.input,
+                    DataType::Bytes,
+                    vec![chunk.len()],
+                    TensorData::Strings(chunk.to_vec()),
+                )],
+                outputs: Some(std::iter::once(self.output.clone()).chain(self.count.clone()).collect()),
+                tenant: tenant.clone(),
+                ..Default::default()
+            };
+            let (core, route, charged) = (core.clone(), self.route.clone(), charged.clone());
+            Box::pin(async move { core.infer_on(route, req, Some(charged)).await })
+                as Pin<Box<dyn Future<Output = Result<crate::InferResponse>> + Send>>
         };
-        let (core, charged) = (core.clone(), charged.clone());
-        Box::pin(async move { core.infer_charged(req, Some(charged)).await })
-            as Pin<Box<dyn Future<Output = Result<crate::InferResponse>> + Send>>
-    };
-    let mut vectors = Vec::with_capacity(texts.len());
-    let mut tokens = 0u64;
-    for resp in windowed(chunks.len(), window, |i| call(chunks[i])).await? {
-        let v = &resp.outputs[0];
-        let values = crate::pipeline::floats(v)?;
-        let width = v.shape.get(1).copied().unwrap_or(0).max(1);
-        for row in values.chunks(width) {
-            let mut row = row.to_vec();
-            if normalize {
-                let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-                row.iter_mut().for_each(|x| *x /= norm);
+        let mut vectors = Vec::with_capacity(texts.len());
+        let mut tokens = 0u64;
+        for resp in windowed(chunks.len(), window, |i| call(chunks[i])).await? {
+            let v = &resp.outputs[0];
+            let values = crate::pipeline::floats(v)?;
+            let width = v.shape.get(1).copied().unwrap_or(0).max(1);
+            for row in values.chunks(width) {
+                let mut row = row.to_vec();
+                if normalize {
+                    let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+                    row.iter_mut().for_each(|x| *x /= norm);
+                }
+                vectors.push(row);
             }
-            vectors.push(row);
+            if let Some(c) = resp.outputs.get(1) {
+                tokens += crate::pipeline::floats(c)?.iter().map(|&n| n as u64).sum::<u64>();
+            }
         }
-        if let Some(c) = resp.outputs.get(1) {
-            tokens += crate::pipeline::floats(c)?.iter().map(|&n| n as u64).sum::<u64>();
-        }
+        Ok(Embeddings { model, vectors, tokens })
     }
-    Ok(Embeddings { model: model.to_string(), vectors, tokens })
 }
 
 type Call<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;

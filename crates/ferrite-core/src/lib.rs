@@ -35,7 +35,7 @@ pub mod pipeline;
 pub mod telemetry;
 pub mod wire;
 
-pub use crate::core::{Core, ModelControl, Startup};
+pub use crate::core::{Core, ModelControl, Route, Startup};
 pub use admission::Limits;
 pub use control::{IndexEntry, LoadOptions, Registry, Repository};
 pub use data::{

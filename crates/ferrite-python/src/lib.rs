@@ -223,18 +223,13 @@ impl Model {
         copy: bool,
         timeout_us: Option<u64>,
         priority: u32,
-    ) -> PyResult<InferRequest> {
-        let model = self.model()?;
-        let spec = &model.spec;
-        let tensors = convert::inputs(py, spec, inputs, copy)?;
-        Ok(InferRequest {
-            model_name: self.name.clone(),
-            inputs: tensors,
-            outputs,
-            timeout_us,
-            priority,
-            ..Default::default()
-        })
+    ) -> PyResult<(ferrite_core::Route, InferRequest)> {
+        let mut req =
+            InferRequest { model_name: self.name.clone(), outputs, timeout_us, priority, ..Default::default() };
+        // The inputs are converted for the version that runs them.
+        let route = self.core.route(&req).map_err(py_err)?;
+        req.inputs = convert::inputs(py, &route.model().spec, inputs, copy)?;
+        Ok((route, req))
     }
 }
 
@@ -331,9 +326,9 @@ impl Model {
         traceparent: Option<&str>,
     ) -> PyResult<Bound<'py, PyDict>> {
         use tracing::Instrument;
-        let req = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
+        let (route, req) = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
         let span = self.span(traceparent);
-        let result = block_on(py, self.core.infer(req).instrument(span))?;
+        let result = block_on(py, self.core.infer_on(route, req, None).instrument(span))?;
         convert::outputs(py, result.map_err(py_err)?.outputs)
     }
 
@@ -354,13 +349,13 @@ impl Model {
         traceparent: Option<&str>,
     ) -> PyResult<Pending> {
         use tracing::Instrument;
-        let req = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
+        let (route, req) = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
         let core = self.core.clone();
         let done = completer.inner.clone();
         let span = self.span(traceparent);
         let handle = runtime().spawn(
             async move {
-                let r = core.infer(req).await.map(|r| r.outputs);
+                let r = core.infer_on(route, req, None).await.map(|r| r.outputs);
                 done.push(token, r);
             }
             .instrument(span),

@@ -191,18 +191,31 @@ impl Core {
     }
 
     pub async fn infer(&self, req: InferRequest) -> Result<InferResponse> {
-        self.infer_charged(req, None).await
+        let route = self.route(&req)?;
+        self.infer_on(route, req, None).await
     }
 
-    /// Takes the places one request of `tenant` to `model` holds (its tenant's, the process's),
-    /// or refuses it (counted as the model's refusal). A call split into several requests (an
-    /// embeddings call's batches) takes them once and runs each part with
-    /// [`infer_charged`](Core::infer_charged), so a large call is charged as one request.
-    pub fn admit(&self, model: &str, tenant: Option<&str>) -> Result<Arc<Hold>> {
-        let model = self.model(model, None)?;
-        let hold = self.places(&model, tenant);
-        registry::release(model);
-        hold.map(Arc::new)
+    /// The model version `req` goes to (its canary's choice included), chosen once: a caller that
+    /// checks or converts inputs against [`Route::model`] runs them on that version.
+    pub fn route(&self, req: &InferRequest) -> Result<Route> {
+        if !self.is_ready() {
+            return Err(Error::unavailable("server is shutting down", Some(RETRY_AFTER)));
+        }
+        let (model, canary) = self.inner.registry.load().route(
+            &req.model_name,
+            req.model_version.as_deref(),
+            req.id.as_deref(),
+            req.canary,
+        )?;
+        Ok(Route { model: Some(model), canary })
+    }
+
+    /// Takes the places one request of `tenant` to `route`'s model holds (its tenant's, the
+    /// process's), or refuses it (counted as the model's refusal). A call split into several
+    /// requests (an embeddings call's batches) takes them once and runs each part with
+    /// [`infer_on`](Core::infer_on), so a large call is charged as one request.
+    pub fn admit(&self, route: &Route, tenant: Option<&str>) -> Result<Arc<Hold>> {
+        self.places(route.model(), tenant).map(Arc::new)
     }
 
     fn places(&self, model: &Model, tenant: Option<&str>) -> Result<Hold> {
@@ -217,32 +230,23 @@ impl Core {
         Ok(hold)
     }
 
-    /// As `infer`; with `charged`, the request is part of a call already admitted with
-    /// [`admit`](Core::admit), whose places it holds rather than taking its own.
-    pub async fn infer_charged(&self, req: InferRequest, charged: Option<Arc<Hold>>) -> Result<InferResponse> {
-        if !self.is_ready() {
-            return Err(Error::unavailable("server is shutting down", Some(RETRY_AFTER)));
-        }
-        let (model, canary) = self.inner.registry.load().route(
-            &req.model_name,
-            req.model_version.as_deref(),
-            req.id.as_deref(),
-            req.canary,
-        )?;
+    /// Runs `req` on the version `route` chose. With `charged`, the request is part of a call
+    /// already admitted with [`admit`](Core::admit), whose places it holds rather than taking its own.
+    pub async fn infer_on(&self, route: Route, req: InferRequest, charged: Option<Arc<Hold>>) -> Result<InferResponse> {
+        let model = route.model();
         // The places are held until the request's work stops (queued or running), not until its
         // client leaves.
         let hold = match charged {
             Some(call) => Hold(vec![Box::new(call)]),
-            None => self.places(&model, req.tenant.as_deref())?,
+            None => self.places(model, req.tenant.as_deref())?,
         };
         // NaN answers to NaN questions are not the candidate's fault.
-        let nan_inputs = canary.is_some() && crate::control::canary::has_nan(&req.inputs);
+        let nan_inputs = route.canary.is_some() && crate::control::canary::has_nan(&req.inputs);
         let start = Instant::now();
         let result = model.infer_holding(req, self.inner.limits.max_elements, hold).await;
-        if let Some((canary, side)) = canary {
-            canary.observe(&model.spec.name, side, nan_inputs, &result, start.elapsed());
+        if let Some((canary, side)) = &route.canary {
+            canary.observe(&model.spec.name, *side, nan_inputs, &result, start.elapsed());
         }
-        registry::release(model);
         result
     }
 
@@ -283,5 +287,28 @@ impl Core {
             }
         }
         failed
+    }
+}
+
+/// One request's model version and canary side, chosen by [`Core::route`]. Cloned for the parts
+/// of one call; the model is let go off the request path (a version unloaded meanwhile is freed
+/// on a thread of its own, not on the caller's).
+#[derive(Clone)]
+pub struct Route {
+    model: Option<Arc<Model>>,
+    canary: Option<(Arc<crate::control::canary::Canary>, crate::control::canary::Side)>,
+}
+
+impl Route {
+    pub fn model(&self) -> &Model {
+        self.model.as_deref().expect("a route holds its model until dropped")
+    }
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        if let Some(model) = self.model.take() {
+            registry::release(model);
+        }
     }
 }

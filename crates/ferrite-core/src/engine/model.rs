@@ -258,11 +258,12 @@ impl Model {
                     t.name, t.shape[0], spec.batch.max_batch_size
                 )));
             }
+            let n = element_count(&t.shape, max_elements)?;
+            t.check_size(n)?;
             elements = elements
-                .checked_add(element_count(&t.shape, max_elements)?)
+                .checked_add(n)
                 .filter(|&n| n <= max_elements)
                 .ok_or_else(|| Error::invalid(format!("request has more than {max_elements} elements")))?;
-            t.check_size()?;
             // ONNX Runtime's strings are UTF-8: a BYTES element that is not would fail the whole
             // batch it joined, so it is refused here, before it can share one.
             if let (false, TensorData::Strings(items)) = (spec.is_pipeline(), &t.data) {

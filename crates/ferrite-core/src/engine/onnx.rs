@@ -315,7 +315,9 @@ struct OnnxInstance {
 /// Writes the parts of `input` into one ONNX Runtime tensor: the only copy on the way in.
 fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
     if input.datatype == DataType::Bytes {
-        let mut strings = Vec::new();
+        // Owned: ort's string tensors take only 'static element types (and copy each again into a
+        // C string); text models spend this per token list, not per token.
+        let mut strings: Vec<String> = Vec::with_capacity(input.shape.iter().product());
         for part in &input.parts {
             let TensorData::Strings(items) = part else {
                 return Err(Error::internal("BYTES input with raw data"));
@@ -323,7 +325,7 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
             for b in items {
                 let s = std::str::from_utf8(b)
                     .map_err(|_| Error::invalid(format!("input '{}': BYTES element is not UTF-8", input.name)))?;
-                strings.push(s.to_string());
+                strings.push(s.to_owned());
             }
         }
         let t = OrtTensor::from_string_array((input.shape.clone(), strings.as_slice())).map_err(ort_err)?;

@@ -330,26 +330,16 @@ class Model:
         anything else raises TypeError/ValueError unless `copy=True`. Ctrl-C interrupts the wait.
         `traceparent` (W3C) makes the request's spans children of the caller's span.
         Given a `signature.Inputs`, returns a `signature.Outputs`."""
-        fields = getattr(inputs, "__ferrite_fields__", None)
-        if fields is None:
-            return self._native.infer(
-                dict(inputs),  # type: ignore[arg-type]
-                list(outputs) if outputs is not None else None,
-                copy=copy,
-                timeout_us=timeout_us,
-                priority=priority,
-                traceparent=traceparent,
-            )
-        feeds = {t: v for f, t in fields if (v := getattr(inputs, f)) is not None}
+        typed = hasattr(inputs, "__ferrite_fields__")
         result = self._native.infer(
-            feeds,
+            self.signature.to_tensors(inputs) if typed else dict(inputs),  # type: ignore[arg-type]
             list(outputs) if outputs is not None else None,
             copy=copy,
             timeout_us=timeout_us,
             priority=priority,
             traceparent=traceparent,
         )
-        return self.signature.outputs(result)
+        return self.signature.outputs(result) if typed else result
 
     @overload
     async def infer_async(
@@ -387,14 +377,7 @@ class Model:
     ) -> Any:
         """As `infer`, without blocking the event loop. Cancelling the await drops the request if
         it has not run yet. Given a `signature.Inputs`, returns a `signature.Outputs`."""
-        if getattr(inputs, "__ferrite_fields__", None) is not None:
-            signature = self.signature
-            return signature.outputs(
-                await self.infer_async(
-                    signature.to_tensors(inputs), outputs, copy=copy, timeout_us=timeout_us, priority=priority,
-                    traceparent=traceparent,
-                )
-            )
+        typed = hasattr(inputs, "__ferrite_fields__")
         loop = asyncio.get_running_loop()
         state = _loop_state(loop)
         token = next(_tokens)
@@ -402,7 +385,7 @@ class Model:
         state.futures[token] = fut
         try:
             pending = self._native._submit(
-                dict(inputs),  # type: ignore[arg-type]
+                self.signature.to_tensors(inputs) if typed else dict(inputs),  # type: ignore[arg-type]
                 list(outputs) if outputs is not None else None,
                 copy,
                 timeout_us,
@@ -415,11 +398,12 @@ class Model:
             del state.futures[token]
             raise
         try:
-            return await fut
+            result = await fut
         except asyncio.CancelledError:
             pending.cancel()
             state.futures.pop(token, None)
             raise
+        return self.signature.outputs(result) if typed else result
 
     def __repr__(self) -> str:
         return f"ferrite.Model({self.name!r})"

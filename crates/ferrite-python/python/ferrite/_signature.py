@@ -148,12 +148,7 @@ class Signature:
 
     def to_tensors(self, inputs: Any) -> Dict[str, Any]:
         """An `Inputs` instance as the dict `Model.infer` takes (optional inputs left out when None)."""
-        out = {}
-        for field, tensor in inputs.__ferrite_fields__:
-            value = getattr(inputs, field)
-            if value is not None:
-                out[tensor] = value
-        return out
+        return _by_tensor(self.Inputs.__ferrite_fields__, inputs)
 
     def outputs(self, tensors: Mapping[str, Any]) -> Any:
         """The outputs dict of a request as an `Outputs` instance (the engine's arrays, not copied)."""
@@ -215,7 +210,7 @@ class Signature:
             model_config = pydantic.ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
             def to_inputs(self) -> Dict[str, Any]:
-                return {t: getattr(self, f) for f, t in signature.Inputs.__ferrite_fields__ if getattr(self, f) is not None}
+                return _by_tensor(signature.Inputs.__ferrite_fields__, self)
 
         stem = self.Inputs.__name__[: -len("Inputs")]
         request = pydantic.create_model(f"{stem}Request", __base__=RequestBase, **fields)
@@ -239,3 +234,8 @@ class Signature:
 
         response = pydantic.create_model(f"{stem}Response", __base__=ResponseBase, **out_fields)
         return request, response
+
+
+def _by_tensor(pairs: Tuple[Tuple[str, str], ...], obj: Any) -> Dict[str, Any]:
+    """`obj`'s fields keyed by the tensors they stand for; fields left None are left out."""
+    return {tensor: value for field, tensor in pairs if (value := getattr(obj, field)) is not None}

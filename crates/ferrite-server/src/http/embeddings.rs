@@ -80,16 +80,16 @@ pub(super) async fn openai(
                 return Err(ApiError::bad_request(format!("encoding_format '{shown}{more}': float or base64")));
             }
         };
+        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+        let embedder = embed::Embedder::new(&s.core, &req.model)?;
         // A wrong size is refused before any text is embedded.
-        let width = embed::width(&s.core, &req.model);
-        if let Some(d) = req.dimensions.filter(|&d| width.is_some_and(|w| w as u64 != d)) {
+        if let Some(d) = req.dimensions.filter(|&d| embedder.width().is_some_and(|w| w as u64 != d)) {
             return Err(ApiError::bad_request(format!(
                 "model '{}' answers vectors of its own size, not {d}",
                 req.model
             )));
         }
-        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
-        let e = embed::embed(&s.core, &req.model, req.input.into_bytes(), false, tenant).await?;
+        let e = embedder.embed(&s.core, req.input.into_bytes(), false, tenant).await?;
         if let Some(d) = req.dimensions.filter(|&d| Some(d as usize) != e.vectors.first().map(Vec::len)) {
             return Err(ApiError::bad_request(format!("model '{}' answers vectors of its own size, not {d}", e.model)));
         }
@@ -160,6 +160,7 @@ pub(super) async fn tei(
         }
     };
     let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
-    let e = embed::embed(&s.core, &model, req.inputs.into_bytes(), req.normalize, tenant).await?;
+    let e =
+        embed::Embedder::new(&s.core, &model)?.embed(&s.core, req.inputs.into_bytes(), req.normalize, tenant).await?;
     Ok(axum::Json(json!(e.vectors)).into_response())
 }
