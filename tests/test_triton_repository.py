@@ -87,6 +87,14 @@ def test_an_ensemble_runs_its_steps_through_the_stated_tensor_maps(triton, clien
     meta = c.get_model_metadata("chain")
     meta = meta if client is httpclient else {"platform": meta.platform, "outputs": [{"name": o.name} for o in meta.outputs]}
     assert meta["platform"] == "ensemble" and [o["name"] for o in meta["outputs"]] == ["OUTPUT"]
+    # Its config gives the steps back as the pbtxt states them.
+    config = c.get_model_config("chain", as_json=True)["config"] if client is grpcclient else c.get_model_config("chain")
+    steps = config["ensemble_scheduling"]["step"]
+    assert [(s["model_name"], s["input_map"], s["output_map"]) for s in steps] == [
+        ("scale4", {"x": "INPUT"}, {"y": "twice"}),
+        ("scale4", {"x": "twice"}, {"y": "OUTPUT"}),
+    ]
+    assert all(int(s["model_version"]) == -1 for s in steps)
 
 
 @pytest.mark.parametrize("client", CLIENTS)

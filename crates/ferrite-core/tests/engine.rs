@@ -539,13 +539,13 @@ fn calibration_measures_the_model_and_config_values_win() {
     let options = LoadOptions { threads: 2, spinning: false, calibrate: true, cache: None };
     let core = Core::load(dir.path(), &options, Limits::default()).unwrap();
     let mlp = core.model("mlp", None).unwrap();
-    let chosen = mlp.spec.calibrated.clone().expect("the mlp was calibrated");
+    let chosen = mlp.spec.load.calibrated.clone().expect("the mlp was calibrated");
     assert!(chosen.contains("batch limit"), "{chosen}");
     assert!((1..=mlp.spec.batch.max_batch_size).contains(&mlp.spec.batch.merge_limit));
     // Variable H/W: calibrated at a size the graph takes.
-    assert!(core.model("fpn", None).unwrap().spec.calibrated.is_some());
+    assert!(core.model("fpn", None).unwrap().spec.load.calibrated.is_some());
     let mixed = core.model("mixed", None).unwrap();
-    assert!(mixed.spec.calibrated.is_none());
+    assert!(mixed.spec.load.calibrated.is_none());
     assert_eq!(mixed.spec.batch.merge_limit, mixed.spec.batch.max_batch_size);
     let identity = core.model("identity", None).unwrap();
     let o = &identity.spec.onnx;

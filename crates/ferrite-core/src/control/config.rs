@@ -6,7 +6,7 @@ pub use crate::engine::spec::{VersionPolicy, WarmupConfig, WarmupInputConfig};
 use crate::{
     engine::onnx::OnnxOptions,
     engine::spec::{
-        BatchPolicy, ModelSpec, QueuePolicy, TensorSpec, TimeoutAction, DEFAULT_MAX_BATCH_SIZE,
+        BatchPolicy, LoadRecord, ModelSpec, QueuePolicy, StepRecord, TensorSpec, TimeoutAction, DEFAULT_MAX_BATCH_SIZE,
         DEFAULT_MAX_QUEUE_DELAY_US, DEFAULT_MAX_QUEUE_SIZE, MAX_PRIORITY_LEVELS,
     },
     DataType, Error, Result,
@@ -345,30 +345,45 @@ impl ModelSpec {
             batch,
             instance_count,
             onnx: OnnxOptions { intra_threads: config.threads.unwrap_or(default_threads).max(1), ..Default::default() },
-            calibrated: None,
             solo_threads: 0,
             labels: Default::default(),
-            label_files: config
-                .output
-                .iter()
-                .filter_map(|o| Some((o.name.clone(), o.label_filename.clone()?)))
-                .collect(),
             reshape,
             optional: config.input.iter().filter(|i| i.optional).map(|i| i.name.clone()).collect(),
-            model_filename: config
-                .default_model_filename
-                .clone()
-                .unwrap_or_else(|| crate::control::repository::DEFAULT_MODEL_FILENAME.into()),
-            warmup: config.warmup.clone(),
             uses: Vec::new(),
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             cache_across_tenants: config.cache.as_ref().is_some_and(|c| c.across_tenants),
-            version_policy: config
-                .version_policy
-                .as_ref()
-                .map(VersionPolicyConfig::resolve)
-                .transpose()?
-                .unwrap_or_default(),
+            load: LoadRecord {
+                model_filename: config
+                    .default_model_filename
+                    .clone()
+                    .unwrap_or_else(|| crate::control::repository::DEFAULT_MODEL_FILENAME.into()),
+                label_files: config
+                    .output
+                    .iter()
+                    .filter_map(|o| Some((o.name.clone(), o.label_filename.clone()?)))
+                    .collect(),
+                warmup: config.warmup.clone(),
+                version_policy: config
+                    .version_policy
+                    .as_ref()
+                    .map(VersionPolicyConfig::resolve)
+                    .transpose()?
+                    .unwrap_or_default(),
+                calibrated: None,
+                steps: config
+                    .steps
+                    .iter()
+                    .filter_map(|s| match s {
+                        crate::pipeline::StepConfig::Model(m) => Some(StepRecord {
+                            model: m.model.clone(),
+                            version: m.version,
+                            inputs: m.inputs.clone(),
+                            outputs: m.outputs.clone(),
+                        }),
+                        _ => None,
+                    })
+                    .collect(),
+            },
         })
     }
 }

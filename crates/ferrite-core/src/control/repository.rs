@@ -451,7 +451,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
                 t.plan.instances, t.plan.threads, t.plan.spinning, t.merge_limit
             );
             tracing::info!(model = %name, version, %chosen, "calibrated");
-            spec.calibrated = Some(chosen);
+            spec.load.calibrated = Some(chosen);
         }
     }
     let solo = match spec.solo_threads {
@@ -496,7 +496,7 @@ fn warmup_samples(spec: &ModelSpec, onnx: &Path) -> Result<Vec<(String, usize, V
         seed
     };
     let mut samples = Vec::new();
-    for w in &spec.warmup {
+    for w in &spec.load.warmup {
         let bad = |why: String| Error::invalid(format!("warm-up '{}': {why}", w.name));
         let rows = w.batch_size.max(1);
         if !spec.batched() && rows > 1 {

@@ -11,7 +11,8 @@ use crate::{
         CacheConfig, DynamicBatchingConfig, ModelConfig, OnnxRuntimeConfig, QueuePolicyConfig, TensorConfig,
         VersionPolicy, VersionPolicyConfig, WarmupConfig, WarmupInputConfig,
     },
-    engine::spec::{ModelSpec, QueuePolicy, TensorSpec, TimeoutAction},
+    engine::spec::{BatchPolicy, ModelSpec, QueuePolicy, StepRecord, TensorSpec, TimeoutAction},
+    pipeline::{ModelStepConfig, StepConfig},
     DataType, Error, Result,
 };
 
@@ -97,24 +98,107 @@ fn refuse(field: &str, why: &str) -> Error {
     Error::Unsupported(format!("config.pbtxt: '{field}' is not supported: {why}"))
 }
 
-fn datatype(field: &str, t: i32) -> Result<Option<String>> {
-    match pb::DataType::try_from(t) {
-        Ok(pb::DataType::TypeInvalid) => Ok(None),
-        Ok(t) => Ok(Some(t.as_str_name().to_string())),
-        Err(_) => Err(Error::invalid(format!("config.pbtxt: {field}: unknown data_type {t}"))),
+/// Refuses what of `c` would change behaviour that Ferrite does not provide, naming the field;
+/// `c` is the config of the model directory `dir`.
+fn refusals(c: &pb::ModelConfig, dir: &str) -> Result<()> {
+    use pb::model_config::SchedulingChoice as S;
+    if !c.name.is_empty() && c.name != dir {
+        return Err(Error::invalid(format!(
+            "config.pbtxt: name '{}' is not the model's directory name '{dir}'",
+            c.name
+        )));
     }
-}
-
-fn queue_policy(q: &pb::ModelQueuePolicy) -> QueuePolicyConfig {
-    QueuePolicyConfig {
-        max_queue_size: Some(q.max_queue_size as usize),
-        default_timeout_microseconds: Some(q.default_timeout_microseconds),
-        allow_timeout_override: Some(q.allow_timeout_override),
-        timeout_action: Some(match q.timeout_action() {
-            pb::model_queue_policy::TimeoutAction::Reject => TimeoutAction::Reject,
-            pb::model_queue_policy::TimeoutAction::Delay => TimeoutAction::Delay,
-        }),
+    let ensemble = c.platform == "ensemble";
+    if !matches!(c.platform.as_str(), "" | "onnxruntime_onnx" | "ensemble") {
+        return Err(refuse("platform", &format!("'{}': Ferrite runs ONNX models (onnxruntime_onnx)", c.platform)));
     }
+    if !matches!(c.backend.as_str(), "" | "onnxruntime") {
+        return Err(refuse("backend", &format!("'{}': Ferrite's backend is onnxruntime", c.backend)));
+    }
+    if !c.runtime.is_empty() {
+        return Err(refuse("runtime", "backend libraries are not loaded"));
+    }
+    match &c.scheduling_choice {
+        Some(S::SequenceBatching(_)) => {
+            return Err(refuse("sequence_batching", "stateful sequence batching is not implemented"))
+        }
+        Some(S::EnsembleScheduling(_)) if !ensemble => {
+            return Err(refuse("ensemble_scheduling", "it needs platform: \"ensemble\""))
+        }
+        Some(S::EnsembleScheduling(e)) if e.step.is_empty() => {
+            return Err(refuse("ensemble_scheduling", "an ensemble needs at least one step"))
+        }
+        Some(S::EnsembleScheduling(e)) if e.step.iter().any(|s| !s.model_namespace.is_empty()) => {
+            return Err(refuse("ensemble_scheduling.step.model_namespace", "model namespaces are not implemented"))
+        }
+        None if ensemble => return Err(refuse("platform", "an ensemble needs ensemble_scheduling")),
+        _ => {}
+    }
+    if !c.batch_input.is_empty() {
+        return Err(refuse("batch_input", "inputs made by the batcher are not implemented"));
+    }
+    if !c.batch_output.is_empty() {
+        return Err(refuse("batch_output", "outputs scattered by the batcher are not implemented"));
+    }
+    if c.model_transaction_policy.as_ref().is_some_and(|p| p.decoupled) {
+        return Err(refuse("model_transaction_policy.decoupled", "every request gets exactly one response"));
+    }
+    if c.model_repository_agents.as_ref().is_some_and(|a| !a.agents.is_empty()) {
+        return Err(refuse("model_repository_agents", "repository agents are not run"));
+    }
+    if c.model_operations.as_ref().is_some_and(|o| !o.op_library_filename.is_empty()) {
+        return Err(refuse("model_operations.op_library_filename", "custom operator libraries are not loaded"));
+    }
+    let accelerators = c.optimization.as_ref().and_then(|o| o.execution_accelerators.as_ref());
+    if accelerators.is_some_and(|a| !a.cpu_execution_accelerator.is_empty()) {
+        return Err(refuse(
+            "optimization.execution_accelerators.cpu_execution_accelerator",
+            "ONNX Runtime runs with its default CPU execution provider",
+        ));
+    }
+    for g in &c.instance_group {
+        let field = |f: &str| format!("instance_group.{f}");
+        if g.kind() == pb::model_instance_group::Kind::Gpu {
+            return Err(refuse(&field("kind"), "KIND_GPU: this server runs on CPU (use KIND_CPU)"));
+        }
+        if !g.gpus.is_empty() {
+            return Err(refuse(&field("gpus"), "this server runs on CPU"));
+        }
+        if g.rate_limiter.is_some() {
+            return Err(refuse(&field("rate_limiter"), "the rate limiter is not implemented"));
+        }
+        if !g.secondary_devices.is_empty() || !g.profile.is_empty() {
+            return Err(refuse(&field("secondary_devices/profile"), "these are TensorRT settings"));
+        }
+        if g.passive {
+            return Err(refuse(&field("passive"), "every instance takes requests"));
+        }
+        if !g.host_policy.is_empty() {
+            return Err(refuse(&field("host_policy"), "host policies are not implemented"));
+        }
+        if g.count < 0 {
+            return Err(Error::invalid("config.pbtxt: instance_group.count must not be negative"));
+        }
+    }
+    for i in &c.input {
+        let field = |f: &str| format!("input '{}'.{f}", i.name);
+        if i.is_shape_tensor || i.is_non_linear_format_io {
+            return Err(refuse(&field("is_shape_tensor/is_non_linear_format_io"), "these are TensorRT settings"));
+        }
+        if i.allow_ragged_batch {
+            return Err(refuse(&field("allow_ragged_batch"), "ragged batches are not implemented"));
+        }
+    }
+    if let Some(o) = c.output.iter().find(|o| o.is_shape_tensor || o.is_non_linear_format_io) {
+        return Err(refuse(
+            &format!("output '{}'.is_shape_tensor/is_non_linear_format_io", o.name),
+            "these are TensorRT settings",
+        ));
+    }
+    if c.max_batch_size < 0 {
+        return Err(Error::invalid("config.pbtxt: max_batch_size must not be negative"));
+    }
+    Ok(())
 }
 
 /// Settings that change nothing here (GPU-only, TensorRT-only, metrics presentation): accepted,
@@ -148,242 +232,66 @@ fn inert(c: &pb::ModelConfig) -> Vec<&'static str> {
 /// Ferrite's config for Triton's `c`, read from the directory `dir`. Refuses what would change
 /// behaviour that Ferrite does not provide, naming the field; states what has no effect here.
 pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
-    if !c.name.is_empty() && c.name != dir {
-        return Err(Error::invalid(format!(
-            "config.pbtxt: name '{}' is not the model's directory name '{dir}'",
-            c.name
-        )));
-    }
-    let ensemble = c.platform == "ensemble";
-    if !matches!(c.platform.as_str(), "" | "onnxruntime_onnx" | "ensemble") {
-        return Err(refuse("platform", &format!("'{}': Ferrite runs ONNX models (onnxruntime_onnx)", c.platform)));
-    }
-    if !matches!(c.backend.as_str(), "" | "onnxruntime") {
-        return Err(refuse("backend", &format!("'{}': Ferrite's backend is onnxruntime", c.backend)));
-    }
-    if !c.runtime.is_empty() {
-        return Err(refuse("runtime", "backend libraries are not loaded"));
-    }
-    match &c.scheduling_choice {
-        Some(pb::model_config::SchedulingChoice::SequenceBatching(_)) => {
-            return Err(refuse("sequence_batching", "stateful sequence batching is not implemented"))
-        }
-        Some(pb::model_config::SchedulingChoice::EnsembleScheduling(_)) if !ensemble => {
-            return Err(refuse("ensemble_scheduling", "it needs platform: \"ensemble\""))
-        }
-        None if ensemble => return Err(refuse("platform", "an ensemble needs ensemble_scheduling")),
-        _ => {}
-    }
-    // An ensemble's steps are model steps of a pipeline (input_map: model input -> ensemble
-    // tensor; output_map: model output -> ensemble tensor).
-    let mut steps = Vec::new();
-    if let Some(pb::model_config::SchedulingChoice::EnsembleScheduling(e)) = &c.scheduling_choice {
-        for s in &e.step {
-            if !s.model_namespace.is_empty() {
-                return Err(refuse("ensemble_scheduling.step.model_namespace", "model namespaces are not implemented"));
-            }
-            steps.push(crate::pipeline::StepConfig::Model(crate::pipeline::ModelStepConfig {
-                name: None,
-                model: s.model_name.clone(),
-                version: u64::try_from(s.model_version).ok().filter(|&v| v > 0),
-                inputs: s.input_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                outputs: s.output_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            }));
-        }
-        if steps.is_empty() {
-            return Err(refuse("ensemble_scheduling", "an ensemble needs at least one step"));
-        }
-    }
-    if !c.batch_input.is_empty() {
-        return Err(refuse("batch_input", "inputs made by the batcher are not implemented"));
-    }
-    if !c.batch_output.is_empty() {
-        return Err(refuse("batch_output", "outputs scattered by the batcher are not implemented"));
-    }
-    if c.model_transaction_policy.as_ref().is_some_and(|p| p.decoupled) {
-        return Err(refuse("model_transaction_policy.decoupled", "every request gets exactly one response"));
-    }
-    if c.model_repository_agents.as_ref().is_some_and(|a| !a.agents.is_empty()) {
-        return Err(refuse("model_repository_agents", "repository agents are not run"));
-    }
-    if c.model_operations.as_ref().is_some_and(|o| !o.op_library_filename.is_empty()) {
-        return Err(refuse("model_operations.op_library_filename", "custom operator libraries are not loaded"));
-    }
-    let optimization = c.optimization.clone().unwrap_or_default();
-    if optimization.execution_accelerators.as_ref().is_some_and(|a| !a.cpu_execution_accelerator.is_empty()) {
-        return Err(refuse(
-            "optimization.execution_accelerators.cpu_execution_accelerator",
-            "ONNX Runtime runs with its default CPU execution provider",
-        ));
-    }
-
-    let mut instance_count = None;
-    for g in &c.instance_group {
-        let field = |f: &str| format!("instance_group.{f}");
-        match g.kind() {
-            pb::model_instance_group::Kind::Gpu => {
-                return Err(refuse(&field("kind"), "KIND_GPU: this server runs on CPU (use KIND_CPU)"))
-            }
-            pb::model_instance_group::Kind::Auto
-            | pb::model_instance_group::Kind::Cpu
-            | pb::model_instance_group::Kind::Model => {}
-        }
-        if !g.gpus.is_empty() {
-            return Err(refuse(&field("gpus"), "this server runs on CPU"));
-        }
-        if g.rate_limiter.is_some() {
-            return Err(refuse(&field("rate_limiter"), "the rate limiter is not implemented"));
-        }
-        if !g.secondary_devices.is_empty() || !g.profile.is_empty() {
-            return Err(refuse(&field("secondary_devices/profile"), "these are TensorRT settings"));
-        }
-        if g.passive {
-            return Err(refuse(&field("passive"), "every instance takes requests"));
-        }
-        if !g.host_policy.is_empty() {
-            return Err(refuse(&field("host_policy"), "host policies are not implemented"));
-        }
-        if g.count < 0 {
-            return Err(Error::invalid("config.pbtxt: instance_group.count must not be negative"));
-        }
-        // Triton's default count is 1 per group.
-        *instance_count.get_or_insert(0) += g.count.max(1) as usize;
-    }
-
-    let mut input = Vec::new();
-    for i in &c.input {
-        let field = |f: &str| format!("input '{}'.{f}", i.name);
-        if i.is_shape_tensor || i.is_non_linear_format_io {
-            return Err(refuse(&field("is_shape_tensor/is_non_linear_format_io"), "these are TensorRT settings"));
-        }
-        if i.allow_ragged_batch {
-            return Err(refuse(&field("allow_ragged_batch"), "ragged batches are not implemented"));
-        }
-        input.push(TensorConfig {
-            name: i.name.clone(),
-            datatype: datatype(&i.name, i.data_type)?,
-            dims: (!i.dims.is_empty()).then(|| i.dims.clone()),
+    refusals(c, dir)?;
+    let tensor = |name: &str, data_type: i32, dims: &[i64], reshape: &Option<pb::ModelTensorReshape>| {
+        Ok::<_, Error>(TensorConfig {
+            name: name.to_string(),
+            datatype: datatype(name, data_type)?,
+            dims: (!dims.is_empty()).then(|| dims.to_vec()),
             label_filename: None,
-            reshape: i.reshape.as_ref().map(|r| r.shape.clone()),
-            optional: i.optional,
-        });
-    }
-    let mut output = Vec::new();
-    for o in &c.output {
-        if o.is_shape_tensor || o.is_non_linear_format_io {
-            return Err(refuse(
-                &format!("output '{}'.is_shape_tensor/is_non_linear_format_io", o.name),
-                "these are TensorRT settings",
-            ));
-        }
-        output.push(TensorConfig {
-            name: o.name.clone(),
-            datatype: datatype(&o.name, o.data_type)?,
-            dims: (!o.dims.is_empty()).then(|| o.dims.clone()),
-            label_filename: (!o.label_filename.is_empty()).then(|| o.label_filename.clone()),
-            reshape: o.reshape.as_ref().map(|r| r.shape.clone()),
+            reshape: reshape.as_ref().map(|r| r.shape.clone()),
             optional: false,
-        });
-    }
-
+        })
+    };
+    let input = c
+        .input
+        .iter()
+        .map(|i| Ok(TensorConfig { optional: i.optional, ..tensor(&i.name, i.data_type, &i.dims, &i.reshape)? }))
+        .collect::<Result<Vec<_>>>()?;
+    let output = c
+        .output
+        .iter()
+        .map(|o| {
+            let label_filename = (!o.label_filename.is_empty()).then(|| o.label_filename.clone());
+            Ok(TensorConfig { label_filename, ..tensor(&o.name, o.data_type, &o.dims, &o.reshape)? })
+        })
+        .collect::<Result<Vec<_>>>()?;
     // proto3 cannot tell `max_batch_size: 0` from its absence: stated dims say which (Triton's
     // dims leave out the batch dim only when it batches), none leave it to the model.
     let states_dims = input.iter().chain(&output).any(|t| t.dims.is_some());
     let max_batch_size = match c.max_batch_size {
-        n if n < 0 => return Err(Error::invalid("config.pbtxt: max_batch_size must not be negative")),
         0 if !states_dims => None,
         n => Some(n as usize),
     };
     let dynamic_batching = match &c.scheduling_choice {
-        Some(pb::model_config::SchedulingChoice::DynamicBatching(d)) => {
-            let q = d.default_queue_policy.unwrap_or_default();
-            Some(DynamicBatchingConfig {
-                enabled: true,
-                preferred_batch_size: d.preferred_batch_size.iter().map(|&p| p.max(0) as usize).collect(),
-                max_queue_delay_microseconds: Some(d.max_queue_delay_microseconds),
-                max_queue_size: Some(q.max_queue_size as usize),
-                default_timeout_microseconds: q.default_timeout_microseconds,
-                priority_levels: u32::try_from(d.priority_levels).unwrap_or(u32::MAX),
-                preserve_ordering: d.preserve_ordering,
-                default_priority_level: u32::try_from(d.default_priority_level).unwrap_or(u32::MAX),
-                allow_timeout_override: q.allow_timeout_override,
-                timeout_action: queue_policy(&q).timeout_action.unwrap_or_default(),
-                priority_queue_policy: d
-                    .priority_queue_policy
-                    .iter()
-                    .map(|(level, p)| (level.to_string(), queue_policy(p)))
-                    .collect(),
-            })
-        }
+        Some(pb::model_config::SchedulingChoice::DynamicBatching(d)) => Some(dynamic_batching(d)),
         // Triton batches only what clients send together unless dynamic batching is configured.
         _ if max_batch_size.is_some_and(|n| n > 0) => {
             Some(DynamicBatchingConfig { enabled: false, ..Default::default() })
         }
         _ => None,
     };
-
+    let steps = match &c.scheduling_choice {
+        Some(pb::model_config::SchedulingChoice::EnsembleScheduling(e)) => ensemble_steps(e),
+        _ => Vec::new(),
+    };
     let mut notes: Vec<String> =
         inert(c).into_iter().map(|what| format!("config.pbtxt: {what} has no effect on a CPU-only server")).collect();
     let mut onnxruntime = onnxruntime_parameters(&c.parameters, &mut notes)?;
-    if let Some(g) = &optimization.graph {
-        // The onnxruntime backend's levels: -1 basic only, 1 basic and extended, 0 all (default).
-        onnxruntime.graph_optimization_level = Some(
-            match g.level {
-                0 => "all",
-                l if l < 0 => "basic",
-                _ => "extended",
-            }
-            .to_string(),
-        );
+    if let Some(g) = c.optimization.as_ref().and_then(|o| o.graph.as_ref()) {
+        onnxruntime.graph_optimization_level = Some(graph_level(g.level).to_string());
     }
-
-    let version_policy = c.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()).map(|p| match p {
-        pb::model_version_policy::PolicyChoice::Latest(l) => {
-            VersionPolicyConfig { latest: Some(l.num_versions.max(1) as usize), ..Default::default() }
-        }
-        pb::model_version_policy::PolicyChoice::All(_) => VersionPolicyConfig { all: Some(true), ..Default::default() },
-        pb::model_version_policy::PolicyChoice::Specific(s) => VersionPolicyConfig {
-            specific: Some(s.versions.iter().map(|&v| v.max(0) as u64).collect()),
-            ..Default::default()
-        },
-    });
-
-    let mut warmup = Vec::new();
-    for w in &c.model_warmup {
-        let mut inputs = BTreeMap::new();
-        for (name, i) in &w.inputs {
-            use pb::model_warmup::input::InputDataType as D;
-            let datatype = datatype(name, i.data_type)?.ok_or_else(|| {
-                Error::invalid(format!("config.pbtxt: model_warmup '{}': input '{name}' has no data_type", w.name))
-            })?;
-            let (zero_data, random_data, input_data_file) = match &i.input_data_type {
-                Some(D::ZeroData(_)) => (true, false, None),
-                Some(D::RandomData(_)) => (false, true, None),
-                Some(D::InputDataFile(f)) => (false, false, Some(f.clone())),
-                None => (false, false, None),
-            };
-            inputs.insert(
-                name.clone(),
-                WarmupInputConfig { datatype, dims: i.dims.clone(), zero_data, random_data, input_data_file },
-            );
-        }
-        warmup.push(WarmupConfig {
-            name: w.name.clone(),
-            batch_size: w.batch_size as usize,
-            count: w.count as usize,
-            inputs,
-        });
-    }
-
-    let config = ModelConfig {
+    Ok(ModelConfig {
         steps,
         backend: None,
         max_batch_size,
-        instance_count,
+        // Triton's default count is 1 per group.
+        instance_count: (!c.instance_group.is_empty())
+            .then(|| c.instance_group.iter().map(|g| g.count.max(1) as usize).sum()),
         threads: None,
         dynamic_batching,
         cache: c.response_cache.as_ref().map(|r| CacheConfig { enabled: r.enable, across_tenants: false }),
-        version_policy,
+        version_policy: c.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()).map(version_policy),
         canary: None,
         onnxruntime: Some(onnxruntime),
         calibrate: None,
@@ -391,10 +299,270 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         default_model_filename: (!c.default_model_filename.is_empty()).then(|| c.default_model_filename.clone()),
         input,
         output,
-        warmup,
+        warmup: c.model_warmup.iter().map(warmup).collect::<Result<_>>()?,
         notes,
+    })
+}
+
+/// The whole config `spec` serves with, in Triton's message: what was stated and what was
+/// completed from the model file and chosen at load.
+pub fn resolved(spec: &ModelSpec) -> pb::ModelConfig {
+    let b = &spec.batch;
+    let reshape = |t: &TensorSpec| spec.reshape.get(&t.name).map(|s| pb::ModelTensorReshape { shape: s.clone() });
+    let i32_of = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
+    let scheduling = if spec.is_pipeline() {
+        Some(pb::model_config::SchedulingChoice::EnsembleScheduling(pb_ensemble(&spec.load.steps)))
+    } else {
+        b.dynamic.then(|| pb::model_config::SchedulingChoice::DynamicBatching(pb_dynamic_batching(b)))
     };
-    Ok(config)
+    pb::ModelConfig {
+        name: spec.name.clone(),
+        platform: spec.platform.to_string(),
+        backend: spec.backend.to_string(),
+        version_policy: Some(pb_version_policy(&spec.load.version_policy)),
+        max_batch_size: i32_of(b.max_batch_size),
+        input: spec
+            .inputs
+            .iter()
+            .map(|t| pb::ModelInput {
+                name: t.name.clone(),
+                data_type: pb_type(t.datatype),
+                dims: t.dims.clone(),
+                reshape: reshape(t),
+                optional: spec.optional.contains(&t.name),
+                ..Default::default()
+            })
+            .collect(),
+        output: spec
+            .outputs
+            .iter()
+            .map(|t| pb::ModelOutput {
+                name: t.name.clone(),
+                data_type: pb_type(t.datatype),
+                dims: t.dims.clone(),
+                reshape: reshape(t),
+                label_filename: spec.load.label_files.get(&t.name).cloned().unwrap_or_default(),
+                ..Default::default()
+            })
+            .collect(),
+        instance_group: vec![pb::ModelInstanceGroup {
+            name: format!("{}_0", spec.name),
+            count: i32_of(spec.instance_count),
+            kind: pb::model_instance_group::Kind::Cpu as i32,
+            ..Default::default()
+        }],
+        scheduling_choice: scheduling,
+        optimization: Some(pb::ModelOptimizationPolicy {
+            graph: Some(pb::model_optimization_policy::Graph { level: pb_graph_level(spec.onnx.optimization_level) }),
+            ..Default::default()
+        }),
+        default_model_filename: spec.load.model_filename.clone(),
+        parameters: spec
+            .parameters()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), pb::ModelParameter { string_value: v }))
+            .collect(),
+        model_warmup: spec.load.warmup.iter().map(pb_warmup).collect(),
+        response_cache: Some(pb::ModelResponseCache { enable: spec.cache }),
+        ..Default::default()
+    }
+}
+
+// Each mapping between Triton's messages and Ferrite's types, both directions side by side.
+
+fn datatype(field: &str, t: i32) -> Result<Option<String>> {
+    match pb::DataType::try_from(t) {
+        Ok(pb::DataType::TypeInvalid) => Ok(None),
+        Ok(t) => Ok(Some(t.as_str_name().to_string())),
+        Err(_) => Err(Error::invalid(format!("config.pbtxt: {field}: unknown data_type {t}"))),
+    }
+}
+
+fn pb_type(t: DataType) -> i32 {
+    pb::DataType::from_str_name(&t.config_name()).unwrap_or(pb::DataType::TypeInvalid) as i32
+}
+
+fn timeout_action(a: pb::model_queue_policy::TimeoutAction) -> TimeoutAction {
+    match a {
+        pb::model_queue_policy::TimeoutAction::Reject => TimeoutAction::Reject,
+        pb::model_queue_policy::TimeoutAction::Delay => TimeoutAction::Delay,
+    }
+}
+
+fn pb_timeout_action(a: TimeoutAction) -> pb::model_queue_policy::TimeoutAction {
+    match a {
+        TimeoutAction::Reject => pb::model_queue_policy::TimeoutAction::Reject,
+        TimeoutAction::Delay => pb::model_queue_policy::TimeoutAction::Delay,
+    }
+}
+
+fn queue_policy(q: &pb::ModelQueuePolicy) -> QueuePolicyConfig {
+    QueuePolicyConfig {
+        max_queue_size: Some(q.max_queue_size as usize),
+        default_timeout_microseconds: Some(q.default_timeout_microseconds),
+        allow_timeout_override: Some(q.allow_timeout_override),
+        timeout_action: Some(timeout_action(q.timeout_action())),
+    }
+}
+
+fn pb_queue(q: &QueuePolicy) -> pb::ModelQueuePolicy {
+    pb::ModelQueuePolicy {
+        timeout_action: pb_timeout_action(q.timeout_action) as i32,
+        default_timeout_microseconds: q.default_timeout_us,
+        allow_timeout_override: q.allow_timeout_override,
+        max_queue_size: u32::try_from(q.max_queue_size).unwrap_or(u32::MAX),
+    }
+}
+
+fn dynamic_batching(d: &pb::ModelDynamicBatching) -> DynamicBatchingConfig {
+    let q = d.default_queue_policy.unwrap_or_default();
+    let default = queue_policy(&q);
+    DynamicBatchingConfig {
+        enabled: true,
+        preferred_batch_size: d.preferred_batch_size.iter().map(|&p| p.max(0) as usize).collect(),
+        max_queue_delay_microseconds: Some(d.max_queue_delay_microseconds),
+        max_queue_size: default.max_queue_size,
+        default_timeout_microseconds: q.default_timeout_microseconds,
+        priority_levels: u32::try_from(d.priority_levels).unwrap_or(u32::MAX),
+        preserve_ordering: d.preserve_ordering,
+        default_priority_level: u32::try_from(d.default_priority_level).unwrap_or(u32::MAX),
+        allow_timeout_override: q.allow_timeout_override,
+        timeout_action: default.timeout_action.unwrap_or_default(),
+        priority_queue_policy: d.priority_queue_policy.iter().map(|(l, p)| (l.to_string(), queue_policy(p))).collect(),
+    }
+}
+
+fn pb_dynamic_batching(b: &BatchPolicy) -> pb::ModelDynamicBatching {
+    pb::ModelDynamicBatching {
+        preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| i32::try_from(p).unwrap_or(i32::MAX)).collect(),
+        max_queue_delay_microseconds: b.max_queue_delay_us,
+        preserve_ordering: b.preserve_ordering,
+        priority_levels: b.priority_levels as u64,
+        default_priority_level: b.default_priority_level as u64,
+        default_queue_policy: Some(pb_queue(&b.queue)),
+        priority_queue_policy: b
+            .level_queues
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| **q != b.queue)
+            .map(|(i, q)| (i as u64 + 1, pb_queue(q)))
+            .collect(),
+    }
+}
+
+/// The onnxruntime backend's graph levels: -1 basic only, 1 basic and extended, 0 all (default).
+fn graph_level(level: i32) -> &'static str {
+    match level {
+        0 => "all",
+        l if l < 0 => "basic",
+        _ => "extended",
+    }
+}
+
+/// ONNX Runtime's levels (0 disabled, 1 basic, 2 extended, 3 all) in the backend's terms.
+fn pb_graph_level(level: u8) -> i32 {
+    match level {
+        0 | 1 => -1,
+        2 => 1,
+        _ => 0,
+    }
+}
+
+fn version_policy(p: &pb::model_version_policy::PolicyChoice) -> VersionPolicyConfig {
+    use pb::model_version_policy::PolicyChoice as P;
+    match p {
+        P::Latest(l) => VersionPolicyConfig { latest: Some(l.num_versions.max(1) as usize), ..Default::default() },
+        P::All(_) => VersionPolicyConfig { all: Some(true), ..Default::default() },
+        P::Specific(s) => VersionPolicyConfig {
+            specific: Some(s.versions.iter().map(|&v| v.max(0) as u64).collect()),
+            ..Default::default()
+        },
+    }
+}
+
+fn pb_version_policy(p: &VersionPolicy) -> pb::ModelVersionPolicy {
+    use pb::model_version_policy::{self as v, PolicyChoice as P};
+    pb::ModelVersionPolicy {
+        policy_choice: Some(match p {
+            VersionPolicy::Latest(n) => P::Latest(v::Latest { num_versions: u32::try_from(*n).unwrap_or(u32::MAX) }),
+            VersionPolicy::All => P::All(v::All {}),
+            VersionPolicy::Specific(s) => P::Specific(v::Specific { versions: s.iter().map(|&n| n as i64).collect() }),
+        }),
+    }
+}
+
+fn warmup(w: &pb::ModelWarmup) -> Result<WarmupConfig> {
+    use pb::model_warmup::input::InputDataType as D;
+    let mut inputs = BTreeMap::new();
+    for (name, i) in &w.inputs {
+        let datatype = datatype(name, i.data_type)?.ok_or_else(|| {
+            Error::invalid(format!("config.pbtxt: model_warmup '{}': input '{name}' has no data_type", w.name))
+        })?;
+        let (zero_data, random_data, input_data_file) = match &i.input_data_type {
+            Some(D::ZeroData(_)) => (true, false, None),
+            Some(D::RandomData(_)) => (false, true, None),
+            Some(D::InputDataFile(f)) => (false, false, Some(f.clone())),
+            None => (false, false, None),
+        };
+        inputs.insert(
+            name.clone(),
+            WarmupInputConfig { datatype, dims: i.dims.clone(), zero_data, random_data, input_data_file },
+        );
+    }
+    Ok(WarmupConfig { name: w.name.clone(), batch_size: w.batch_size as usize, count: w.count as usize, inputs })
+}
+
+fn pb_warmup(w: &WarmupConfig) -> pb::ModelWarmup {
+    use pb::model_warmup::input::InputDataType as D;
+    let input = |i: &WarmupInputConfig| {
+        let data = match (&i.input_data_file, i.random_data) {
+            (Some(f), _) => D::InputDataFile(f.clone()),
+            (None, true) => D::RandomData(true),
+            (None, false) => D::ZeroData(true),
+        };
+        let data_type = DataType::parse(&i.datatype).map_or(0, pb_type);
+        pb::model_warmup::Input { data_type, dims: i.dims.clone(), input_data_type: Some(data) }
+    };
+    pb::ModelWarmup {
+        name: w.name.clone(),
+        batch_size: w.batch_size.max(1) as u32,
+        count: w.count as u32,
+        inputs: w.inputs.iter().map(|(name, i)| (name.clone(), input(i))).collect(),
+    }
+}
+
+/// An ensemble's steps are model steps of a pipeline (input_map: model input -> ensemble tensor;
+/// output_map: model output -> ensemble tensor).
+fn ensemble_steps(e: &pb::ModelEnsembling) -> Vec<StepConfig> {
+    e.step
+        .iter()
+        .map(|s| {
+            StepConfig::Model(ModelStepConfig {
+                name: None,
+                model: s.model_name.clone(),
+                version: u64::try_from(s.model_version).ok().filter(|&v| v > 0),
+                inputs: s.input_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                outputs: s.output_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            })
+        })
+        .collect()
+}
+
+fn pb_ensemble(steps: &[StepRecord]) -> pb::ModelEnsembling {
+    let map = |m: &BTreeMap<String, String>| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    pb::ModelEnsembling {
+        step: steps
+            .iter()
+            .map(|s| pb::model_ensembling::Step {
+                model_name: s.model.clone(),
+                model_version: s.version.map_or(-1, |v| v as i64),
+                input_map: map(&s.inputs),
+                output_map: map(&s.outputs),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
 }
 
 /// The onnxruntime backend's `parameters` onto ONNX Runtime's session settings. Keys Triton's
@@ -451,141 +619,6 @@ fn onnxruntime_parameters(
         }
     }
     Ok(o)
-}
-
-fn pb_type(t: DataType) -> i32 {
-    pb::DataType::from_str_name(&t.config_name()).unwrap_or(pb::DataType::TypeInvalid) as i32
-}
-
-fn pb_queue(q: &QueuePolicy) -> pb::ModelQueuePolicy {
-    pb::ModelQueuePolicy {
-        timeout_action: match q.timeout_action {
-            TimeoutAction::Reject => pb::model_queue_policy::TimeoutAction::Reject,
-            TimeoutAction::Delay => pb::model_queue_policy::TimeoutAction::Delay,
-        } as i32,
-        default_timeout_microseconds: q.default_timeout_us,
-        allow_timeout_override: q.allow_timeout_override,
-        max_queue_size: u32::try_from(q.max_queue_size).unwrap_or(u32::MAX),
-    }
-}
-
-/// The whole config `spec` serves with, in Triton's message: what was stated and what was
-/// completed from the model file and chosen at load.
-pub fn resolved(spec: &ModelSpec) -> pb::ModelConfig {
-    let b = &spec.batch;
-    let reshape = |t: &TensorSpec| spec.reshape.get(&t.name).map(|s| pb::ModelTensorReshape { shape: s.clone() });
-    let i32_of = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
-    let level = match spec.onnx.optimization_level {
-        0 | 1 => -1,
-        2 => 1,
-        _ => 0,
-    };
-    pb::ModelConfig {
-        name: spec.name.clone(),
-        platform: spec.platform.to_string(),
-        backend: spec.backend.to_string(),
-        version_policy: Some(pb::ModelVersionPolicy {
-            policy_choice: Some(match &spec.version_policy {
-                VersionPolicy::Latest(n) => {
-                    pb::model_version_policy::PolicyChoice::Latest(pb::model_version_policy::Latest {
-                        num_versions: u32::try_from(*n).unwrap_or(u32::MAX),
-                    })
-                }
-                VersionPolicy::All => pb::model_version_policy::PolicyChoice::All(pb::model_version_policy::All {}),
-                VersionPolicy::Specific(v) => {
-                    pb::model_version_policy::PolicyChoice::Specific(pb::model_version_policy::Specific {
-                        versions: v.iter().map(|&v| v as i64).collect(),
-                    })
-                }
-            }),
-        }),
-        max_batch_size: i32_of(b.max_batch_size),
-        input: spec
-            .inputs
-            .iter()
-            .map(|t| pb::ModelInput {
-                name: t.name.clone(),
-                data_type: pb_type(t.datatype),
-                dims: t.dims.clone(),
-                reshape: reshape(t),
-                optional: spec.optional.contains(&t.name),
-                ..Default::default()
-            })
-            .collect(),
-        output: spec
-            .outputs
-            .iter()
-            .map(|t| pb::ModelOutput {
-                name: t.name.clone(),
-                data_type: pb_type(t.datatype),
-                dims: t.dims.clone(),
-                reshape: reshape(t),
-                label_filename: spec.label_files.get(&t.name).cloned().unwrap_or_default(),
-                ..Default::default()
-            })
-            .collect(),
-        instance_group: vec![pb::ModelInstanceGroup {
-            name: format!("{}_0", spec.name),
-            count: i32_of(spec.instance_count),
-            kind: pb::model_instance_group::Kind::Cpu as i32,
-            ..Default::default()
-        }],
-        scheduling_choice: b.dynamic.then(|| {
-            pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {
-                preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| i32_of(p)).collect(),
-                max_queue_delay_microseconds: b.max_queue_delay_us,
-                preserve_ordering: b.preserve_ordering,
-                priority_levels: b.priority_levels as u64,
-                default_priority_level: b.default_priority_level as u64,
-                default_queue_policy: Some(pb_queue(&b.queue)),
-                priority_queue_policy: b
-                    .level_queues
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, q)| **q != b.queue)
-                    .map(|(i, q)| (i as u64 + 1, pb_queue(q)))
-                    .collect(),
-            })
-        }),
-        optimization: Some(pb::ModelOptimizationPolicy {
-            graph: Some(pb::model_optimization_policy::Graph { level }),
-            ..Default::default()
-        }),
-        default_model_filename: spec.model_filename.clone(),
-        parameters: spec
-            .parameters()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), pb::ModelParameter { string_value: v }))
-            .collect(),
-        model_warmup: spec
-            .warmup
-            .iter()
-            .map(|w| pb::ModelWarmup {
-                name: w.name.clone(),
-                batch_size: w.batch_size.max(1) as u32,
-                count: w.count as u32,
-                inputs: w
-                    .inputs
-                    .iter()
-                    .map(|(name, i)| {
-                        use pb::model_warmup::input::InputDataType as D;
-                        let data = match (&i.input_data_file, i.random_data) {
-                            (Some(f), _) => D::InputDataFile(f.clone()),
-                            (None, true) => D::RandomData(true),
-                            (None, false) => D::ZeroData(true),
-                        };
-                        let data_type = DataType::parse(&i.datatype).map_or(0, pb_type);
-                        (
-                            name.clone(),
-                            pb::model_warmup::Input { data_type, dims: i.dims.clone(), input_data_type: Some(data) },
-                        )
-                    })
-                    .collect(),
-            })
-            .collect(),
-        response_cache: Some(pb::ModelResponseCache { enable: spec.cache }),
-        ..Default::default()
-    }
 }
 
 #[cfg(test)]

@@ -129,23 +129,15 @@ pub struct ModelSpec {
     pub instance_count: usize,
     /// The ONNX Runtime session settings every instance runs with.
     pub onnx: OnnxOptions,
-    /// What the calibration at load chose, when it ran.
-    pub calibrated: Option<String>,
     /// Threads of the solo instance beside single-threaded ones (see the batcher); 0: none.
     pub solo_threads: usize,
     /// Class labels of outputs (one per line of their `label_filename`), for classification.
     pub labels: std::collections::BTreeMap<String, Vec<String>>,
-    /// The `label_filename` of outputs that name one (as the config states it).
-    pub label_files: std::collections::BTreeMap<String, String>,
     /// Tensors whose shape in the model differs from the clients' (`dims`): the model's shape,
     /// without the batch dim (Triton's `reshape`).
     pub reshape: std::collections::BTreeMap<String, Vec<i64>>,
     /// Inputs a request may leave out.
     pub optional: std::collections::BTreeSet<String>,
-    /// The file each version directory holds the model in.
-    pub model_filename: String,
-    /// The warm-up requests the config states (run at each load).
-    pub warmup: Vec<WarmupConfig>,
     /// The models a pipeline's steps call (empty for a model).
     pub uses: Vec<String>,
     /// Responses are cached (when the process has a cache).
@@ -153,7 +145,36 @@ pub struct ModelSpec {
     /// One cache entry answers every tenant (`[cache] across_tenants = true`): repeated work is
     /// shared, and a tenant can tell by the time (or its hits) what another tenant sent.
     pub cache_across_tenants: bool,
+    /// How the model was loaded; the engine reads none of it.
+    pub load: LoadRecord,
+}
+
+/// What a model was loaded from and chose at load, for the control plane and the config
+/// endpoints (Triton's `/config`): records, not settings the engine serves with.
+#[derive(Debug, Clone, Default)]
+pub struct LoadRecord {
+    /// The file each version directory holds the model in.
+    pub model_filename: String,
+    /// The `label_filename` of outputs that name one (as the config states it).
+    pub label_files: std::collections::BTreeMap<String, String>,
+    /// The warm-up requests the config states (run at each load).
+    pub warmup: Vec<WarmupConfig>,
     pub version_policy: VersionPolicy,
+    /// What the calibration at load chose, when it ran.
+    pub calibrated: Option<String>,
+    /// A pipeline's model steps as its config states them (a Triton ensemble's `step`s).
+    pub steps: Vec<StepRecord>,
+}
+
+/// One model step of a pipeline: the model it calls and how tensors are named on each side.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepRecord {
+    pub model: String,
+    pub version: Option<u64>,
+    /// Model input -> pipeline tensor.
+    pub inputs: std::collections::BTreeMap<String, String>,
+    /// Model output -> pipeline tensor.
+    pub outputs: std::collections::BTreeMap<String, String>,
 }
 
 impl ModelSpec {
@@ -186,7 +207,7 @@ impl ModelSpec {
         if let Some(a) = &o.intra_thread_affinity {
             p.push(("intra_op_thread_affinity", a.clone()));
         }
-        if let Some(c) = &self.calibrated {
+        if let Some(c) = &self.load.calibrated {
             p.push(("calibrated", c.clone()));
         }
         if self.solo_threads > 0 {
