@@ -13,14 +13,20 @@ use base64::Engine as _;
 use bytes::Bytes;
 use ferrite_core::embed;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use utoipa::ToSchema;
 
-use super::{tenant_of, ApiError, AppState};
+use super::{
+    bodies::{
+        Embedding, OpenAiEmbedding, OpenAiEmbeddingResponse, OpenAiError, OpenAiErrorDetail, OpenAiUsage,
+        TeiEmbedResponse,
+    },
+    tenant_of, ApiError, AppState,
+};
 
 /// A string or a list of strings (both APIs take either).
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(untagged)]
-enum Texts {
+pub(super) enum Texts {
     One(String),
     Many(Vec<String>),
 }
@@ -34,12 +40,15 @@ impl Texts {
     }
 }
 
-#[derive(Deserialize)]
-struct OpenAiRequest {
+#[derive(Deserialize, ToSchema)]
+#[schema(as = OpenAiEmbeddingRequest)]
+pub(super) struct OpenAiRequest {
     input: Texts,
     model: String,
+    /// `float` (default) or `base64`.
     #[serde(default)]
     encoding_format: Option<String>,
+    /// Accepted when it is the model's own width (vectors are not cut).
     #[serde(default)]
     dimensions: Option<u64>,
     #[serde(default)]
@@ -50,7 +59,8 @@ struct OpenAiRequest {
 /// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
 fn openai_error(e: ApiError) -> Response {
     let kind = if e.status.is_client_error() { "invalid_request_error" } else { "server_error" };
-    let body = json!({"error": {"message": e.message, "type": kind, "param": null, "code": e.status.as_u16()}});
+    let body =
+        OpenAiError { error: OpenAiErrorDetail { message: e.message, kind, param: None, code: e.status.as_u16() } };
     let mut resp = (e.status, axum::Json(body)).into_response();
     if let Some(secs) = e.retry_after {
         resp.headers_mut().insert(header::RETRY_AFTER, secs.into());
@@ -93,36 +103,34 @@ pub(super) async fn openai(
         if let Some(d) = req.dimensions.filter(|&d| Some(d as usize) != e.vectors.first().map(Vec::len)) {
             return Err(ApiError::bad_request(format!("model '{}' answers vectors of its own size, not {d}", e.model)));
         }
-        let data: Vec<Value> = e
+        let data = e
             .vectors
-            .iter()
+            .into_iter()
             .enumerate()
-            .map(|(i, v)| {
+            .map(|(index, v)| {
                 let embedding = if base64 {
                     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                    Embedding::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
                 } else {
-                    json!(v)
+                    Embedding::Floats(v)
                 };
-                json!({"object": "embedding", "index": i, "embedding": embedding})
+                OpenAiEmbedding { object: "embedding", index, embedding }
             })
             .collect();
-        Ok(axum::Json(json!({
-            "object": "list",
-            "data": data,
-            "model": e.model,
-            "usage": {"prompt_tokens": e.tokens, "total_tokens": e.tokens},
-        }))
-        .into_response())
+        let usage = OpenAiUsage { prompt_tokens: e.tokens, total_tokens: e.tokens };
+        Ok(axum::Json(OpenAiEmbeddingResponse { object: "list", data, model: e.model, usage }).into_response())
     };
     answer.await.unwrap_or_else(openai_error)
 }
 
-#[derive(Deserialize)]
-struct TeiRequest {
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiEmbedRequest)]
+pub(super) struct TeiRequest {
     inputs: Texts,
     #[serde(default = "yes")]
     normalize: bool,
+    /// Texts are always cut at the pipeline's `max_length`; `false` is accepted and does not
+    /// refuse longer texts (TEI answers 422).
     #[serde(default)]
     truncate: bool,
     /// Ours: which model, when more than one answers embeddings.
@@ -162,5 +170,5 @@ pub(super) async fn tei(
     let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
     let e =
         embed::Embedder::new(&s.core, &model)?.embed(&s.core, req.inputs.into_bytes(), req.normalize, tenant).await?;
-    Ok(axum::Json(json!(e.vectors)).into_response())
+    Ok(axum::Json(TeiEmbedResponse(e.vectors)).into_response())
 }

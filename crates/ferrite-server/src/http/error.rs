@@ -47,7 +47,7 @@ impl From<Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({ "error": self.message }).to_string();
+        let body = serde_json::to_string(&super::bodies::Error { error: self.message }).unwrap_or_default();
         let mut resp = (self.status, [(header::CONTENT_TYPE, "application/json")], body).into_response();
         if let Some(secs) = self.retry_after {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));

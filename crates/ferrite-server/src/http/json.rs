@@ -13,11 +13,15 @@ pub use super::decode::BinaryOutputs;
 use super::decode::{param_bool, param_u64, request_params, Params, Sink};
 use ferrite_core::wire::{check_tensor_counts, parse_header};
 
-#[derive(Deserialize)]
+/// A V2 inference request (JSON; the same fields in MessagePack, with tensors as bytes).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = InferenceRequest)]
 pub struct JsonRequest<'a> {
     #[serde(default)]
     pub id: Option<String>,
+    /// `priority`, `timeout`, `binary_data_output`, `ferrite_skip_cache`.
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub parameters: Params,
     #[serde(borrow)]
     pub inputs: Vec<JsonInput<'a>>,
@@ -25,23 +29,24 @@ pub struct JsonRequest<'a> {
     pub outputs: Option<Vec<JsonOutput>>,
 }
 
-#[derive(Deserialize)]
+/// An input of a V2 inference request: `data` row-major (nested lists are accepted), or
+/// `parameters.binary_data_size` bytes after the JSON (the binary extension).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = RequestInput)]
 pub struct JsonInput<'a> {
     pub name: String,
     pub shape: Vec<i64>,
+    #[schema(value_type = super::bodies::Datatype)]
     pub datatype: String,
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub parameters: Params,
     #[serde(borrow, default)]
+    #[schema(value_type = Option<Vec<Value>>)]
     pub data: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
-pub struct JsonOutput {
-    pub name: String,
-    #[serde(default)]
-    pub parameters: Params,
-}
+pub use super::bodies::JsonOutput;
 
 /// `json` with every bare `NaN`, `Infinity` and `-Infinity` token (outside strings) quoted, or
 /// `None` when it has none.
@@ -338,6 +343,47 @@ mod tests {
 
     fn write(resp: &InferResponse) -> String {
         write_response(resp, &BinaryOutputs::default()).0
+    }
+
+    #[test]
+    fn responses_are_the_documented_type_for_every_datatype() {
+        use ferrite_core::{dispatch, Element};
+        let outputs: Vec<Tensor> = DataType::ALL
+            .into_iter()
+            .map(|d| {
+                let data = dispatch!(d, T => {
+                    let mut b = Vec::new();
+                    for v in [1.0, 0.0, 2.0] {
+                        T::cast(v).put_le(&mut b);
+                    }
+                    TensorData::Fixed(b.into())
+                }, bytes => TensorData::Strings(vec![Bytes::from_static(b"a"); 3]));
+                Tensor::new(d.as_str(), d, vec![1, 3], data)
+            })
+            .collect();
+        let resp = InferResponse { model_name: "m".into(), model_version: "1".into(), id: Some("x".into()), outputs };
+        let binary = BinaryOutputs { named: [("FP32".to_string(), true)].into(), ..Default::default() };
+        for binary in [BinaryOutputs::default(), binary] {
+            let (text, _) = write_response(&resp, &binary);
+            let back: crate::http::bodies::InferenceResponse = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                (back.model_name.as_str(), back.model_version.as_str(), back.id.as_deref()),
+                ("m", "1", Some("x"))
+            );
+            assert!(back.parameters.is_none());
+            for (o, t) in back.outputs.iter().zip(&resp.outputs) {
+                assert_eq!(
+                    (o.name.as_str(), o.datatype.as_str(), o.shape.as_slice()),
+                    (t.name.as_str(), t.datatype.as_str(), &[1u64, 3][..])
+                );
+                assert_eq!(o.data.is_some(), !binary.is_binary(&t.name), "{}", t.name);
+                let size = o.parameters.as_ref().and_then(|p| p.get("binary_data_size"));
+                assert_eq!(size.is_some(), binary.is_binary(&t.name), "{}", t.name);
+                if let Some(data) = &o.data {
+                    assert_eq!(data.len(), 3, "{}", t.name);
+                }
+            }
+        }
     }
 
     #[test]

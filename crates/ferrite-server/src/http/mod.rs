@@ -1,5 +1,6 @@
 //! KServe V2 / Open Inference Protocol over HTTP/REST.
 
+mod bodies;
 mod decode;
 mod embeddings;
 mod error;
@@ -236,7 +237,8 @@ async fn metrics(State(s): State<AppState>) -> Response {
 /// Every route of the HTTP API, each with its description: `app` serves these, and
 /// `/v2/openapi.json` describes exactly these (and `/metrics`, served by `metrics_app`).
 fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
-    use openapi::Doc;
+    use bodies as b;
+    use openapi::{json, Body, Doc};
     let doc = |method, path, summary: &str, scope, body, answer| Doc {
         method,
         path,
@@ -244,22 +246,23 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         scope,
         body,
         answer,
+        error: json::<b::Error>(),
     };
     let (user, admin) = (Some("infer"), Some("admin"));
-    let live = || async { axum::Json(serde_json::json!({"live": true})) };
+    let live = || async { axum::Json(b::Live { live: true }) };
     let mut routes = vec![
-        (doc("get", "/v2", "Server metadata: name, version, extensions", user, None, "ServerMetadata"), get(server_metadata)),
-        (doc("get", "/v2/health/live", "Liveness: 200 while the process serves (no token with --auth-allow-health)", user, None, "Live"), get(live)),
-        (doc("get", "/v2/health/ready", "Readiness: 200 when the models are loaded, 503 while loading or draining (no token with --auth-allow-health)", user, None, "Ready"), get(server_ready)),
-        (doc("get", "/v2/models/stats", "Statistics of every model (Triton's statistics extension)", user, None, "Statistics"), get(all_stats)),
-        (doc("post", "/v2/repository/index", "Every model on disk or served: each version's state and reason", admin, Some("RepositoryIndexRequest"), "RepositoryIndex"), post(repository_index)),
-        (doc("post", "/v2/repository/models/{model}/load", "Loads or reloads a model from the repository (explicit mode)", admin, Some("RepositoryRequest"), "Empty"), post(repository_load)),
-        (doc("post", "/v2/repository/models/{model}/unload", "Stops serving a model (explicit mode)", admin, Some("RepositoryRequest"), "Empty"), post(repository_unload)),
-        (doc("post", "/v2/repository/models/{model}/promote", "Makes a model's canary candidate its stable version (explicit mode)", admin, None, "Empty"), post(repository_promote)),
-        (doc("post", "/v1/embeddings", "OpenAI's embeddings API, answered by a pipeline that embeds texts (model = its name)", user, Some("OpenAiEmbeddingRequest"), "OpenAiEmbeddingResponse"), post(embeddings::openai)),
-        (doc("post", "/embed", "Hugging Face TEI's embed API, answered by the one pipeline that embeds texts (or the one named in model)", user, Some("TeiEmbedRequest"), "TeiEmbedResponse"), post(embeddings::tei)),
-        (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, "OpenApi"), get(openapi_json)),
-        (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, "html"), get(docs_page)),
+        (doc("get", "/v2", "Server metadata: name, version, extensions", user, None, json::<b::ServerMetadata>()), get(server_metadata)),
+        (doc("get", "/v2/health/live", "Liveness: 200 while the process serves (no token with --auth-allow-health)", user, None, json::<b::Live>()), get(live)),
+        (doc("get", "/v2/health/ready", "Readiness: 200 when the models are loaded, 503 while loading or draining (no token with --auth-allow-health)", user, None, json::<b::Ready>()), get(server_ready)),
+        (doc("get", "/v2/models/stats", "Statistics of every model (Triton's statistics extension)", user, None, json::<b::Statistics>()), get(all_stats)),
+        (doc("post", "/v2/repository/index", "Every model on disk or served: each version's state and reason", admin, Some(json::<b::RepositoryIndexRequest>()), json::<b::RepositoryIndex>()), post(repository_index)),
+        (doc("post", "/v2/repository/models/{model}/load", "Loads or reloads a model from the repository (explicit mode)", admin, Some(json::<b::RepositoryRequest>()), json::<b::Empty>()), post(repository_load)),
+        (doc("post", "/v2/repository/models/{model}/unload", "Stops serving a model (explicit mode)", admin, Some(json::<b::RepositoryRequest>()), json::<b::Empty>()), post(repository_unload)),
+        (doc("post", "/v2/repository/models/{model}/promote", "Makes a model's canary candidate its stable version (explicit mode)", admin, None, json::<b::Empty>()), post(repository_promote)),
+        (Doc { error: json::<b::OpenAiError>(), ..doc("post", "/v1/embeddings", "OpenAI's embeddings API, answered by a pipeline that embeds texts (model = its name)", user, Some(json::<embeddings::OpenAiRequest>()), json::<b::OpenAiEmbeddingResponse>()) }, post(embeddings::openai)),
+        (doc("post", "/embed", "Hugging Face TEI's embed API, answered by the one pipeline that embeds texts (or the one named in model)", user, Some(json::<embeddings::TeiRequest>()), json::<b::TeiEmbedResponse>()), post(embeddings::tei)),
+        (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, json::<b::OpenApi>()), get(openapi_json)),
+        (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, Body::Html), get(docs_page)),
     ];
     // Each model route, for the model's default version and for a named one.
     for (prefix, metadata, ready, config, stats, infer_path) in [
@@ -289,11 +292,14 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
                     &summary("Model metadata: inputs, outputs, versions"),
                     user,
                     None,
-                    "ModelMetadata",
+                    json::<b::ModelMetadata>(),
                 ),
                 get(model_metadata),
             ),
-            (doc("get", ready, &summary("Model readiness: 200 when ready"), user, None, "Empty"), get(model_ready)),
+            (
+                doc("get", ready, &summary("Model readiness: 200 when ready"), user, None, json::<b::ModelReady>()),
+                get(model_ready),
+            ),
             (
                 doc(
                     "get",
@@ -301,7 +307,7 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
                     &summary("The resolved model configuration, in Triton's JSON shape"),
                     user,
                     None,
-                    "ModelConfig",
+                    json::<b::ModelConfig>(),
                 ),
                 get(model_config),
             ),
@@ -312,7 +318,7 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
                     &summary("Model statistics (Triton's statistics extension)"),
                     user,
                     None,
-                    "Statistics",
+                    json::<b::Statistics>(),
                 ),
                 get(model_stats),
             ),
@@ -322,8 +328,8 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
                     infer_path,
                     &summary("Inference: JSON, binary tensors (Inference-Header-Content-Length) or MessagePack"),
                     user,
-                    Some("InferenceRequest"),
-                    "InferenceResponse",
+                    Some(json::<json::JsonRequest<'_>>()),
+                    json::<b::InferenceResponse>(),
                 ),
                 post(infer),
             ),
@@ -343,7 +349,8 @@ fn openapi_document() -> &'static str {
             summary: "Prometheus metrics (on --metrics-port; on the HTTP port too with --metrics-on-http)".into(),
             scope: Some("metrics"),
             body: None,
-            answer: "text",
+            answer: openapi::Body::Text,
+            error: openapi::json::<bodies::Error>(),
         });
         openapi::document(&docs).to_string()
     })
@@ -382,13 +389,13 @@ impl AppState {
     }
 }
 
-async fn server_metadata() -> Json<Value> {
-    Json(json!({
-        "name": "ferrite",
-        "version": ferrite_core::wire::VERSION,
-        "extensions": ferrite_core::wire::EXTENSIONS,
-        "onnxruntime_version": ferrite_core::engine::onnx::runtime_version().unwrap_or_default(),
-    }))
+async fn server_metadata() -> Json<bodies::ServerMetadata> {
+    Json(bodies::ServerMetadata {
+        name: "ferrite".into(),
+        version: ferrite_core::wire::VERSION.into(),
+        extensions: ferrite_core::wire::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+        onnxruntime_version: ferrite_core::engine::onnx::runtime_version().unwrap_or_default().to_string(),
+    })
 }
 
 /// The V2 protocol's health bodies (`{"ready": bool}`, read by KServe's SDK) with the status codes
@@ -396,7 +403,7 @@ async fn server_metadata() -> Json<Value> {
 async fn server_ready(State(s): State<AppState>) -> Response {
     let ready = s.core.is_ready();
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, axum::Json(serde_json::json!({ "ready": ready }))).into_response()
+    (status, axum::Json(bodies::Ready { ready })).into_response()
 }
 
 async fn model_ready(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Response {
@@ -404,27 +411,34 @@ async fn model_ready(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Res
         Ok(_) => {
             let ready = s.core.is_ready();
             let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-            (status, axum::Json(serde_json::json!({ "name": p.model, "ready": ready }))).into_response()
+            (status, axum::Json(bodies::ModelReady { name: p.model, ready })).into_response()
         }
         Err(e) => ApiError::from(e).into_response(),
     }
 }
 
-async fn model_metadata(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
+async fn model_metadata(
+    State(s): State<AppState>,
+    Path(p): Path<ModelPath>,
+) -> Result<Json<bodies::ModelMetadata>, ApiError> {
     let m = s.model(&p)?;
     let tensors = |specs: &[ferrite_core::engine::spec::TensorSpec]| {
         specs
             .iter()
-            .map(|t| json!({"name": t.name, "datatype": t.datatype.as_str(), "shape": m.spec.wire_shape(t)}))
-            .collect::<Vec<_>>()
+            .map(|t| bodies::MetadataTensor {
+                name: t.name.clone(),
+                datatype: t.datatype.as_str(),
+                shape: m.spec.wire_shape(t),
+            })
+            .collect()
     };
-    Ok(Json(json!({
-        "name": m.spec.name,
-        "versions": s.core.versions(&p.model).iter().map(u64::to_string).collect::<Vec<_>>(),
-        "platform": m.spec.platform,
-        "inputs": tensors(&m.spec.inputs),
-        "outputs": tensors(&m.spec.outputs),
-    })))
+    Ok(Json(bodies::ModelMetadata {
+        name: m.spec.name.clone(),
+        versions: s.core.versions(&p.model).iter().map(u64::to_string).collect(),
+        platform: m.spec.platform.to_string(),
+        inputs: tensors(&m.spec.inputs),
+        outputs: tensors(&m.spec.outputs),
+    }))
 }
 
 async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
@@ -432,75 +446,71 @@ async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Re
     Ok(Json(json::config(&ferrite_core::control::triton::resolved(&m.spec))))
 }
 
-async fn model_stats(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
+async fn model_stats(
+    State(s): State<AppState>,
+    Path(p): Path<ModelPath>,
+) -> Result<Json<bodies::Statistics>, ApiError> {
     let m = s.model(&p)?;
     Ok(Json(stats_body(&s.core, vec![m.stats.snapshot(&m.spec.name, m.spec.version)])))
 }
 
-async fn all_stats(State(s): State<AppState>) -> Json<Value> {
+async fn all_stats(State(s): State<AppState>) -> Json<bodies::Statistics> {
     let stats: Vec<_> = s.core.models().iter().map(|m| m.stats.snapshot(&m.spec.name, m.spec.version)).collect();
     Json(stats_body(&s.core, stats))
 }
 
 /// Triton's statistics object, plus the response cache's state under `cache` when there is one.
-fn stats_body(core: &Core, model_stats: Vec<ferrite_core::telemetry::stats::StatsSnapshot>) -> Value {
-    let mut body = json!({ "model_stats": model_stats });
-    if let Some(c) = core.cache() {
-        body["cache"] = json!(c.snapshot());
-    }
-    body
+fn stats_body(core: &Core, model_stats: Vec<ferrite_core::telemetry::stats::StatsSnapshot>) -> bodies::Statistics {
+    bodies::Statistics { model_stats, cache: core.cache().map(|c| json!(c.snapshot())) }
 }
 
 /// `POST /v2/repository/index`: `[{"name", "version", "state", "reason"}]`, `{"ready": true}`
 /// for the ready ones only.
-async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    #[derive(Deserialize, Default)]
-    struct IndexRequest {
-        #[serde(default)]
-        ready: bool,
-    }
-    let req: IndexRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        IndexRequest::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid index request: {e}")))?
-    };
-    let rows: Vec<Value> = s
+async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json<bodies::RepositoryIndex>, ApiError> {
+    let req: bodies::RepositoryIndexRequest = optional_body(&body, "invalid index request")?;
+    let rows = s
         .core
         .index()
         .into_iter()
         .filter(|e| !req.ready || e.state == ferrite_core::control::registry::State::Ready)
-        .map(|e| {
-            let mut row = json!({"name": e.name, "state": e.state.as_str(), "reason": e.reason});
-            if let Some(v) = e.version {
-                row["version"] = json!(v.to_string());
-            }
-            row
+        .map(|e| bodies::IndexRow {
+            name: e.name,
+            version: e.version.map(|v| v.to_string()),
+            state: e.state.as_str(),
+            reason: e.reason,
         })
         .collect();
-    Ok(Json(Value::Array(rows)))
+    Ok(Json(bodies::RepositoryIndex(rows)))
+}
+
+/// A JSON body that may be left out (empty or whitespace: the type's default).
+fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &Bytes, what: &str) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("{what}: {e}")))
 }
 
 /// The parameter names of a load or unload request body (`{"parameters": {...}}`, or none).
 fn parameter_names(body: &Bytes) -> Result<Vec<String>, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(Vec::new());
-    }
-    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))?;
-    Ok(v.get("parameters").and_then(Value::as_object).map(|p| p.keys().cloned().collect()).unwrap_or_default())
+    let req: bodies::RepositoryRequest = optional_body(body, "invalid request")?;
+    Ok(req.parameters.keys().cloned().collect())
 }
 
-async fn blocking(f: impl FnOnce() -> ferrite_core::Result<()> + Send + 'static) -> Result<Json<Value>, ApiError> {
+async fn blocking(
+    f: impl FnOnce() -> ferrite_core::Result<()> + Send + 'static,
+) -> Result<Json<bodies::Empty>, ApiError> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-    Ok(Json(json!({})))
+    Ok(Json(bodies::Empty {}))
 }
 
 async fn repository_load(
     State(s): State<AppState>,
     Path(model): Path<String>,
     body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<bodies::Empty>, ApiError> {
     let names = parameter_names(&body)?;
     blocking(move || s.core.load_model(&model, names.iter().map(String::as_str))).await
 }
@@ -509,12 +519,15 @@ async fn repository_unload(
     State(s): State<AppState>,
     Path(model): Path<String>,
     body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<bodies::Empty>, ApiError> {
     let names = parameter_names(&body)?;
     blocking(move || s.core.unload_model(&model, names.iter().map(String::as_str))).await
 }
 
-async fn repository_promote(State(s): State<AppState>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn repository_promote(
+    State(s): State<AppState>,
+    Path(model): Path<String>,
+) -> Result<Json<bodies::Empty>, ApiError> {
     blocking(move || s.core.promote_canary(&model)).await
 }
 
