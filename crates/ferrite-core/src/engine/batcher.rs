@@ -23,8 +23,7 @@ use std::{
 use crate::{
     engine::{
         backend::{BatchInput, Instance, Live},
-        costs::{BatchCosts, EXPLORE_EVERY},
-        deadline::BatchTime,
+        costs::{BatchCosts, BatchTime, EXPLORE_EVERY},
         queue::{Decision, Pending, Queue},
         spec::{reshaped, ModelSpec, TimeoutAction},
     },
@@ -549,12 +548,48 @@ fn run_without(
 fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Result<Vec<Vec<Tensor>>> {
     let start = Instant::now();
     let spec = &shared.spec;
-    let batched = spec.batched();
     let rows: usize = group.iter().map(|p| p.rows).sum();
-    let counted = !group.iter().all(|p| p.warmup);
-    // The requests of a group give the same inputs (optional ones may be left out) with the same
-    // non-batch dims.
-    let inputs: Result<Vec<BatchInput<'_>>> = group[0]
+    let inputs = batch_inputs(spec, group, rows)?;
+    let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
+    crash_context(spec, group, rows, &inputs);
+    let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
+    let live = Live::new(group.iter().map(|p| p.rows), &awaited);
+    let result = catch_unwind(AssertUnwindSafe(|| instance.run_live(&inputs, &live))).unwrap_or_else(|_| {
+        // The batch fails (and is run apart); the instance and the server go on.
+        tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");
+        shared.metrics.panics.inc();
+        Err(Error::internal("the backend panicked while running the request"))
+    });
+    crate::crash::idle();
+    drop(inputs);
+    let done = Instant::now();
+    let outputs = result.and_then(|o| check_outputs(o, spec.batched(), rows)).and_then(|o| split(spec, group, o));
+    // Warm-ups are not traffic: they neither count nor seed the estimates.
+    if !group.iter().all(|p| p.warmup) {
+        shared.batch_time.record(done - start);
+        if outputs.is_ok() {
+            shared.costs.lock().unwrap_or_else(|e| e.into_inner()).record(rows, elements, done - start);
+        }
+        // Statistics before the answers, so a client that reads them after its answer sees its
+        // own batch. Input: the copy into the engine's buffers; inference: the rest of the run;
+        // output: splitting the outputs per request.
+        let input = instance.input_time().min(done - start);
+        shared.stats.record_batch(rows, group.len(), input, done - start - input, done.elapsed());
+        let m = &shared.metrics;
+        m.executions.inc();
+        m.inferences.inc_by(rows as u64);
+        m.batch_size.observe(rows as f64);
+        m.compute.observe(start.elapsed().as_secs_f64());
+    }
+    outputs
+}
+
+/// The group's inputs as the backend takes them: the requests of a group give the same inputs
+/// (optional ones may be left out) with the same non-batch dims, joined along dim 0 (`rows` in
+/// all) and reshaped to the model's shape where the config says so.
+fn batch_inputs<'a>(spec: &ModelSpec, group: &'a [Pending], rows: usize) -> Result<Vec<BatchInput<'a>>> {
+    let batched = spec.batched();
+    group[0]
         .inputs
         .iter()
         .enumerate()
@@ -573,10 +608,11 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
                 parts: group.iter().map(|p| &p.inputs[i].data).collect(),
             })
         })
-        .collect();
-    let inputs = inputs?;
-    let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
-    // For a crash report, should the backend take the process down (never the data).
+        .collect()
+}
+
+/// What a crash report says of this run, should the backend take the process down (never the data).
+fn crash_context(spec: &ModelSpec, group: &[Pending], rows: usize, inputs: &[BatchInput<'_>]) {
     crate::crash::running(|w| {
         let thread = std::thread::current();
         let _ = writeln!(
@@ -587,62 +623,34 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
             thread.name().unwrap_or("?")
         );
         let _ = writeln!(w, "batch of {rows} row(s) from {} request(s)", group.len());
-        for i in &inputs {
+        for i in inputs {
             let _ = writeln!(w, "input '{}' {} {:?}", i.name, i.datatype, i.shape);
         }
     });
-    let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
-    let live = Live::new(group.iter().map(|p| p.rows), &awaited);
-    let result = catch_unwind(AssertUnwindSafe(|| instance.run_live(&inputs, &live))).unwrap_or_else(|_| {
-        // The batch fails (and is run apart); the instance and the server go on.
-        tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");
-        shared.metrics.panics.inc();
-        Err(Error::internal("the backend panicked while running the request"))
-    });
-    crate::crash::idle();
-    drop(inputs);
-    let done = Instant::now();
-    let outputs = result.and_then(|o| check_outputs(o, batched, rows)).and_then(|mut o| {
-        for t in o.iter_mut() {
-            if let Some(dims) = spec.outputs.iter().find(|s| s.name == t.name && spec.reshape.contains_key(&s.name)) {
-                t.shape = reshaped(&t.shape, batched, &dims.dims)?;
-            }
+}
+
+/// The batch's outputs, given back the clients' shapes, as each request's rows of the outputs it
+/// asked for (without copying fixed-size data).
+fn split(spec: &ModelSpec, group: &[Pending], mut outputs: Vec<Tensor>) -> Result<Vec<Vec<Tensor>>> {
+    let batched = spec.batched();
+    for t in outputs.iter_mut() {
+        if let Some(dims) = spec.outputs.iter().find(|s| s.name == t.name && spec.reshape.contains_key(&s.name)) {
+            t.shape = reshaped(&t.shape, batched, &dims.dims)?;
         }
-        Ok(o)
-    });
-    let mut offset = 0;
-    let outputs = outputs.map(|outputs| {
-        group
-            .iter()
-            .map(|p| {
-                let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
-                let mine = match &p.outputs {
-                    None => outputs.iter().map(take).collect(),
-                    Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
-                };
-                offset += p.rows;
-                mine
-            })
-            .collect()
-    });
-    // Warm-ups are not traffic: they neither count nor seed the estimates.
-    if counted {
-        shared.batch_time.record(done - start);
-        if outputs.is_ok() {
-            shared.costs.lock().unwrap_or_else(|e| e.into_inner()).record(rows, elements, done - start);
-        }
-        // Statistics before the answers, so a client that reads them after its answer sees its
-        // own batch. Input: the copy into the engine's buffers; inference: the rest of the run;
-        // output: splitting the outputs per request.
-        let input = instance.input_time().min(done - start);
-        shared.stats.record_batch(rows, group.len(), input, done - start - input, done.elapsed());
-        let m = &shared.metrics;
-        m.executions.inc();
-        m.inferences.inc_by(rows as u64);
-        m.batch_size.observe(rows as f64);
-        m.compute.observe(start.elapsed().as_secs_f64());
     }
-    outputs
+    let mut offset = 0;
+    Ok(group
+        .iter()
+        .map(|p| {
+            let take = |o: &Tensor| if batched { o.rows(offset, p.rows) } else { o.clone() };
+            let mine = match &p.outputs {
+                None => outputs.iter().map(take).collect(),
+                Some(idx) => idx.iter().map(|&i| take(&outputs[i])).collect(),
+            };
+            offset += p.rows;
+            mine
+        })
+        .collect())
 }
 
 fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec<Tensor>> {

@@ -1,12 +1,32 @@
-//! What batches cost while serving: a moving average of the run time per input element for each
-//! range of batch sizes (1, 2, 3-4, 5-8, ... rows), kept by the batcher from the batches it runs.
-//! From it follows the merge limit: the batcher never forms a batch that its own measurements say
-//! costs more per element than a smaller one. Per element rather than per row, so requests of
-//! different sizes (a detector's variable H/W) can be compared.
+//! What batches cost while serving, kept by the batcher from the batches it runs, as two moving
+//! averages (weight 1/8 each):
+//! - [`BatchCosts`]: the run time per input element for each range of batch sizes (1, 2, 3-4,
+//!   5-8, ... rows). From it follows the merge limit: the batcher never forms a batch that its own
+//!   measurements say costs more per element than a smaller one. Per element rather than per row,
+//!   so requests of different sizes (a detector's variable H/W) can be compared.
+//! - [`BatchTime`]: one batch's run time, lock-free, read at admission to refuse a request whose
+//!   deadline cannot be met (Triton #7512). It can never lock a model out: only batches of real
+//!   traffic feed it (not warm-ups), it goes stale when nothing has run for a while, and the
+//!   batcher admits any request with nothing queued ahead of it, so fresh measurements come.
 //!
-//! Pure: the caller passes every measurement, so the rule is testable on made-up costs.
+//! Pure: the caller passes every measurement, so the rules are testable on made-up costs.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        OnceLock,
+    },
+    time::{Duration, Instant},
+};
+
+/// A moving average with weight 1/8 for the new sample; the sample itself when there is none yet.
+fn average(avg: f64, sample: f64, seen: bool) -> f64 {
+    if seen {
+        avg + (sample - avg) / 8.0
+    } else {
+        sample
+    }
+}
 
 /// Buckets of batch sizes: bucket i holds sizes in (2^(i-1), 2^i], so 1, 2, 3-4, 5-8, ...
 const BUCKETS: usize = 16;
@@ -34,7 +54,7 @@ impl BatchCosts {
     pub fn record(&mut self, rows: usize, elements: usize, took: Duration) {
         let Some(b) = self.buckets.get_mut(bucket(rows)) else { return };
         let cost = took.as_nanos() as f64 / elements.max(1) as f64;
-        b.0 = if b.1 == 0 { cost } else { b.0 + (cost - b.0) / 8.0 };
+        b.0 = average(b.0, cost, b.1 > 0);
         b.1 = b.1.saturating_add(1);
     }
 
@@ -57,6 +77,53 @@ impl BatchCosts {
             best = best.min(cost);
         }
         configured
+    }
+}
+
+/// An estimate older than this is not used: the model may have changed pace since (a few large
+/// batches, then small ones).
+pub const STALE_AFTER: Duration = Duration::from_secs(2);
+
+fn since_start(now: Instant) -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    now.saturating_duration_since(*START.get_or_init(Instant::now)).as_nanos() as u64
+}
+
+/// A moving average of one batch's run time; zero until the first batch has run.
+#[derive(Debug, Default)]
+pub struct BatchTime {
+    ns: AtomicU64,
+    /// When the last batch was recorded (ns since the process's first estimate).
+    at: AtomicU64,
+}
+
+impl BatchTime {
+    /// Folds in one batch's run time (weight 1/8).
+    pub fn record(&self, took: Duration) {
+        self.record_at(took, Instant::now());
+    }
+
+    fn record_at(&self, took: Duration, now: Instant) {
+        let avg = self.ns.load(Ordering::Relaxed);
+        self.ns.store(average(avg as f64, took.as_nanos() as f64, avg > 0) as u64, Ordering::Relaxed);
+        self.at.store(since_start(now), Ordering::Relaxed);
+    }
+
+    /// A lower bound on how long a request queued now waits for its answer: `batches_ahead`
+    /// shared among `instances`, plus its own batch. `None` before the first batch has run, and
+    /// when no batch has run for `STALE_AFTER`.
+    pub fn wait(&self, batches_ahead: usize, instances: usize) -> Option<Duration> {
+        self.wait_at(batches_ahead, instances, Instant::now())
+    }
+
+    fn wait_at(&self, batches_ahead: usize, instances: usize, now: Instant) -> Option<Duration> {
+        let per_batch = self.ns.load(Ordering::Relaxed);
+        let age = since_start(now).saturating_sub(self.at.load(Ordering::Relaxed));
+        if per_batch == 0 || age > STALE_AFTER.as_nanos() as u64 {
+            return None;
+        }
+        let rounds = (batches_ahead / instances.max(1)) as u64 + 1;
+        Some(Duration::from_nanos(per_batch.saturating_mul(rounds)))
     }
 }
 
@@ -120,5 +187,25 @@ mod tests {
         }
         assert_eq!(c.limit(16, false), 2);
         assert_eq!(c.limit(16, true), 16);
+    }
+
+    #[test]
+    fn the_wait_counts_rounds_of_batches_over_the_instances() {
+        let t = BatchTime::default();
+        assert_eq!(t.wait(10, 2), None, "no estimate before a batch ran");
+        t.record(Duration::from_millis(8));
+        assert_eq!(t.wait(0, 1), Some(Duration::from_millis(8)));
+        assert_eq!(t.wait(4, 2), Some(Duration::from_millis(24)));
+        t.record(Duration::from_millis(16));
+        assert_eq!(t.wait(0, 1), Some(Duration::from_millis(9)));
+    }
+
+    #[test]
+    fn an_estimate_nothing_has_refreshed_goes_stale() {
+        let t = BatchTime::default();
+        let now = Instant::now();
+        t.record_at(Duration::from_millis(65), now);
+        assert!(t.wait_at(0, 1, now + Duration::from_millis(100)).is_some());
+        assert_eq!(t.wait_at(0, 1, now + STALE_AFTER + Duration::from_millis(1)), None);
     }
 }

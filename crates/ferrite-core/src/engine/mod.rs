@@ -6,7 +6,6 @@ pub mod backend;
 pub mod batcher;
 pub mod classify;
 pub mod costs;
-pub mod deadline;
 pub mod model;
 pub mod onnx;
 pub mod queue;

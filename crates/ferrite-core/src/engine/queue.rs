@@ -76,14 +76,23 @@ pub enum Decision {
 }
 
 /// One priority level: requests in time, then (`timeout_action = delay`) those past their timeout.
+/// Keeps its row count and a bound on its earliest deadline as requests come and go (as Triton's
+/// scheduler does), so neither admission nor forming a batch rescans the queue.
 #[derive(Debug)]
 struct Level {
     fresh: VecDeque<Pending>,
     delayed: VecDeque<Pending>,
     policy: QueuePolicy,
+    rows: usize,
+    /// At or before the earliest deadline of a request in `fresh` (none: no deadline there).
+    due: Option<Instant>,
 }
 
 impl Level {
+    fn new(policy: QueuePolicy) -> Level {
+        Level { fresh: VecDeque::new(), delayed: VecDeque::new(), policy, rows: 0, due: None }
+    }
+
     fn len(&self) -> usize {
         self.fresh.len() + self.delayed.len()
     }
@@ -92,8 +101,27 @@ impl Level {
         self.fresh.iter().chain(&self.delayed)
     }
 
+    fn push_back(&mut self, p: Pending) {
+        self.rows += p.rows;
+        if let Some(d) = p.deadline {
+            self.due = Some(self.due.map_or(d, |due| due.min(d)));
+        }
+        self.fresh.push_back(p);
+    }
+
     fn pop_front(&mut self) -> Option<Pending> {
-        self.fresh.pop_front().or_else(|| self.delayed.pop_front())
+        let p = self.fresh.pop_front().or_else(|| self.delayed.pop_front())?;
+        self.rows -= p.rows;
+        Some(p)
+    }
+
+    /// The first light (not heavy) request, if any.
+    fn pop_light(&mut self) -> Option<Pending> {
+        let p = [&mut self.fresh, &mut self.delayed]
+            .into_iter()
+            .find_map(|deque| deque.iter().position(|p| !p.heavy).and_then(|i| deque.remove(i)))?;
+        self.rows -= p.rows;
+        Some(p)
     }
 }
 
@@ -112,12 +140,9 @@ pub struct Queue {
 impl Queue {
     /// One level per policy, highest priority first.
     pub fn new(policies: &[QueuePolicy]) -> Queue {
-        let mut levels: Vec<Level> = policies
-            .iter()
-            .map(|p| Level { fresh: VecDeque::new(), delayed: VecDeque::new(), policy: p.clone() })
-            .collect();
+        let mut levels: Vec<Level> = policies.iter().cloned().map(Level::new).collect();
         if levels.is_empty() {
-            levels.push(Level { fresh: VecDeque::new(), delayed: VecDeque::new(), policy: QueuePolicy::default() });
+            levels.push(Level::new(QueuePolicy::default()));
         }
         Queue { levels, len: 0, cancelled: 0, expired: 0, delayed: 0 }
     }
@@ -132,12 +157,12 @@ impl Queue {
 
     /// Rows waiting at every level.
     pub fn rows(&self) -> usize {
-        self.levels.iter().flat_map(Level::iter).map(|p| p.rows).sum()
+        self.levels.iter().map(|l| l.rows).sum()
     }
 
     /// Rows waiting at `level` and above: the work a new request at `level` queues behind.
     pub fn rows_ahead(&self, level: usize) -> usize {
-        self.levels.iter().take(level + 1).flat_map(Level::iter).map(|p| p.rows).sum()
+        self.levels.iter().take(level + 1).map(|l| l.rows).sum()
     }
 
     /// Requests waiting at `level` and above.
@@ -160,7 +185,7 @@ impl Queue {
                 Some(RETRY_AFTER),
             ));
         }
-        level.fresh.push_back(p);
+        level.push_back(p);
         self.len += 1;
         Ok(())
     }
@@ -168,38 +193,69 @@ impl Queue {
     /// Removes every queued request (for shutdown), highest priority first.
     pub fn drain(&mut self) -> Vec<Pending> {
         self.len = 0;
-        self.levels.iter_mut().flat_map(|l| l.fresh.drain(..).chain(l.delayed.drain(..)).collect::<Vec<_>>()).collect()
+        let mut out = Vec::new();
+        for l in &mut self.levels {
+            out.extend(l.fresh.drain(..).chain(l.delayed.drain(..)));
+            (l.rows, l.due) = (0, None);
+        }
+        out
     }
 
     /// Drops requests whose client left, and rejects or delays those whose timeout passed.
     pub fn prune(&mut self, now: Instant) {
-        let gone = |p: &Pending| p.reply.is_closed() || p.deadline.is_some_and(|d| d <= now);
-        for level in &mut self.levels {
-            // Nearly always nothing to do; rebuild the level only when something must go.
-            if !level.iter().any(gone) {
-                continue;
-            }
-            let delay = level.policy.timeout_action == TimeoutAction::Delay;
-            let mut kept = VecDeque::with_capacity(level.fresh.len());
-            for p in level.fresh.drain(..) {
-                if p.reply.is_closed() {
-                    self.cancelled += 1;
-                } else if p.deadline.is_none_or(|d| d > now) {
-                    kept.push_back(p);
-                } else if delay {
-                    self.delayed += 1;
-                    level.delayed.push_back(Pending { deadline: None, ..p });
-                } else {
-                    self.expired += 1;
-                    let _ = p.reply.send(Err(Error::DeadlineExceeded("request timed out in the queue".into())));
-                }
-            }
-            level.fresh = kept;
-            let before = level.delayed.len();
-            level.delayed.retain(|p| !p.reply.is_closed());
-            self.cancelled += (before - level.delayed.len()) as u64;
+        for i in 0..self.levels.len() {
+            self.prune_level(i, now);
         }
-        self.len = self.levels.iter().map(Level::len).sum();
+    }
+
+    /// What forming a batch needs of `prune`, without reading every request: the levels where a
+    /// deadline may have passed are pruned, and requests whose client left are dropped from the
+    /// front of each level (one further back is skipped by the batcher when its batch runs).
+    fn expire(&mut self, now: Instant) {
+        for i in 0..self.levels.len() {
+            if self.levels[i].due.is_some_and(|d| d <= now) {
+                self.prune_level(i, now);
+            }
+            let level = &mut self.levels[i];
+            while level.fresh.front().or(level.delayed.front()).is_some_and(|p| p.reply.is_closed()) {
+                level.pop_front();
+                self.cancelled += 1;
+                self.len -= 1;
+            }
+        }
+    }
+
+    fn prune_level(&mut self, index: usize, now: Instant) {
+        let gone = |p: &Pending| p.reply.is_closed() || p.deadline.is_some_and(|d| d <= now);
+        let level = &mut self.levels[index];
+        // Nearly always nothing to do; rebuild the level only when something must go.
+        if !level.iter().any(gone) {
+            level.due = level.fresh.iter().filter_map(|p| p.deadline).min();
+            return;
+        }
+        let before = level.len();
+        let delay = level.policy.timeout_action == TimeoutAction::Delay;
+        let mut kept = VecDeque::with_capacity(level.fresh.len());
+        for p in level.fresh.drain(..) {
+            if p.reply.is_closed() {
+                self.cancelled += 1;
+            } else if p.deadline.is_none_or(|d| d > now) {
+                kept.push_back(p);
+            } else if delay {
+                self.delayed += 1;
+                level.delayed.push_back(Pending { deadline: None, ..p });
+            } else {
+                self.expired += 1;
+                let _ = p.reply.send(Err(Error::DeadlineExceeded("request timed out in the queue".into())));
+            }
+        }
+        level.fresh = kept;
+        let delayed = level.delayed.len();
+        level.delayed.retain(|p| !p.reply.is_closed());
+        self.cancelled += (delayed - level.delayed.len()) as u64;
+        level.rows = level.iter().map(|p| p.rows).sum();
+        level.due = level.fresh.iter().filter_map(|p| p.deadline).min();
+        self.len -= before - level.len();
     }
 
     /// Decides what a free instance should run at `now`, merging at most `limit` rows (and the
@@ -220,7 +276,7 @@ impl Queue {
         light_only: bool,
     ) -> Decision {
         let limit = limit.min(policy.merge_limit).max(1);
-        self.prune(now);
+        self.expire(now);
         if self.is_empty() {
             return Decision::Idle;
         }
@@ -260,29 +316,12 @@ impl Queue {
     }
 
     /// The first `n` requests in priority then arrival order (light ones only, with `light_only`).
-    fn pop(&mut self, mut n: usize, light_only: bool) -> Vec<Pending> {
+    fn pop(&mut self, n: usize, light_only: bool) -> Vec<Pending> {
         let mut out = Vec::with_capacity(n);
         for level in &mut self.levels {
-            if light_only {
-                for deque in [&mut level.fresh, &mut level.delayed] {
-                    while n > 0 {
-                        match deque.iter().position(|p| !p.heavy).and_then(|i| deque.remove(i)) {
-                            Some(p) => {
-                                out.push(p);
-                                n -= 1;
-                            }
-                            None => break,
-                        }
-                    }
-                }
-                continue;
-            }
-            while n > 0 {
-                match level.pop_front() {
-                    Some(p) => {
-                        out.push(p);
-                        n -= 1;
-                    }
+            while out.len() < n {
+                match if light_only { level.pop_light() } else { level.pop_front() } {
+                    Some(p) => out.push(p),
                     None => break,
                 }
             }
@@ -524,6 +563,28 @@ mod tests {
         })
         .unwrap();
         rx
+    }
+
+    #[test]
+    fn row_counts_and_deadlines_are_kept_as_requests_come_and_go() {
+        let t = Instant::now();
+        let mut q = queue(2, 100);
+        let counted = |q: &Queue| q.levels.iter().flat_map(Level::iter).map(|p| p.rows).sum::<usize>();
+        let _a = push(&mut q, t, 3, 4, 0);
+        let late = timed(&mut q, t, 1, 50);
+        let _b = push(&mut q, t, 2, 4, 1);
+        let gone = push(&mut q, t, 4, 4, 1);
+        assert_eq!((q.rows(), q.rows_ahead(0), q.len()), (10, 3, 4));
+        drop(gone.rx);
+        // Before the deadline nothing is read but the fronts; after it, the level is pruned.
+        assert_eq!(rows(q.next_batch(t, &policy(3, 0, &[]), usize::MAX, false)), vec![3]);
+        assert_eq!((q.rows(), counted(&q), q.cancelled), (7, 7, 0));
+        let _ = q.next_batch(t + Duration::from_micros(60), &policy(8, 1_000_000, &[]), usize::MAX, false);
+        assert_eq!((q.expired, q.cancelled), (1, 1));
+        assert_eq!((q.rows(), counted(&q), q.len()), (2, 2, 1));
+        drop(late);
+        assert_eq!(rows(q.next_batch(t, &policy(8, 0, &[]), usize::MAX, true)), vec![2]);
+        assert_eq!((q.rows(), q.len(), q.is_empty()), (0, 0, true));
     }
 
     #[test]
