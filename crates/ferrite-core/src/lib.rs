@@ -8,7 +8,7 @@
 //! | layer | module | what it is |
 //! |---|---|---|
 //! | ground | [`error`] | the one error enum every front-end maps |
-//! | ground | [`data`] | datatypes, tensors, the request and response types the front-ends hand the core |
+//! | ground | [`data`] | datatypes (each element type's conversions once, in [`Element`], reached from a [`DataType`] by [`dispatch!`]), tensors, the request and response types the front-ends hand the core |
 //! | ground | [`wire`] | what every front-end shares about the V2 protocol: request parameters, header checks, `Retry-After` |
 //! | ground | [`crash`] | crash reports: what a worker runs, written out by a fatal-signal handler |
 //! | ground | [`telemetry`] | Prometheus metrics and Triton-shaped statistics |
@@ -17,7 +17,7 @@
 //! | engine | [`engine`] | one model's data plane: spec, backend trait and ONNX Runtime adapter, queue, batcher, its measured costs and deadline estimate |
 //! | pipeline | [`pipeline`] | native pre- and post-processing steps and calls to other models, served as a model (it finds those through its `Models` trait) |
 //! | control | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
-//! | core | [`core`] | [`Core`], one per process: the path of a request (admission, routing, the model, the canary's record) and the control plane's operations |
+//! | core | [`core`] | [`Core`], one per process: the path of a request (routing once to a [`Route`], admission, the model, the canary's record) and the control plane's operations |
 //! | services | [`embed`] | text embeddings as OpenAI's and TEI's APIs ask for them, over `Core` |
 //!
 //! A change to batching touches `engine` alone; the control plane builds models, never the reverse.
