@@ -40,6 +40,7 @@ impl DataType {
     ];
 
     /// The V2 protocol name (`FP32`).
+    #[inline]
     pub fn as_str(self) -> &'static str {
         match self {
             DataType::Bool => "BOOL",
@@ -77,11 +78,13 @@ impl DataType {
     }
 
     /// Bytes per element, `None` for variable-length BYTES.
+    #[inline]
     pub fn size(self) -> Option<usize> {
         crate::dispatch!(self, T => Some(std::mem::size_of::<T>()), bytes => None)
     }
 
     /// Whether elements are floating point (FP16, BF16, FP32, FP64).
+    #[inline]
     pub fn is_float(self) -> bool {
         matches!(self, DataType::Fp16 | DataType::Bf16 | DataType::Fp32 | DataType::Fp64)
     }
@@ -97,6 +100,7 @@ pub enum Number {
 }
 
 impl From<bool> for Number {
+    #[inline]
     fn from(b: bool) -> Self {
         Number::Bool(b)
     }
@@ -105,6 +109,7 @@ impl From<bool> for Number {
 macro_rules! numbers {
     ($($t:ty => $v:ident),*) => {$(
         impl From<$t> for Number {
+            #[inline]
             fn from(v: $t) -> Self {
                 Number::$v(v.into())
             }
@@ -127,6 +132,7 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn from_number(n: Number) -> Option<Self>;
     /// `v` converted as Rust's `as` would (booleans: non-zero is true); for made-up data.
     fn cast(v: f64) -> Self;
+    #[inline]
     fn to_f64(self) -> f64 {
         match self.number() {
             Number::Bool(b) => f64::from(u8::from(b)),
@@ -141,18 +147,23 @@ macro_rules! element {
     ($t:ty => $d:ident, number: $number:expr, from: $from:expr, cast: $cast:expr) => {
         impl Element for $t {
             const DATATYPE: DataType = DataType::$d;
+            #[inline]
             fn read_le(b: &[u8]) -> Self {
                 <$t>::from_le_bytes(b.try_into().expect("one element's bytes"))
             }
+            #[inline]
             fn put_le(self, buf: &mut Vec<u8>) {
                 buf.extend_from_slice(&self.to_le_bytes());
             }
+            #[inline]
             fn number(self) -> Number {
                 $number(self)
             }
+            #[inline]
             fn from_number(n: Number) -> Option<Self> {
                 $from(n)
             }
+            #[inline]
             fn cast(v: f64) -> Self {
                 $cast(v)
             }
@@ -187,21 +198,26 @@ floats!(half::f16 => Fp16 as half::f16::from_f64, half::bf16 => Bf16 as half::bf
 
 impl Element for bool {
     const DATATYPE: DataType = DataType::Bool;
+    #[inline]
     fn read_le(b: &[u8]) -> Self {
         b[0] != 0
     }
+    #[inline]
     fn put_le(self, buf: &mut Vec<u8>) {
         buf.push(u8::from(self));
     }
+    #[inline]
     fn number(self) -> Number {
         Number::Bool(self)
     }
+    #[inline]
     fn from_number(n: Number) -> Option<Self> {
         match n {
             Number::Bool(b) => Some(b),
             _ => None,
         }
     }
+    #[inline]
     fn cast(v: f64) -> Self {
         v != 0.0
     }
