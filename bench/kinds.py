@@ -22,7 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench.run  # noqa: E402
 from bench.run import ROOT, RESULTS, WORK, cpu_seconds, free_port, oha_load, perf_analyzer_load, wait_ready  # noqa: E402
+
+# With --pin: the server and the in-process ceiling on core 0, the load generators on core 1, so
+# neither blurs the other's figure (one core of the server against one core of the engine).
+SERVER_CPUS = []
 
 KINDS = WORK / "kinds"
 
@@ -69,7 +74,7 @@ def bodies(case, name):
 
 def ceiling(case, secs):
     model, inputs, _ = CASES[case]
-    cmd = [str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
+    cmd = [*SERVER_CPUS, str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
     if model == "detector":
         cmd.append(",".join(map(str, inputs[0][2])))
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -93,7 +98,7 @@ def engine_rss(case, parameters, secs=2.0):
     m = re.match(r"(\d+) instance\(s\) x (\d+) thread", parameters.get("calibrated", ""))
     instances, threads = (int(m.group(1)), int(m.group(2))) if m else (1, int(parameters.get("intra_op_thread_count", 1)))
     batch = max(1, int(parameters.get("batch_merge_limit", 1)))
-    cmd = [str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
+    cmd = [*SERVER_CPUS, str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
     if model == "detector":
         cmd.append(",".join(map(str, inputs[0][2])))
     env = dict(os.environ, CEILING_PLAN=f"{instances},{threads},{batch}")
@@ -108,7 +113,7 @@ def serve(case, args, log_name="kinds"):
         (repo / model / "1").mkdir(parents=True, exist_ok=True)
         os.link(KINDS / model / "1/model.onnx", repo / model / "1" / "model.onnx")
     port, grpc_port = free_port(), free_port()
-    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
+    cmd = [*SERVER_CPUS, str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
            "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "info", *args.extra.split()]
     log = open(WORK / f"{log_name}-{case}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -147,7 +152,11 @@ def main():
     ap.add_argument("--ceiling-secs", type=float, default=1.0)
     ap.add_argument("--extra", default="", help="more `ferrite serve` arguments")
     ap.add_argument("--name", default="kinds")
+    ap.add_argument("--pin", action="store_true", help="server and ceiling on core 0, load generators on core 1")
     args = ap.parse_args()
+    if args.pin:
+        SERVER_CPUS[:] = ["taskset", "-c", "0"]
+        bench.run.LOADGEN[:] = ["taskset", "-c", "1"]
     WORK.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     if not (KINDS / "bert/1/model.onnx").exists():
@@ -206,7 +215,9 @@ def write(results, args, took):
         "",
         f"`bench/run.sh --kinds` on {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
         f"{took / 60:.1f} min: batch-1 requests from 1, 8 and 128 concurrent clients for {args.duration} s each "
-        "(load generators on the same machine). `ferrite serve` arguments: "
+        + ("(pinned: the server and the in-process ceiling on core 0, the load generators on core 1). "
+           if args.pin else "(load generators on the same machine). ")
+        + "`ferrite serve` arguments: "
         f"`{args.extra or '(defaults)'}`. Ceiling: the engine alone in-process (`ceiling` example), the best over "
         "batch sizes, 1 instance x all cores or 1 single-threaded instance per core, spinning off/on. "
         "Targets: >= 0.85 of the ceiling at 8 and 128 clients over binary/gRPC (>= 0.7 over JSON for the "
@@ -231,12 +242,13 @@ def write(results, args, took):
                f"intra-op threads {p.get('intra_op_thread_count')}, spinning {p.get('spinning')}, "
                f"batch merge limit {p.get('batch_merge_limit')} (not calibrated)."),
             "",
-            "| load | clients | req/s | / ceiling | / reachable | p50 ms | p99 ms | CPU cores | peak RSS MB | threads | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| load | clients | req/s | / ceiling | / reachable | p50 ms | p99 ms | CPU cores | CPU µs/req | peak RSS MB | threads | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for x in r["rows"]:
+            per_request = x["cpu"] / x["rps"] * 1e6 if x["rps"] > 0 else float("nan")
             lines.append(f"| {x['proto']} | {x['clients']} | {x['rps']:.0f} | {x['ratio']:.2f} | {x['reachable']:.2f} | {x['p50_ms']:.2f} | "
-                         f"{x['p99_ms']:.2f} | {x['cpu']:.2f} | {x['rss_mb']:.0f} | {x['threads']} | {x['errors']} |")
+                         f"{x['p99_ms']:.2f} | {x['cpu']:.2f} | {per_request:.0f} | {x['rss_mb']:.0f} | {x['threads']} | {x['errors']} |")
             if x["rps"] != x["rps"]:
                 short.append(f"{case} {x['proto']} at {x['clients']} clients: no result from the load generator")
             elif x["clients"] >= 8:

@@ -67,6 +67,11 @@ def cpu_seconds(pid):
     return total / CLK_TCK
 
 
+# A command prefix for the load generators (`bench/run.sh --kinds --pin` puts them on a core of
+# their own: ["taskset", "-c", "1"]).
+LOADGEN = []
+
+
 def oha_load(url, body, clients, headers=(), lines=False):
     """A load function: oha with `clients` connections; returns (req/s, p50 ms, p99 ms, errors).
     With `lines`, each request's body is the next line of the file `body`."""
@@ -74,7 +79,7 @@ def oha_load(url, body, clients, headers=(), lines=False):
     def run(duration):
         cmd_headers = [x for h in headers for x in ("-H", h)]
         out = subprocess.run(
-            ["oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
+            [*LOADGEN, "oha", "-z", f"{duration}s", "-w", "-c", str(clients), "--no-tui", "--output-format", "json",
              "-m", "POST", "-Z" if lines else "-D", str(body), *cmd_headers, url],
             capture_output=True, text=True, check=True,
         )
@@ -94,7 +99,7 @@ def perf_analyzer_load(protocol, url, clients, model="mlp", extra=(), fatal=True
     def run(duration):
         csv = WORK / "perf_analyzer.csv"
         out = subprocess.run(
-            [str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients), *extra,
+            [*LOADGEN, str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients), *extra,
              # Three windows that agree within `stability`% make a result; they add up to `duration`.
              "--measurement-mode", "time_windows", "--measurement-interval", str(max(duration * 1000 // 3, 500)),
              "--stability-percentage", str(stability), "--max-trials", "10", "-f", str(csv)],

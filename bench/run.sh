@@ -5,7 +5,8 @@
 #
 # Usage: bench/run.sh [--duration 20] [--clients 128] [--name mlp] [--variants]
 #        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
-#        bench/run.sh --kinds [--duration 10]   (model kinds against their ceilings: bench/kinds.py)
+#        bench/run.sh --kinds [--duration 10] [--pin]  (model kinds against their ceilings: bench/kinds.py;
+#                                              --pin: server and ceiling on core 0, load generators on core 1)
 #        bench/run.sh --pipelines [--duration 10]  (image and text pipelines vs FastAPI and the ceiling)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
