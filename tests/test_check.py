@@ -51,3 +51,45 @@ def test_a_config_pbtxt_is_read(tmp_path):
     (repo / "mlp" / "config.pbtxt").write_text('name: "mlp"\nensemble_scheduling { }\n')
     r = check(repo)
     assert r.returncode == 1 and "'ensemble_scheduling' is not supported" in r.stdout, r.stdout
+
+
+def test_a_pipeline_step_reading_a_name_no_step_writes_fails_the_load_naming_both(tmp_path):
+    """The detector pipeline a user writes from the README, with normalize's output left at its
+    default: it used to load READY with an extra client input 'images' that every request then
+    lacked; now the load fails, naming the step, the name and what was written."""
+    repo = make_repository(tmp_path / "repo", ("yolo_v8",))
+    (repo / "detect").mkdir()
+    steps = ('[[steps]]\nop = "decode_image"\n[[steps]]\nop = "resize"\nsize = [64, 64]\n'
+             '[[steps]]\nop = "normalize"\n{output}[[steps]]\nop = "model"\nmodel = "yolo_v8"\n')
+    (repo / "detect" / "config.toml").write_text(steps.format(output=""))
+    r = check(repo)
+    assert r.returncode == 1, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("detect"))
+    assert "UNAVAILABLE" in row and "step 'model' (model): no earlier step writes 'images' (written so far: pixels)" in row, row
+    (repo / "detect" / "config.toml").write_text(steps.format(output='output = "images"\n'))
+    r = check(repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("detect"))
+    assert row.split()[2:4] == ["READY", "image:BYTES[-1]"], row
+
+
+def test_a_classifier_with_skl2onnx_zipmap_is_refused_with_the_fix(tmp_path):
+    """skl2onnx ends classifiers with a ZipMap (probabilities as a list of {class: probability})
+    unless told not to: the refusal says how to convert it so that it serves."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    probs = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])
+    zipmap = helper.make_value_info("output_probability", helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, []))))
+    graph = helper.make_graph([helper.make_node("ZipMap", ["x"], ["output_probability"], domain="ai.onnx.ml",
+                                                classlabels_int64s=[0, 1])], "zipmap", [probs], [zipmap])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    model.ir_version = 8
+    (tmp_path / "repo" / "forest" / "1").mkdir(parents=True)
+    onnx.save(model, tmp_path / "repo" / "forest" / "1" / "model.onnx")
+    r = check(tmp_path / "repo")
+    assert r.returncode == 1, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("forest"))
+    assert "'output_probability' is a" in row and "ZipMap" in row, row
+    assert "options={id(model): {'zipmap': False}}" in row, row

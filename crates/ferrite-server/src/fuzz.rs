@@ -209,8 +209,16 @@ fn image(data: &[u8]) {
         let registry: Arc<dyn ferrite_core::pipeline::Models> =
             Arc::new(arc_swap::ArcSwap::from_pointee(ferrite_core::Registry::default()));
         let dir = std::env::temp_dir();
-        ferrite_core::pipeline::Pipeline::build("fuzz", &dir, &steps, &[], &ferrite_core::Registry::default(), registry)
-            .unwrap()
+        ferrite_core::pipeline::Pipeline::build(
+            "fuzz",
+            &dir,
+            &steps,
+            &[],
+            &[],
+            &ferrite_core::Registry::default(),
+            registry,
+        )
+        .unwrap()
     });
     let mut instance = pipeline.instance().unwrap();
     let rows = TensorData::Strings(vec![Bytes::copy_from_slice(data)]);

@@ -221,8 +221,10 @@ impl Repository {
                 t.name
             )));
         }
-        let outputs: Vec<String> = config.output.iter().map(|o| o.name.clone()).collect();
-        let pipeline = crate::pipeline::Pipeline::build(name, &dir, &config.steps, &outputs, models, registry as _)?;
+        let names = |ts: &[crate::control::config::TensorConfig]| ts.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+        let (inputs, outputs) = (names(&config.input), names(&config.output));
+        let pipeline =
+            crate::pipeline::Pipeline::build(name, &dir, &config.steps, &inputs, &outputs, models, registry as _)?;
         for (what, stated, derived) in
             [("input", &config.input, pipeline.inputs()), ("output", &config.output, pipeline.outputs())]
         {

@@ -182,6 +182,12 @@ fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec> {
             datatype: from_ort(*ty).ok_or_else(|| Error::Unsupported(format!("tensor '{name}' has type {ty:?}")))?,
             dims: shape.iter().map(|&d| if d < 0 { -1 } else { d }).collect(),
         }),
+        // skl2onnx's default for classifiers: probabilities as a list of {class: probability}.
+        ValueType::Sequence(inner) if matches!(**inner, ValueType::Map { .. }) => Err(Error::Unsupported(format!(
+            "'{name}' is a {ty:?} (a ZipMap, which skl2onnx adds to classifiers by default); only tensors are \
+             supported: convert with options={{id(model): {{'zipmap': False}}}} (skl2onnx) or zipmap=False \
+             (onnxmltools) to get the probabilities as a tensor"
+        ))),
         other => Err(Error::Unsupported(format!("'{name}' is a {other:?}; only tensors are supported"))),
     }
 }

@@ -201,11 +201,13 @@ pub(crate) fn read_labels(dir: &Path, file: &str) -> Result<Vec<String>> {
 impl Pipeline {
     /// Builds the pipeline `label` of `dir` from its `steps`; `models` is what serves (for the
     /// model steps' tensors, checked now), `registry` where model steps find their model at run
-    /// time. `outputs`: the values it answers with (default: what the last step wrote).
+    /// time. `inputs`: the values clients send, when the config declares them (otherwise found
+    /// from the steps); `outputs`: the values it answers with (default: what the last step wrote).
     pub fn build(
         label: &str,
         dir: &Path,
         steps: &[StepConfig],
+        inputs: &[String],
         outputs: &[String],
         models: &dyn Models,
         registry: Arc<dyn Models>,
@@ -213,7 +215,7 @@ impl Pipeline {
         if steps.is_empty() {
             return Err(Error::invalid("a pipeline needs at least one step"));
         }
-        let mut known = Known::default();
+        let mut known = Known { declared: inputs.to_vec(), ..Known::default() };
         let mut built = Vec::new();
         let mut uses = Vec::new();
         let mut last_written = Vec::new();
@@ -231,7 +233,7 @@ impl Pipeline {
             let (op, written) = (|| -> Result<(Op, Vec<(String, Kind)>)> {
                 Ok(match cfg {
                     StepConfig::DecodeImage(c) => {
-                        known.need(c.input(), Kind::Tensor(DataType::Bytes, vec![]))?;
+                        known.need_input(c.input(), Kind::Tensor(DataType::Bytes, vec![]))?;
                         (Op::Decode(image::Decode::new(c)?), vec![(c.output().to_string(), Kind::Image(None))])
                     }
                     StepConfig::Resize(c) => {
@@ -256,9 +258,9 @@ impl Pipeline {
                         (Op::Normalize(n), vec![(c.output.clone().unwrap_or_else(|| "pixels".into()), kind)])
                     }
                     StepConfig::Tokenize(c) => {
-                        known.need(c.input(), Kind::Tensor(DataType::Bytes, vec![]))?;
+                        known.need_input(c.input(), Kind::Tensor(DataType::Bytes, vec![]))?;
                         if let Some(pair) = &c.pair {
-                            known.need(pair, Kind::Tensor(DataType::Bytes, vec![]))?;
+                            known.need_input(pair, Kind::Tensor(DataType::Bytes, vec![]))?;
                         }
                         let t = text::Tokenize::new(dir, c)?;
                         let written = t.outputs();
@@ -279,6 +281,7 @@ impl Pipeline {
             })()
             .map_err(fail)?;
             last_written = written.iter().map(|(n, _)| n.clone()).collect();
+            known.written |= !written.is_empty();
             known.values.extend(written);
             built.push(Step { name, op });
         }
@@ -307,20 +310,74 @@ impl Pipeline {
 struct Known {
     values: BTreeMap<String, Kind>,
     inputs: Vec<TensorSpec>,
+    /// The inputs the config declares (`[[input]]`, or an ensemble's `input`); when there are
+    /// any, every value a step reads that no earlier step writes must be one of them.
+    declared: Vec<String>,
+    /// Whether an earlier step has written anything.
+    written: bool,
 }
 
 impl Known {
-    /// The kind of `value`; one no earlier step wrote is a pipeline input, of the kind the step takes.
+    /// The kind of `value`, read by a step that takes what clients send (a decoder, a
+    /// tokenizer): one no earlier step wrote is a pipeline input, of the kind the step takes.
+    fn need_input(&mut self, value: &str, kind: Kind) -> Result<Kind> {
+        self.read(value, kind, true)
+    }
+
+    /// The kind of `value`, read by any other step: one no earlier step wrote is a pipeline input
+    /// only when the config declares it, or when no step before has written anything (the
+    /// pipeline starts with this step). Anything else is a name that matches nothing (a step's
+    /// `output` left at its default, a typo) and is refused, with the nearest name written.
     fn need(&mut self, value: &str, kind: Kind) -> Result<Kind> {
+        self.read(value, kind, false)
+    }
+
+    fn read(&mut self, value: &str, kind: Kind, entry: bool) -> Result<Kind> {
         if let Some(k) = self.values.get(value) {
             return Ok(k.clone());
         }
-        let Kind::Tensor(datatype, dims) = &kind else {
-            return Err(Error::invalid(format!("no earlier step writes the image '{value}'")));
+        let input = match (&kind, self.declared.is_empty()) {
+            (Kind::Image(_), _) => false,
+            (_, false) => self.declared.iter().any(|d| d == value),
+            (_, true) => entry || !self.written,
         };
+        if !input {
+            return Err(self.unwritten(value, &kind));
+        }
+        let Kind::Tensor(datatype, dims) = &kind else { unreachable!("images are never inputs") };
         self.inputs.push(TensorSpec { name: value.to_string(), datatype: *datatype, dims: dims.clone() });
         self.values.insert(value.to_string(), kind.clone());
         Ok(kind)
+    }
+
+    fn unwritten(&self, value: &str, kind: &Kind) -> Error {
+        let what = if matches!(kind, Kind::Image(_)) { "the image" } else { "" };
+        // Suggested from values of the same kind (a tensor for a tensor, an image for an image).
+        let same = |k: &Kind| matches!(k, Kind::Image(_)) == matches!(kind, Kind::Image(_));
+        let written = self.values.iter().filter(|(_, k)| same(k)).map(|(n, _)| n.as_str());
+        let declared =
+            self.declared.iter().map(String::as_str).filter(|_| same(&Kind::Tensor(DataType::Bytes, vec![])));
+        let names: Vec<&str> = written.chain(declared).collect();
+        let nearest = names.iter().min_by_key(|n| strsim::levenshtein(n, value)).filter(|n| {
+            // Near enough to be what was meant: at most half its letters differ.
+            strsim::levenshtein(n, value) <= value.len().max(n.len()) / 2
+        });
+        let mut e = format!("no earlier step writes {what}{}'{value}'", if what.is_empty() { "" } else { " " });
+        if !self.declared.is_empty() {
+            e.push_str(", and it is not a declared input");
+        }
+        match nearest {
+            Some(n) => e.push_str(&format!("; did you mean '{n}'?")),
+            None => {
+                if !names.is_empty() {
+                    e.push_str(&format!(" (written so far: {})", names.join(", ")));
+                }
+                if self.declared.is_empty() && !matches!(kind, Kind::Image(_)) {
+                    e.push_str("; a value clients send to a later step is declared as an [[input]]");
+                }
+            }
+        }
+        Error::invalid(e)
     }
 }
 
@@ -854,7 +911,7 @@ mod tests {
         let registry: Arc<dyn Models> = Arc::new(arc_swap::ArcSwap::from_pointee(Registry::default()));
         let dir = std::env::temp_dir();
         let build = |text: &str| {
-            Pipeline::build("p", &dir, &steps(text).unwrap(), &[], &Registry::default(), registry.clone())
+            Pipeline::build("p", &dir, &steps(text).unwrap(), &[], &[], &Registry::default(), registry.clone())
                 .err()
                 .map(|e| e.to_string())
         };
@@ -864,10 +921,41 @@ mod tests {
         assert!(e.contains("step 'model' (model): unknown model 'm'"), "{e}");
         let e = build("[[steps]]\nop = \"decode_image\"\n").unwrap();
         assert!(e.contains("output 'image' is an image"), "{e}");
+        // A name no step writes is refused after the first step, not made a client input.
+        let detector = "[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"resize\"\nsize = [8, 8]\n\
+                        [[steps]]\nop = \"normalize\"\n[[steps]]\nop = \"softmax\"\ninput = \"images\"\n";
+        let e = build(detector).unwrap();
+        assert!(e.contains("step 'softmax' (softmax): no earlier step writes 'images'"), "{e}");
+        assert!(
+            e.contains("'images' (written so far: pixels); a value clients send to a later step is declared"),
+            "{e}"
+        );
+        let e = build(&detector.replace("\"images\"", "\"pixel\"")).unwrap();
+        assert!(e.ends_with("did you mean 'pixels'?"), "{e}");
+        let e = build(&detector.replace("op = \"resize\"", "op = \"resize\"\ninput = \"imagee\"")).unwrap();
+        assert!(e.contains("no earlier step writes the image 'imagee'; did you mean 'image'?"), "{e}");
+        // Declared inputs are the only ones: a typo in a tokenizer's input is caught too.
+        let declared = |text: &str, inputs: &[&str]| {
+            let inputs: Vec<String> = inputs.iter().map(|s| s.to_string()).collect();
+            Pipeline::build("p", &dir, &steps(text).unwrap(), &inputs, &[], &Registry::default(), registry.clone())
+                .err()
+                .map(|e| e.to_string())
+        };
+        let two = "[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"resize\"\nsize = [8, 8]\n\
+                   [[steps]]\nop = \"normalize\"\n[[steps]]\nop = \"softmax\"\ninput = \"scores\"\n";
+        assert_eq!(declared(two, &["image", "scores"]), None, "a declared input read by a later step");
+        let e = declared(two, &["image", "score"]).unwrap();
+        assert!(
+            e.contains("no earlier step writes 'scores', and it is not a declared input; did you mean 'score'?"),
+            "{e}"
+        );
+        let e = declared("[[steps]]\nop = \"decode_image\"\ninput = \"img\"\n", &["image"]).unwrap();
+        assert!(e.contains("'img', and it is not a declared input; did you mean 'image'?"), "{e}");
         let ok = Pipeline::build(
             "p",
             &dir,
             &steps("[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"crop\"\nsize = [8, 6]\n[[steps]]\nop = \"normalize\"\n").unwrap(),
+            &[],
             &[],
             &Registry::default(),
             registry,
