@@ -93,3 +93,19 @@ def test_a_classifier_with_skl2onnx_zipmap_is_refused_with_the_fix(tmp_path):
     row = next(line for line in r.stdout.splitlines() if line.startswith("forest"))
     assert "'output_probability' is a" in row and "ZipMap" in row, row
     assert "options={id(model): {'zipmap': False}}" in row, row
+
+
+def test_a_bad_step_value_is_one_row_naming_the_step_and_its_line_and_values_take_any_case(tmp_path):
+    repo = make_repository(tmp_path / "repo", ("yolo_v8",))
+    (repo / "detect").mkdir()
+    text = ('[[steps]]\nop = "decode_image"\n[[steps]]\nop = "resize"\nmode = "Longer_Side"\nsize = [64]\n'
+            '[[steps]]\nname = "letterbox"\nop = "pad"\nvalue = 114\nanchor = "{anchor}"\n'
+            '[[steps]]\nop = "normalize"\nchannels = "bgr"\noutput = "images"\n[[steps]]\nop = "model"\nmodel = "yolo_v8"\n')
+    (repo / "detect" / "config.toml").write_text(text.format(anchor="Center"))
+    r = check(repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (repo / "detect" / "config.toml").write_text(text.format(anchor="middle"))
+    r = check(repo)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("detect")]
+    assert len(rows) == 1 and "config.toml line 11: step 3 'letterbox' (pad): unknown variant `middle`" in rows[0], r.stdout

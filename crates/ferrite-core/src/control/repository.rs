@@ -321,9 +321,62 @@ impl ConfigFile {
 
 /// Parses a `config.toml`; "" is the empty config.
 pub fn parse_config(text: &str) -> Result<ModelConfig> {
-    let config: ModelConfig = toml::from_str(text).map_err(|e| Error::invalid(format!("config.toml: {e}")))?;
+    let config: ModelConfig = toml::from_str(text).map_err(|e| config_error(text, &e))?;
     check_config(&config)?;
     Ok(config)
+}
+
+/// A config error in one line: the line of the bad value, and for a step, which step it is.
+fn config_error(text: &str, e: &toml::de::Error) -> Error {
+    let line = |at: usize| text[..at.min(text.len())].matches('\n').count() + 1;
+    let message = e.message().replace('\n', " ");
+    // Steps are read whole by their `op`, so a bad value inside one is read again on its own,
+    // for its line and the step's name.
+    #[derive(serde::Deserialize)]
+    struct Steps {
+        #[serde(default)]
+        steps: Vec<toml::Spanned<toml::Table>>,
+    }
+    let steps = toml::from_str::<Steps>(text).map(|s| s.steps).unwrap_or_default();
+    // A step's body: after its `[[steps]]` header, up to the next table header.
+    let body = |from: usize| {
+        let rest = &text[from.min(text.len())..];
+        let header = |l: &str| {
+            let l = l.trim_start();
+            l.starts_with('[') && l.trim_start_matches('[').starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        };
+        let end = rest.split_inclusive('\n').take_while(|l| !header(l)).map(str::len).sum::<usize>();
+        from..from + end
+    };
+    for (i, step) in steps.iter().enumerate() {
+        let span = body(step.span().end);
+        let Some(e) = text.get(span.clone()).and_then(|t| toml::from_str::<crate::pipeline::StepConfig>(t).err())
+        else {
+            continue;
+        };
+        let table = step.get_ref();
+        let op = table.get("op").and_then(|v| v.as_str()).unwrap_or("no op");
+        let name = table.get("name").and_then(|v| v.as_str()).map(|n| format!("'{n}' ")).unwrap_or_default();
+        // An error inside a step comes without a position (the step is read through its `op`):
+        // the line is the one holding the value the message names (`unknown field `x``), else
+        // the step's header.
+        let named = e.message().split('`').nth(1).filter(|t| !t.is_empty());
+        let at = e
+            .span()
+            .map(|s| span.start + s.start)
+            .or_else(|| named.and_then(|t| text[span.clone()].find(t)).map(|i| span.start + i))
+            .unwrap_or(step.span().start);
+        return Error::invalid(format!(
+            "config.toml line {}: step {} {name}({op}): {}",
+            line(at),
+            i + 1,
+            e.message().replace('\n', " ")
+        ));
+    }
+    match e.span() {
+        Some(s) => Error::invalid(format!("config.toml line {}: {message}", line(s.start))),
+        None => Error::invalid(format!("config.toml: {message}")),
+    }
 }
 
 /// The most instances, or threads of one instance, a config may ask for: four per thread of the

@@ -305,11 +305,11 @@ pub struct ResizeConfig {
     pub name: Option<String>,
     pub input: Option<String>,
     pub output: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub mode: ResizeMode,
     /// `[width, height]` for `exact`, one number for the others.
     pub size: Vec<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub filter: Filter,
 }
 
@@ -341,11 +341,11 @@ pub struct PadConfig {
     pub name: Option<String>,
     pub input: Option<String>,
     pub output: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub mode: PadMode,
     pub multiple: Option<u32>,
     pub size: Option<Vec<u32>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub anchor: Anchor,
     /// The padding's value in every channel (ultralytics uses 114).
     #[serde(default)]
@@ -590,9 +590,9 @@ pub struct NormalizeConfig {
     pub scale: Option<f32>,
     pub mean: Option<Vec<f32>>,
     pub std: Option<Vec<f32>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub channels: Channels,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub layout: Layout,
     /// FP32 (default), FP16 or UINT8 (the pixel values as they are: scale, mean and std unused).
     pub dtype: Option<String>,
@@ -623,7 +623,7 @@ impl Normalize {
         if std.contains(&0.0) {
             return Err(Error::invalid("std must not be 0"));
         }
-        let dtype = match c.dtype.as_deref().unwrap_or("FP32") {
+        let dtype = match c.dtype.as_deref().unwrap_or("FP32").to_ascii_uppercase().as_str() {
             "FP32" => DataType::Fp32,
             "FP16" => DataType::Fp16,
             "UINT8" => DataType::Uint8,

@@ -107,6 +107,19 @@ pub struct ModelStepConfig {
     pub outputs: BTreeMap<String, String>,
 }
 
+/// A step's enum value in any case (`bgr` or `BGR`, `Bilinear` or `bilinear`): tried as written,
+/// then in lower and in upper case; the error is the one for the value as written.
+fn any_case<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(
+    d: D,
+) -> std::result::Result<T, D::Error> {
+    use serde::de::{value::StringDeserializer, Error as _};
+    let written = String::deserialize(d)?;
+    let parse = |v: String| T::deserialize(StringDeserializer::<serde::de::value::Error>::new(v));
+    parse(written.clone())
+        .or_else(|e| parse(written.to_lowercase()).or_else(|_| parse(written.to_uppercase())).map_err(|_| e))
+        .map_err(D::Error::custom)
+}
+
 /// What flows between steps: for each row, a tensor (without the batch dim) or a decoded image.
 #[derive(Clone)]
 pub(crate) enum Value {
@@ -894,6 +907,38 @@ mod tests {
 
     fn steps(toml_text: &str) -> Result<Vec<StepConfig>> {
         crate::control::repository::parse_config(toml_text).map(|c| c.steps)
+    }
+
+    #[test]
+    fn step_errors_name_the_step_and_the_line_in_one_line_and_values_take_any_case() {
+        let text =
+            "max_batch_size = 8\n[[steps]]\nop = \"decode_image\"\n[[steps]]\nname = \"letterbox\"\nop = \"pad\"\n\
+                    value = 114\nanchor = \"middle\"\n";
+        let e = steps(text).unwrap_err().to_string();
+        assert!(e.starts_with("config.toml line 8: step 2 'letterbox' (pad): unknown variant `middle`"), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        let e = steps("[[steps]]\nop = \"resize\"\nsize = [4, 4]\nantialias = false\n").unwrap_err().to_string();
+        assert!(e.starts_with("config.toml line 4: step 1 (resize): unknown field `antialias`"), "{e}");
+        let e = steps("max_batch_size = \"eight\"\n").unwrap_err().to_string();
+        assert!(e.starts_with("config.toml line 1: invalid type"), "{e}");
+        let s = steps(
+            "[[steps]]\nop = \"resize\"\nsize = [4]\nmode = \"Shorter_Side\"\nfilter = \"BICUBIC\"\n\
+             [[steps]]\nop = \"normalize\"\nchannels = \"bgr\"\nlayout = \"nhwc\"\ndtype = \"fp16\"\n\
+             [[steps]]\nop = \"pool\"\nmode = \"MEAN\"\n",
+        )
+        .unwrap();
+        assert!(
+            matches!(&s[0], StepConfig::Resize(r) if r.mode == image::ResizeMode::ShorterSide && r.filter == image::Filter::Bicubic)
+        );
+        assert!(
+            matches!(&s[1], StepConfig::Normalize(n) if n.channels == image::Channels::Bgr && n.layout == image::Layout::Nhwc)
+        );
+        assert!(matches!(&s[2], StepConfig::Pool(p) if p.mode == post::Pooling::Mean));
+        assert!(image::Normalize::new(match &s[1] {
+            StepConfig::Normalize(n) => n,
+            _ => unreachable!(),
+        })
+        .is_ok());
     }
 
     #[test]

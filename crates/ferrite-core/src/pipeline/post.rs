@@ -30,7 +30,7 @@ pub struct PoolConfig {
     /// The mask that says which tokens are text (default `attention_mask`).
     pub mask: Option<String>,
     pub output: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub mode: Pooling,
     /// L2-normalize the pooled vector (what cosine similarity wants).
     #[serde(default)]
@@ -75,7 +75,7 @@ pub struct NmsConfig {
     pub input: Option<String>,
     /// The image the detector saw, whose geometry maps the boxes back (default `image`).
     pub image: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::any_case")]
     pub layout: DetectorLayout,
     pub score_threshold: Option<f32>,
     pub iou_threshold: Option<f32>,

@@ -79,7 +79,7 @@ impl Tokenize {
         let limit = if truncation { max_length } else { usize::MAX / 2 };
         let params = TruncationParams { max_length: limit, ..Default::default() };
         tokenizer.with_truncation(Some(params)).map_err(|e| Error::invalid(format!("truncation: {e}")))?;
-        let dtype = match c.dtype.as_deref().unwrap_or("INT64") {
+        let dtype = match c.dtype.as_deref().unwrap_or("INT64").to_ascii_uppercase().as_str() {
             "INT64" => DataType::Int64,
             "INT32" => DataType::Int32,
             other => return Err(Error::invalid(format!("dtype '{other}': INT64 or INT32"))),
