@@ -59,6 +59,22 @@ pub struct DecodeConfig {
     pub max_request_pixels: Option<u64>,
     /// Most scans a progressive JPEG may have (default 32; each scan is a pass over the image).
     pub max_scans: Option<usize>,
+    /// What becomes of an alpha channel (default `over_white`).
+    #[serde(default, deserialize_with = "super::any_case")]
+    pub alpha: Alpha,
+}
+
+/// An image's alpha channel, on the way to RGB.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum Alpha {
+    /// Composited over white, as a browser shows a transparent PNG.
+    #[default]
+    OverWhite,
+    /// Composited over black (premultiplied).
+    OverBlack,
+    /// Dropped, the colours kept as they are: Pillow's `convert("RGB")` and OpenCV's `imread`.
+    Drop,
 }
 
 impl DecodeConfig {
@@ -80,6 +96,7 @@ pub(crate) struct Decode {
     /// Per request: decoded pixels of all its images together.
     pub max_request_pixels: u64,
     max_scans: usize,
+    alpha: Alpha,
 }
 
 /// The largest side and area any image step may make, or hold as an intermediate buffer (a
@@ -97,6 +114,7 @@ impl Decode {
             max_side: c.max_side.unwrap_or(MAX_SIDE),
             max_request_pixels: c.max_request_pixels.unwrap_or(64_000_000),
             max_scans: c.max_scans.unwrap_or(32),
+            alpha: c.alpha,
         };
         if d.max_pixels > MAX_STEP_PIXELS || d.max_side > MAX_SIDE || d.max_bytes > 1 << 30 {
             return Err(Error::invalid(format!(
@@ -202,7 +220,7 @@ impl Decode {
         let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
         let img = DynamicImage::from_decoder(decoder).map_err(bad)?;
         // To 8-bit RGB first, so the rotation copies the smallest form of the image.
-        let mut pixels = DynamicImage::ImageRgb8(flatten(img));
+        let mut pixels = DynamicImage::ImageRgb8(flatten(img, self.alpha));
         pixels.apply_orientation(orientation);
         let pixels = pixels.into_rgb8();
         let sent = pixels.dimensions();
@@ -260,19 +278,21 @@ fn jpeg_scans(b: &[u8], max_scans: usize) -> Result<()> {
     }
 }
 
-/// RGB of any decoded image: gray spread to three channels, alpha composited over white (as a
-/// browser shows a transparent PNG; Pillow's `convert("RGB")` drops it instead).
-fn flatten(img: DynamicImage) -> RgbImage {
-    if !img.color().has_alpha() {
-        return img.into_rgb8();
-    }
+/// RGB of any decoded image: gray spread to three channels, alpha as `alpha` says.
+fn flatten(img: DynamicImage, alpha: Alpha) -> RgbImage {
+    let background = match alpha {
+        _ if !img.color().has_alpha() => return img.into_rgb8(),
+        Alpha::Drop => return img.into_rgb8(),
+        Alpha::OverWhite => 255,
+        Alpha::OverBlack => 0,
+    };
     let rgba = img.into_rgba8();
     let (w, h) = rgba.dimensions();
     let mut out = RgbImage::new(w, h);
     for (o, p) in out.pixels_mut().zip(rgba.pixels()) {
         let a = p[3] as u32;
         for c in 0..3 {
-            o[c] = ((p[c] as u32 * a + 255 * (255 - a) + 127) / 255) as u8;
+            o[c] = ((p[c] as u32 * a + background * (255 - a) + 127) / 255) as u8;
         }
     }
     out
@@ -732,8 +752,21 @@ mod tests {
             max_side: None,
             max_request_pixels: None,
             max_scans: None,
+            alpha: Alpha::default(),
         })
         .unwrap()
+    }
+
+    #[test]
+    fn alpha_is_composited_or_dropped_as_asked() {
+        let mut png = Vec::new();
+        image::RgbaImage::from_pixel(1, 1, image::Rgba([200, 100, 50, 128]))
+            .write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        let pixel = |alpha| Decode { alpha, ..decode() }.decode(&png).unwrap().pixels.get_pixel(0, 0).0;
+        assert_eq!(pixel(Alpha::OverWhite), [227, 177, 152]);
+        assert_eq!(pixel(Alpha::OverBlack), [100, 50, 25]);
+        assert_eq!(pixel(Alpha::Drop), [200, 100, 50], "as Pillow's convert(\"RGB\") and cv2.imread give it");
     }
 
     #[test]
