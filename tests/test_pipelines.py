@@ -255,12 +255,14 @@ def bundled(tmp_path_factory):
     shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "pairs")
     pipeline(repo, "strict", [("tokenize", {"max_length": 8, "truncation": False})], outputs=("input_ids",))
     shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "strict")
-    for layout in ("v8", "v5"):
-        d = pipeline(repo, f"detect_{layout}", [
+    for name, layout, formats in [("detect_v8", "v8", {}), ("detect_v5", "v5", {}),
+                                  ("detect_v8_cxcywhn", "v8", {"box_format": "CXCYWH", "normalized": True}),
+                                  ("detect_v8_xywh", "v8", {"box_format": "xywh"})]:
+        d = pipeline(repo, name, [
             ("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64]}),
             ("pad", {"mode": "size", "size": [64, 64], "value": 114}),
             ("normalize", {"output": "images"}), ("model", {"model": f"yolo_{layout}"}),
-            ("nms", {"layout": f"yolo{layout}", "labels": "labels.txt", "max_detections": 5}),
+            ("nms", {"layout": f"yolo{layout}", "labels": "labels.txt", "max_detections": 5, **formats}),
         ])
         (d / "labels.txt").write_text("person\nbicycle\ncar\n")
     s = Server(repo)
@@ -405,6 +407,21 @@ def test_the_detector_pipeline_matches_a_numpy_nms_with_boxes_in_the_images_pixe
     assert (got.as_numpy("classes")[0][n:] == -1).all() and (got.as_numpy("boxes")[0][n:] == 0).all()
     names = [b.decode() for b in got.as_numpy("labels")[0][:n]]
     assert names == [["person", "bicycle", "car"][c] for c in classes]
+
+
+def test_nms_writes_boxes_in_the_format_asked(bundled):
+    """xywh (COCO, nudenet) and ultralytics' normalized centre format: the same detections as the
+    default corners, converted."""
+    c = grpcclient.InferenceServerClient(bundled.grpc_url)
+    t = grpcclient.InferInput("image", [1], "BYTES")
+    t.set_data_from_numpy(np.array([encode(photo(160, 100, seed=3))], dtype=object))
+    xyxy = c.infer("detect_v8", [t]).as_numpy("boxes")[0]
+    xywh = c.infer("detect_v8_xywh", [t]).as_numpy("boxes")[0]
+    cxcywhn = c.infer("detect_v8_cxcywhn", [t]).as_numpy("boxes")[0]
+    x1, y1, x2, y2 = xyxy.T
+    np.testing.assert_allclose(xywh, np.stack([x1, y1, x2 - x1, y2 - y1], 1), atol=1e-4)
+    np.testing.assert_allclose(cxcywhn, np.stack([(x1 + x2) / 2 / 160, (y1 + y2) / 2 / 100,
+                                                  (x2 - x1) / 160, (y2 - y1) / 100], 1), atol=1e-6)
 
 
 def test_pipelines_are_models_everywhere(bundled):

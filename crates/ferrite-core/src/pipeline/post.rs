@@ -86,6 +86,41 @@ pub struct NmsConfig {
     pub max_detections: Option<usize>,
     /// One class name per line: adds a BYTES output `labels`.
     pub labels: Option<String>,
+    /// How `boxes` are written (default `xyxy`).
+    #[serde(default, deserialize_with = "super::any_case")]
+    pub box_format: BoxFormat,
+    /// Boxes as fractions of the image as sent (ultralytics' `xyxyn`/`xywhn`), not pixels.
+    #[serde(default)]
+    pub normalized: bool,
+}
+
+/// The four numbers of a box in `boxes`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum BoxFormat {
+    /// Corners: x1, y1, x2, y2 (ultralytics' `xyxy`, torchvision).
+    #[default]
+    Xyxy,
+    /// Top-left corner and size: x, y, w, h (COCO, nudenet).
+    Xywh,
+    /// Centre and size: cx, cy, w, h (ultralytics' `xywh`, YOLO labels).
+    Cxcywh,
+}
+
+impl BoxFormat {
+    /// `xyxy` (in pixels of an image `w` x `h`) in this format, as fractions of it if `normalized`.
+    fn write(self, [x1, y1, x2, y2]: [f32; 4], normalized: bool, (w, h): (u32, u32)) -> [f32; 4] {
+        let b = match self {
+            BoxFormat::Xyxy => [x1, y1, x2, y2],
+            BoxFormat::Xywh => [x1, y1, x2 - x1, y2 - y1],
+            BoxFormat::Cxcywh => [(x1 + x2) / 2.0, (y1 + y2) / 2.0, x2 - x1, y2 - y1],
+        };
+        if !normalized {
+            return b;
+        }
+        let (w, h) = (w.max(1) as f32, h.max(1) as f32);
+        [b[0] / w, b[1] / h, b[2] / w, b[3] / h]
+    }
 }
 
 pub(crate) enum Unary {
@@ -110,6 +145,8 @@ pub(crate) struct Nms {
     agnostic: bool,
     max: usize,
     labels: Option<Vec<String>>,
+    format: BoxFormat,
+    normalized: bool,
 }
 
 fn tensor_dims(kind: Kind, name: &str) -> Result<Vec<i64>> {
@@ -189,7 +226,18 @@ impl Post {
         if labels.is_some() {
             written.push(("labels".to_string(), Kind::Tensor(DataType::Bytes, vec![d])));
         }
-        let nms = Nms { input, image, layout: c.layout, score, iou, agnostic: c.class_agnostic, max, labels };
+        let nms = Nms {
+            input,
+            image,
+            layout: c.layout,
+            score,
+            iou,
+            agnostic: c.class_agnostic,
+            max,
+            labels,
+            format: c.box_format,
+            normalized: c.normalized,
+        };
         Ok((Op::Post(Post::Nms(Box::new(nms))), written))
     }
 
@@ -229,15 +277,16 @@ impl Post {
                 };
                 let index: Vec<usize> = (0..outputs.len()).collect();
                 let found = per_row(&index, |&i| n.detect(&outputs[i], &pictures[i].geometry))?;
+                let sent: Vec<(u32, u32)> = pictures.iter().map(|p| p.geometry.sent).collect();
                 let d = n.max;
                 let mut columns: [Vec<Tensor>; 5] = Default::default();
-                for dets in found {
+                for (dets, &sent) in found.iter().zip(&sent) {
                     let mut boxes = vec![0f32; d * 4];
                     let mut scores = vec![0f32; d];
                     let mut classes = vec![-1i64; d];
                     let mut names = vec![bytes::Bytes::new(); d];
                     for (j, det) in dets.iter().enumerate() {
-                        boxes[j * 4..j * 4 + 4].copy_from_slice(&det.bbox);
+                        boxes[j * 4..j * 4 + 4].copy_from_slice(&n.format.write(det.bbox, n.normalized, sent));
                         scores[j] = det.score;
                         classes[j] = det.class as i64;
                         if let Some(l) = &n.labels {
@@ -427,7 +476,18 @@ mod tests {
     use crate::pipeline::image::Geometry;
 
     fn nms(layout: DetectorLayout, agnostic: bool, max: usize) -> Nms {
-        Nms { input: "o".into(), image: "i".into(), layout, score: 0.25, iou: 0.45, agnostic, max, labels: None }
+        Nms {
+            input: "o".into(),
+            image: "i".into(),
+            layout,
+            score: 0.25,
+            iou: 0.45,
+            agnostic,
+            max,
+            labels: None,
+            format: BoxFormat::Xyxy,
+            normalized: false,
+        }
     }
 
     /// YOLOv8's layout from (cx, cy, w, h, scores per class) per anchor.
@@ -499,5 +559,13 @@ mod tests {
         assert_eq!(a.data, TensorData::Fixed([0i64.to_le_bytes(), 1i64.to_le_bytes()].concat().into()));
         let g = floats(&unary(&Unary::Sigmoid, &t, "g").unwrap()).unwrap();
         assert_eq!(g[0], 0.5);
+    }
+
+    #[test]
+    fn boxes_are_written_in_the_format_asked() {
+        let b = [10.0, 20.0, 50.0, 100.0];
+        assert_eq!(BoxFormat::Xyxy.write(b, false, (200, 100)), b);
+        assert_eq!(BoxFormat::Xywh.write(b, false, (200, 100)), [10.0, 20.0, 40.0, 80.0]);
+        assert_eq!(BoxFormat::Cxcywh.write(b, true, (200, 100)), [0.15, 0.6, 0.2, 0.8]);
     }
 }
