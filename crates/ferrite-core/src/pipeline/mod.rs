@@ -349,43 +349,44 @@ impl Known {
         if let Some(k) = self.values.get(value) {
             return Ok(k.clone());
         }
-        let input = match (&kind, self.declared.is_empty()) {
-            (Kind::Image(_), _) => false,
-            (_, false) => self.declared.iter().any(|d| d == value),
-            (_, true) => entry || !self.written,
-        };
-        if !input {
-            return Err(self.unwritten(value, &kind));
+        let input =
+            if self.declared.is_empty() { entry || !self.written } else { self.declared.iter().any(|d| d == value) };
+        match &kind {
+            Kind::Tensor(datatype, dims) if input => {
+                self.inputs.push(TensorSpec { name: value.to_string(), datatype: *datatype, dims: dims.clone() });
+                self.values.insert(value.to_string(), kind.clone());
+                Ok(kind)
+            }
+            _ => Err(self.unwritten(value, &kind)),
         }
-        let Kind::Tensor(datatype, dims) = &kind else { unreachable!("images are never inputs") };
-        self.inputs.push(TensorSpec { name: value.to_string(), datatype: *datatype, dims: dims.clone() });
-        self.values.insert(value.to_string(), kind.clone());
-        Ok(kind)
     }
 
     fn unwritten(&self, value: &str, kind: &Kind) -> Error {
-        let what = if matches!(kind, Kind::Image(_)) { "the image" } else { "" };
-        // Suggested from values of the same kind (a tensor for a tensor, an image for an image).
-        let same = |k: &Kind| matches!(k, Kind::Image(_)) == matches!(kind, Kind::Image(_));
-        let written = self.values.iter().filter(|(_, k)| same(k)).map(|(n, _)| n.as_str());
-        let declared =
-            self.declared.iter().map(String::as_str).filter(|_| same(&Kind::Tensor(DataType::Bytes, vec![])));
-        let names: Vec<&str> = written.chain(declared).collect();
-        let nearest = names.iter().min_by_key(|n| strsim::levenshtein(n, value)).filter(|n| {
-            // Near enough to be what was meant: at most half its letters differ.
-            strsim::levenshtein(n, value) <= value.len().max(n.len()) / 2
-        });
-        let mut e = format!("no earlier step writes {what}{}'{value}'", if what.is_empty() { "" } else { " " });
+        let image = matches!(kind, Kind::Image(_));
+        // Suggested from values of the same kind (a tensor for a tensor, an image for an image);
+        // declared inputs are tensors.
+        let mut names: Vec<&str> =
+            self.values.iter().filter(|(_, k)| matches!(k, Kind::Image(_)) == image).map(|(n, _)| n.as_str()).collect();
+        if !image {
+            names.extend(self.declared.iter().map(String::as_str).filter(|d| !self.values.contains_key(*d)));
+        }
+        // Near enough to be what was meant: at most half its letters differ.
+        let nearest = names
+            .iter()
+            .map(|n| (strsim::levenshtein(n, value), n))
+            .min()
+            .filter(|(d, n)| *d <= value.len().max(n.len()) / 2);
+        let mut e = format!("no earlier step writes {}'{value}'", if image { "the image " } else { "" });
         if !self.declared.is_empty() {
             e.push_str(", and it is not a declared input");
         }
         match nearest {
-            Some(n) => e.push_str(&format!("; did you mean '{n}'?")),
+            Some((_, n)) => e.push_str(&format!("; did you mean '{n}'?")),
             None => {
                 if !names.is_empty() {
                     e.push_str(&format!(" (written so far: {})", names.join(", ")));
                 }
-                if self.declared.is_empty() && !matches!(kind, Kind::Image(_)) {
+                if self.declared.is_empty() && !image {
                     e.push_str("; a value clients send to a later step is declared as an [[input]]");
                 }
             }
