@@ -97,7 +97,7 @@ pub struct Statistics {
     pub model_stats: Vec<ferrite_core::telemetry::stats::StatsSnapshot>,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
-    pub cache: Option<Value>,
+    pub cache: Option<ferrite_core::cache::CacheSnapshot>,
 }
 
 #[derive(Deserialize, Default, ToSchema)]

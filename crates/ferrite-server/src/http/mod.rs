@@ -20,7 +20,7 @@ use ferrite_core::{Core, Model};
 
 use crate::auth::{Auth, Denied, Scope};
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::{sync::Arc, time::Duration};
 
 pub use error::ApiError;
@@ -461,7 +461,7 @@ async fn all_stats(State(s): State<AppState>) -> Json<bodies::Statistics> {
 
 /// Triton's statistics object, plus the response cache's state under `cache` when there is one.
 fn stats_body(core: &Core, model_stats: Vec<ferrite_core::telemetry::stats::StatsSnapshot>) -> bodies::Statistics {
-    bodies::Statistics { model_stats, cache: core.cache().map(|c| json!(c.snapshot())) }
+    bodies::Statistics { model_stats, cache: core.cache().map(|c| c.snapshot()) }
 }
 
 /// `POST /v2/repository/index`: `[{"name", "version", "state", "reason"}]`, `{"ready": true}`
