@@ -106,47 +106,123 @@ fn remembered() -> &'static Mutex<HashMap<u64, Option<Tuned>>> {
     R.get_or_init(Default::default)
 }
 
-/// The median time of one run of `rows` synthetic rows on each of `plan.instances` instances of
-/// `backend` running side by side; at least 3 runs each, stopping after `budget`. `None` when the
-/// model cannot run the synthetic inputs.
-fn time_runs(
-    backend: &OnnxBackend,
-    spec: &ModelSpec,
-    instances: usize,
+/// A larger batch is not measured once one run of it takes more than this: calibration stays
+/// bounded for slow models (a BERT-style encoder at 64 rows), whose limit the batcher's own
+/// measurements then keep.
+const SLOWEST_RUN: Duration = Duration::from_millis(60);
+/// A batch size whose first timed run is this far below the best throughput of the smaller ones
+/// ends the growth: the curve has turned (measured again in the rounds below, within noise).
+const CLEAR_FALL: f64 = 0.25;
+/// Rounds over every plan and size: at least this many, and at most `MAX_ROUNDS` within `BUDGET`.
+const MIN_ROUNDS: usize = 3;
+const MAX_ROUNDS: usize = 50;
+
+/// Synthetic inputs of `rows` rows for `spec`, and the batch of them an instance runs.
+struct Batch {
     rows: usize,
-    budget: Duration,
-) -> Option<Duration> {
-    let tensors = synthetic_inputs(spec, rows);
-    let inputs: Vec<BatchInput<'_>> = spec
-        .inputs
-        .iter()
-        .zip(&tensors)
-        .map(|(s, t)| BatchInput { name: &s.name, datatype: s.datatype, shape: t.shape.clone(), parts: vec![&t.data] })
-        .collect();
-    let mut runners: Vec<Box<dyn Instance>> = (0..instances).map(|_| backend.instance()).collect::<Result<_>>().ok()?;
-    let times: Option<Vec<Vec<Duration>>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = runners
-            .iter_mut()
-            .map(|instance| {
-                let inputs = &inputs;
-                scope.spawn(move || {
-                    instance.run(inputs).ok()?; // the first run allocates; not timed
-                    let start = Instant::now();
-                    let mut times = Vec::new();
-                    while times.len() < 3 || (start.elapsed() < budget && times.len() < 50) {
-                        let t = Instant::now();
-                        instance.run(inputs).ok()?;
-                        times.push(t.elapsed());
-                    }
-                    Some(times)
-                })
+    tensors: Vec<crate::Tensor>,
+}
+
+impl Batch {
+    fn new(spec: &ModelSpec, rows: usize) -> Batch {
+        Batch { rows, tensors: synthetic_inputs(spec, rows) }
+    }
+
+    fn inputs<'a>(&'a self, spec: &'a ModelSpec) -> Vec<BatchInput<'a>> {
+        spec.inputs
+            .iter()
+            .zip(&self.tensors)
+            .map(|(s, t)| BatchInput {
+                name: &s.name,
+                datatype: s.datatype,
+                shape: t.shape.clone(),
+                parts: vec![&t.data],
             })
-            .collect();
-        workers.into_iter().map(|w| w.join().ok().flatten()).collect()
-    });
-    let mut all: Vec<Duration> = times?.into_iter().flatten().collect();
-    all.sort();
-    Some(all[all.len() / 2])
+            .collect()
+    }
+}
+
+/// One run of `batch` on each of `instances` side by side; the slowest one's time (the plan's
+/// instances share the CPUs: together they give `instances x rows` per that time). `None` when
+/// the model cannot run the synthetic inputs.
+fn run_once(instances: &mut [Box<dyn Instance>], spec: &ModelSpec, batch: &Batch) -> Option<Duration> {
+    let inputs = batch.inputs(spec);
+    let timed = |instance: &mut Box<dyn Instance>| {
+        let t = Instant::now();
+        instance.run(&inputs).ok().map(|_| t.elapsed())
+    };
+    if let [one] = instances {
+        return timed(one);
+    }
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = instances.iter_mut().map(|i| scope.spawn(|| timed(i))).collect();
+        workers.into_iter().map(|w| w.join().ok().flatten()).collect::<Option<Vec<_>>>()
+    })
+    .and_then(|times| times.into_iter().max())
+}
+
+/// A plan under measurement: its instances, opened once and used for every size, as serving
+/// uses them; the sizes worth measuring; the times of each size's runs.
+struct Candidate {
+    plan: Plan,
+    instances: Vec<Box<dyn Instance>>,
+    batches: Vec<Batch>,
+    times: Vec<Vec<Duration>>,
+}
+
+impl Candidate {
+    /// Opens the plan's instances and finds the sizes worth measuring: doubling from 1 while the
+    /// model batches, up to `max_rows`, until a run is slower than `SLOWEST_RUN` or throughput
+    /// falls clearly. Every size runs once untimed first (its first run allocates). `None` when
+    /// the model cannot run the synthetic inputs.
+    fn open(backend: &OnnxBackend, spec: &ModelSpec, plan: Plan, max_rows: usize) -> Result<Option<Candidate>> {
+        let options = OnnxOptions { intra_threads: plan.threads, spinning: plan.spinning, ..spec.onnx.clone() };
+        let b = backend.with_options(options)?;
+        let mut instances: Vec<Box<dyn Instance>> = (0..plan.instances).map(|_| b.instance()).collect::<Result<_>>()?;
+        let (mut batches, mut times) = (Vec::new(), Vec::new());
+        let mut best = 0.0f64;
+        let mut rows = 1;
+        loop {
+            let batch = Batch::new(spec, rows);
+            let (Some(_), Some(took)) =
+                (run_once(&mut instances, spec, &batch), run_once(&mut instances, spec, &batch))
+            else {
+                break;
+            };
+            let throughput = rows as f64 / took.as_secs_f64().max(1e-9);
+            if throughput < best * (1.0 - CLEAR_FALL) && !batches.is_empty() {
+                break;
+            }
+            best = best.max(throughput);
+            batches.push(batch);
+            times.push(vec![took]);
+            if rows >= max_rows || took > SLOWEST_RUN {
+                break;
+            }
+            rows = (rows * 2).min(max_rows);
+        }
+        Ok((!batches.is_empty()).then_some(Candidate { plan, instances, batches, times }))
+    }
+
+    /// One more run of every size.
+    fn round(&mut self, spec: &ModelSpec) {
+        for (batch, times) in self.batches.iter().zip(&mut self.times) {
+            if let Some(t) = run_once(&mut self.instances, spec, batch) {
+                times.push(t);
+            }
+        }
+    }
+
+    /// (batch size, median run time), sizes ascending.
+    fn curve(&self) -> Vec<(usize, Duration)> {
+        self.batches.iter().zip(&self.times).map(|(b, t)| (b.rows, median(t))).collect()
+    }
+}
+
+fn median(times: &[Duration]) -> Duration {
+    let mut t = times.to_vec();
+    t.sort();
+    t[t.len() / 2]
 }
 
 /// The candidate plans for `spec` within a budget of `cpus`, plainest first; `fixed_*` are what
@@ -184,10 +260,13 @@ pub fn plans(
 }
 
 /// Sizes tried for variable dims other than the batch dim (a detector's H and W, a sequence
-/// length): real inputs' sizes are unknown at load. Multiples of 32, as strided conv nets need.
-/// The CPU plan that wins at one size wins at the others (the models stay compute-bound); the
-/// batch limit found here is only a start, which the batcher's own measurements then correct.
-const VARIABLE_DIM_SIZES: [i64; 3] = [64, 128, 224];
+/// length): real inputs' sizes are unknown at load. Multiples of 32, as strided conv nets need,
+/// largest first: a conv net measured on small images gains from batches that it loses at the
+/// sizes served (a detector calibrated at 64x64 merged 32 images where at 320x320 one at a time
+/// is fastest). The CPU plan that wins at one size wins at the others (the models stay
+/// compute-bound); the batch limit found here is only a start, which the batcher's own
+/// measurements then lower where the served sizes need it.
+const VARIABLE_DIM_SIZES: [i64; 3] = [224, 128, 64];
 
 /// `spec` with its variable dims (but the batch dim) at the first size of `VARIABLE_DIM_SIZES`
 /// the model runs, or as it is when it has none; `None` when it runs none of them.
@@ -200,7 +279,8 @@ fn concrete(backend: &OnnxBackend, spec: &ModelSpec) -> Option<ModelSpec> {
         for d in s.inputs.iter_mut().flat_map(|t| t.dims.iter_mut()).filter(|d| **d < 0) {
             *d = size;
         }
-        time_runs(backend, &s, 1, 1, Duration::ZERO).map(|_| s)
+        let mut one = [backend.instance().ok()?];
+        run_once(&mut one, &s, &Batch::new(&s, 1)).map(|_| s)
     })
 }
 
@@ -215,29 +295,32 @@ pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &
     }
     let started = Instant::now();
     let mergeable = spec.batch.dynamic && spec.batch.max_batch_size > 1;
-    let per_plan = BUDGET / plans.len().max(1) as u32;
-    let mut curves = Vec::new();
+    let max_rows = if mergeable { spec.batch.max_batch_size } else { 1 };
+    let mut candidates = Vec::new();
     for plan in plans {
-        let options = OnnxOptions { intra_threads: plan.threads, spinning: plan.spinning, ..spec.onnx.clone() };
-        let b = backend.with_options(options)?;
-        let plan_start = Instant::now();
-        let mut curve = Vec::new();
-        let mut rows = 1;
-        while rows <= spec.batch.max_batch_size.max(1) {
-            let Some(t) = time_runs(&b, spec, plan.instances, rows, per_plan / 8) else { break };
-            curve.push((rows, t));
-            // Past the point where throughput falls, larger sizes are not worth measuring.
-            if !mergeable || choose_merge_limit(&curve) < rows || plan_start.elapsed() > per_plan {
-                break;
-            }
-            rows = (rows * 2).min(spec.batch.max_batch_size);
-            if curve.last().is_some_and(|c| c.0 == rows) {
-                break;
-            }
-        }
-        tracing::debug!(model = %spec.name, ?plan, ?curve, "calibration curve");
-        curves.push((*plan, curve));
+        candidates.extend(Candidate::open(backend, spec, *plan, max_rows)?);
     }
+    // Rounds over every plan and size in turn, so that what slows the machine for a while (another
+    // process, the clock) slows every point alike instead of bending one point of the curve: the
+    // sizes measured one after the other gave batch limits from 16 to 64 for the same MLP on one
+    // core, from one start to the next.
+    let rounds_start = Instant::now();
+    let mut rounds = 1;
+    while rounds < MIN_ROUNDS || (rounds < MAX_ROUNDS && started.elapsed() < BUDGET) {
+        for c in &mut candidates {
+            c.round(spec);
+        }
+        rounds += 1;
+    }
+    let curves: Vec<(Plan, Vec<(usize, Duration)>)> = candidates
+        .iter()
+        .map(|c| {
+            let curve = c.curve();
+            tracing::debug!(model = %spec.name, plan = ?c.plan, ?curve, "calibration curve");
+            (c.plan, curve)
+        })
+        .collect();
+    tracing::debug!(model = %spec.name, rounds, rounds_ms = rounds_start.elapsed().as_millis() as u64, "calibration rounds");
     let tuned = choose(&curves);
     tracing::debug!(model = %spec.name, took_ms = started.elapsed().as_millis() as u64, ?tuned, "calibrated");
     remembered().lock().unwrap_or_else(|e| e.into_inner()).insert(key, tuned);
