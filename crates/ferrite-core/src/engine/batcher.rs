@@ -23,7 +23,7 @@ use std::{
 use crate::{
     engine::{
         backend::{BatchInput, Instance, Live},
-        costs::{BatchCosts, BatchTime, EXPLORE_EVERY},
+        costs::{BatchCosts, BatchTime, Explore},
         queue::{Decision, Pending, Queue},
         spec::{reshaped, ModelSpec, TimeoutAction},
     },
@@ -81,12 +81,13 @@ impl Shared {
     /// The merge limit the measured costs allow now (a read: deciding whose turn work is, or
     /// waking up, changes nothing).
     fn limit(&self) -> usize {
-        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, false)
+        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, Explore::No)
     }
 
-    /// The merge limit for the next batch formed: one in `EXPLORE_EVERY` ignores the measurements.
+    /// The merge limit for the next batch formed: now and then another size is explored
+    /// (`costs::EXPLORE_EVERY`).
     fn batch_limit(&self) -> usize {
-        let explore = (self.formed.load(Ordering::Relaxed) + 1).is_multiple_of(EXPLORE_EVERY);
+        let explore = Explore::nth(self.formed.load(Ordering::Relaxed) + 1);
         self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, explore)
     }
 

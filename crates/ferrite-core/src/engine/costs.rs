@@ -36,8 +36,32 @@ const MIN_SAMPLES: u32 = 4;
 /// smaller one; run-time noise under load is larger than at calibration.
 const TOLERANCE: f64 = 0.10;
 /// One batch in this many is formed ignoring the measured limit, so sizes above it are measured
-/// again and a limit lowered by a passing disturbance can rise back.
+/// again and a limit lowered by a passing disturbance can rise back; and one in this many (half
+/// way between) at half the limit, so a smaller size that serves faster is found even when load
+/// keeps every batch full (a detector calibrated on smaller images than it is served).
 pub const EXPLORE_EVERY: u64 = 32;
+
+/// Which batch size the next batch may reach (see [`EXPLORE_EVERY`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Explore {
+    /// The limit the measurements allow.
+    No,
+    /// The configured limit, whatever was measured.
+    Up,
+    /// Half the limit the measurements allow.
+    Down,
+}
+
+impl Explore {
+    /// The batcher's choice for the `n`th batch formed.
+    pub fn nth(n: u64) -> Explore {
+        match n % EXPLORE_EVERY {
+            0 => Explore::Up,
+            r if r == EXPLORE_EVERY / 2 => Explore::Down,
+            _ => Explore::No,
+        }
+    }
+}
 
 #[derive(Debug, Default, Clone)]
 pub struct BatchCosts {
@@ -60,11 +84,16 @@ impl BatchCosts {
 
     /// The most rows a batch may merge, at most `configured`: below the first measured bucket
     /// that costs more per element than the best smaller one (beyond the tolerance); `configured`
-    /// itself when `explore` (one batch in `EXPLORE_EVERY`, as the batcher counts them).
-    pub fn limit(&self, configured: usize, explore: bool) -> usize {
-        if explore {
-            return configured;
+    /// itself, or half the measured limit, when exploring.
+    pub fn limit(&self, configured: usize, explore: Explore) -> usize {
+        match explore {
+            Explore::No => self.measured(configured),
+            Explore::Up => configured,
+            Explore::Down => (self.measured(configured) / 2).max(1),
         }
+    }
+
+    fn measured(&self, configured: usize) -> usize {
         let mut best = f64::INFINITY;
         for (i, &(cost, n)) in self.buckets.iter().enumerate() {
             if n < MIN_SAMPLES {
@@ -143,7 +172,7 @@ mod tests {
 
     #[test]
     fn nothing_measured_leaves_the_configured_limit() {
-        assert_eq!(BatchCosts::default().limit(64, false), 64);
+        assert_eq!(BatchCosts::default().limit(64, Explore::No), 64);
     }
 
     #[test]
@@ -153,7 +182,7 @@ mod tests {
             c.record(1, 150_528, us(17_000.0));
             c.record(2, 301_056, us(42_000.0));
         }
-        assert_eq!(c.limit(64, false), 1);
+        assert_eq!(c.limit(64, Explore::No), 1);
     }
 
     #[test]
@@ -164,7 +193,7 @@ mod tests {
                 c.record(rows, rows * 512, us(400.0 + 20.0 * rows as f64));
             }
         }
-        assert_eq!(c.limit(64, false), 64);
+        assert_eq!(c.limit(64, Explore::No), 64);
     }
 
     #[test]
@@ -175,7 +204,7 @@ mod tests {
             c.record(1, 3 * 320 * 320, us(25_000.0));
             c.record(2, 2 * 3 * 640 * 640, us(200_000.0));
         }
-        assert_eq!(c.limit(8, false), 8);
+        assert_eq!(c.limit(8, Explore::No), 8);
     }
 
     #[test]
@@ -185,8 +214,35 @@ mod tests {
             c.record(1, 1, us(10.0));
             c.record(4, 4, us(80.0));
         }
-        assert_eq!(c.limit(16, false), 2);
-        assert_eq!(c.limit(16, true), 16);
+        assert_eq!(c.limit(16, Explore::No), 2);
+        assert_eq!(c.limit(16, Explore::Up), 16);
+        assert_eq!(c.limit(16, Explore::Down), 1);
+        assert_eq!([0, 1, 16, 32].map(Explore::nth), [Explore::Up, Explore::No, Explore::Down, Explore::Up]);
+    }
+
+    #[test]
+    fn a_detector_served_larger_than_calibrated_finds_its_smaller_batch_by_exploring_down() {
+        // Calibrated at 224x224 to a limit of 8; at 320x320 a batch of 8 costs 20% more per image
+        // than one of 4, and the load keeps every batch at 8 rows: only the batches formed at half
+        // the limit measure 4.
+        let per_image = 3 * 320 * 320;
+        let mut c = BatchCosts::default();
+        for _ in 0..8 {
+            c.record(8, 8 * per_image, us(8.0 * 11_500.0));
+        }
+        assert_eq!(c.limit(8, Explore::No), 8, "nothing smaller measured yet");
+        assert_eq!(c.limit(8, Explore::Down), 4);
+        for _ in 0..MIN_SAMPLES {
+            c.record(4, 4 * per_image, us(4.0 * 9_500.0));
+        }
+        assert_eq!(c.limit(8, Explore::No), 4);
+        // An MLP whose batches of 64 stay cheapest loses nothing but the explored batch.
+        let mut m = BatchCosts::default();
+        for _ in 0..8 {
+            m.record(64, 64 * 512, us(5_000.0));
+            m.record(32, 32 * 512, us(2_600.0));
+        }
+        assert_eq!(m.limit(64, Explore::No), 64);
     }
 
     #[test]
