@@ -313,9 +313,11 @@ pub enum ResizeMode {
     /// To `size = [width, height]` exactly.
     #[default]
     Exact,
-    /// The shorter side to `size = n`, keeping the ratio (classifiers' 256 before a 224 crop).
+    /// The shorter side to `size = n`, keeping the ratio (classifiers' 256 before a 224 crop):
+    /// the longer side `floor(n * longer / shorter)`, as torchvision's `Resize(n)` computes it.
     ShorterSide,
-    /// The longer side to `size = n`, keeping the ratio (a detector's letterbox, before `pad`).
+    /// The longer side to `size = n`, keeping the ratio (a detector's letterbox, before `pad`):
+    /// the other side `round(side * n / longer)`, half to even, as ultralytics' `LetterBox`.
     LongerSide,
 }
 
@@ -331,6 +333,15 @@ pub struct ResizeConfig {
     pub size: Vec<u32>,
     #[serde(default, deserialize_with = "super::any_case")]
     pub filter: Filter,
+    /// `true` (default): Pillow's `Image.resize` (the filter widened when shrinking, as
+    /// torchvision's `antialias=True`); `false`: OpenCV's `cv2.resize` with `INTER_LINEAR` or
+    /// `INTER_NEAREST`, to the byte (two taps, or one, whatever the scale).
+    #[serde(default = "yes")]
+    pub antialias: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
@@ -398,7 +409,7 @@ fn pair(size: &[u32], what: &str) -> Result<(u32, u32)> {
 }
 
 pub(crate) enum ImageOp {
-    Resize { input: String, output: String, mode: ResizeMode, size: Vec<u32>, filter: Filter },
+    Resize { input: String, output: String, mode: ResizeMode, size: Vec<u32>, filter: Filter, antialias: bool },
     Pad { input: String, output: String, mode: PadMode, multiple: u32, size: (u32, u32), anchor: Anchor, value: u8 },
     Crop { input: String, output: String, size: (u32, u32) },
 }
@@ -416,11 +427,15 @@ impl ImageOp {
                 None
             }
         };
+        if !c.antialias && c.filter == Filter::Bicubic {
+            return Err(Error::invalid(
+                "filter = \"bicubic\" with antialias = false (OpenCV's INTER_CUBIC) is not available: use \
+                 filter = \"bilinear\" or \"nearest\" (cv2.INTER_LINEAR, cv2.INTER_NEAREST), or antialias = true",
+            ));
+        }
         let output = c.output.clone().unwrap_or_default();
-        Ok((
-            ImageOp::Resize { input: String::new(), output, mode: c.mode, size: c.size.clone(), filter: c.filter },
-            out,
-        ))
+        let (mode, size, filter, antialias) = (c.mode, c.size.clone(), c.filter, c.antialias);
+        Ok((ImageOp::Resize { input: String::new(), output, mode, size, filter, antialias }, out))
     }
 
     pub fn pad(c: &PadConfig, before: Option<(u32, u32)>) -> Result<(ImageOp, Option<(u32, u32)>)> {
@@ -482,14 +497,21 @@ impl ImageOp {
     fn apply(&self, p: &Picture) -> Result<Picture> {
         let (w, h) = p.pixels.dimensions();
         match self {
-            ImageOp::Resize { mode, size, filter, .. } => {
+            ImageOp::Resize { mode, size, filter, antialias, .. } => {
                 let (nw, nh) = match mode {
                     ResizeMode::Exact => (size[0], size[1]),
                     ResizeMode::ShorterSide | ResizeMode::LongerSide => {
-                        let side = if *mode == ResizeMode::ShorterSide { w.min(h) } else { w.max(h) };
-                        let r = size[0] as f64 / side as f64;
-                        let f = |v: u32| (v as f64 * r).round().max(1.0);
-                        let (fw, fh) = (f(w), f(h));
+                        let n = f64::from(size[0]);
+                        let (short, long) = (f64::from(w.min(h)), f64::from(w.max(h)));
+                        // The side asked for is `n` exactly; the other follows each library's rule.
+                        let other = if *mode == ResizeMode::ShorterSide {
+                            (n * long / short).floor()
+                        } else {
+                            (short * (n / long)).round_ties_even()
+                        }
+                        .max(1.0);
+                        let wide = (w >= h) == (*mode == ResizeMode::LongerSide);
+                        let (fw, fh) = if wide { (n, other) } else { (other, n) };
                         if fw > MAX_SIDE as f64 || fh > MAX_SIDE as f64 {
                             return Err(Error::invalid(format!(
                                 "the image is {w}x{h}; resizing it to {} side {} would make it {fw}x{fh}, more than {MAX_SIDE} on a side",
@@ -508,7 +530,11 @@ impl ImageOp {
                         "resizing the image from {w}x{h} to {nw}x{nh} needs more than {MAX_STEP_PIXELS} pixels"
                     )));
                 }
-                let pixels = resize(&p.pixels, nw, nh, *filter)?;
+                let pixels = match (antialias, filter) {
+                    (false, Filter::Bilinear) => opencv_linear(&p.pixels, nw, nh),
+                    (false, Filter::Nearest) => opencv_nearest(&p.pixels, nw, nh),
+                    _ => resize(&p.pixels, nw, nh, *filter)?,
+                };
                 let (sx, sy) = (nw as f64 / w as f64, nh as f64 / h as f64);
                 let g = p.geometry;
                 let geometry = Geometry {
@@ -579,6 +605,89 @@ fn resize(src: &RgbImage, w: u32, h: u32, filter: Filter) -> Result<RgbImage> {
         .resize(&from, &mut to, &fr::ResizeOptions::new().resize_alg(algorithm))
         .map_err(|e| Error::internal(format!("resize: {e}")))?;
     RgbImage::from_raw(w, h, to.into_vec()).ok_or_else(|| Error::internal("resize: buffer size"))
+}
+
+/// One output coordinate of OpenCV's two-tap resize: the two source indices (clamped to the
+/// image) and their weights in 11-bit fixed point.
+struct Tap {
+    at: [usize; 2],
+    weight: [i32; 2],
+}
+
+/// OpenCV's coefficients for `dst` outputs from `src` inputs (`cv::resize`, `INTER_LINEAR`): the
+/// source position `(d + 0.5) * src / dst - 0.5` in single precision, its fraction rounded
+/// (half to even) to 2048ths; positions outside the image keep their weights on the edge pixel.
+fn taps(dst: u32, src: u32) -> Vec<Tap> {
+    let scale = 1.0 / (f64::from(dst) / f64::from(src));
+    let last = i64::from(src) - 1;
+    (0..dst)
+        .map(|d| {
+            let f = ((f64::from(d) + 0.5) * scale - 0.5) as f32;
+            let s = f.floor();
+            let f = f - s;
+            let s = s as i64;
+            Tap {
+                at: [s.clamp(0, last) as usize, (s + 1).clamp(0, last) as usize],
+                weight: [((1.0 - f) * 2048.0).round_ties_even() as i32, (f * 2048.0).round_ties_even() as i32],
+            }
+        })
+        .collect()
+}
+
+/// `cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)` on an 8-bit RGB image, to the byte:
+/// each source row is resized across in integers (pixel x 2048ths), then two such rows are
+/// combined as OpenCV's vector code does, each product shifted before the sum and rounded in the
+/// last two bits (tests/test_parity.py checks it against OpenCV on odd sizes, up and down). Two
+/// rows of the first pass are kept at a time.
+fn opencv_linear(src: &RgbImage, w: u32, h: u32) -> RgbImage {
+    let (sw, sh) = src.dimensions();
+    let (xs, ys) = (taps(w, sw), taps(h, sh));
+    let raw = src.as_raw();
+    let stride = sw as usize * 3;
+    let across = |y: usize, row: &mut Vec<i32>| {
+        let line = &raw[y * stride..(y + 1) * stride];
+        row.clear();
+        for t in &xs {
+            for c in 0..3 {
+                let (p0, p1) = (i32::from(line[t.at[0] * 3 + c]), i32::from(line[t.at[1] * 3 + c]));
+                row.push(p0 * t.weight[0] + p1 * t.weight[1]);
+            }
+        }
+    };
+    let mut kept: [(usize, Vec<i32>); 2] = [(usize::MAX, Vec::new()), (usize::MAX, Vec::new())];
+    let mut out = Vec::with_capacity(w as usize * h as usize * 3);
+    for t in &ys {
+        for (k, &y) in t.at.iter().enumerate() {
+            if kept[k].0 != y {
+                // Rows only move down: the row wanted may be the one the other slot holds.
+                if let Some(other) = kept.iter().position(|r| r.0 == y) {
+                    let row = kept[other].1.clone();
+                    kept[k] = (y, row);
+                } else {
+                    across(y, &mut kept[k].1);
+                    kept[k].0 = y;
+                }
+            }
+        }
+        let (b0, b1) = (t.weight[0], t.weight[1]);
+        for (s0, s1) in kept[0].1.iter().zip(&kept[1].1) {
+            let v = ((((s0 >> 4) * b0) >> 16) + (((s1 >> 4) * b1) >> 16) + 2) >> 2;
+            out.push(v.clamp(0, 255) as u8);
+        }
+    }
+    RgbImage::from_raw(w, h, out).expect("w x h x 3 bytes")
+}
+
+/// `cv2.resize(img, (w, h), interpolation=cv2.INTER_NEAREST)`: output pixel `d` takes source
+/// pixel `floor(d * src / dst)` on each axis.
+fn opencv_nearest(src: &RgbImage, w: u32, h: u32) -> RgbImage {
+    let (sw, sh) = src.dimensions();
+    let pick = |d: u32, dst: u32, src: u32| {
+        let scale = 1.0 / (f64::from(dst) / f64::from(src));
+        ((f64::from(d) * scale).floor() as u32).min(src - 1)
+    };
+    let xs: Vec<u32> = (0..w).map(|x| pick(x, w, sw)).collect();
+    RgbImage::from_fn(w, h, |x, y| *src.get_pixel(xs[x as usize], pick(y, h, sh)))
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
@@ -810,6 +919,7 @@ mod tests {
             mode: ResizeMode::ShorterSide,
             size: vec![256],
             filter: Filter::Bilinear,
+            antialias: true,
         };
         let (op, _) = ImageOp::resize(&shorter, None).unwrap();
         let e = op.with_input("image").apply(&line).err().unwrap().to_string();

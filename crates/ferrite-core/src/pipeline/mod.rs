@@ -918,8 +918,8 @@ mod tests {
         let e = steps(text).unwrap_err().to_string();
         assert!(e.starts_with("config.toml line 8: step 2 'letterbox' (pad): unknown variant `middle`"), "{e}");
         assert!(!e.contains('\n'), "{e}");
-        let e = steps("[[steps]]\nop = \"resize\"\nsize = [4, 4]\nantialias = false\n").unwrap_err().to_string();
-        assert!(e.starts_with("config.toml line 4: step 1 (resize): unknown field `antialias`"), "{e}");
+        let e = steps("[[steps]]\nop = \"resize\"\nsize = [4, 4]\nantialiasing = false\n").unwrap_err().to_string();
+        assert!(e.starts_with("config.toml line 4: step 1 (resize): unknown field `antialiasing`"), "{e}");
         let e = steps("max_batch_size = \"eight\"\n").unwrap_err().to_string();
         assert!(e.starts_with("config.toml line 1: invalid type"), "{e}");
         let s = steps(
