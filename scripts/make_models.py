@@ -3,8 +3,14 @@
 
 Run from the repository root: python3 scripts/make_models.py
 The outputs are committed; rerunning this script reproduces them byte for byte (fixed seed).
+
+python3 scripts/make_models.py --tabular DIR writes tabular models into the repository DIR as
+their converters write them (scikit-learn through skl2onnx, LightGBM and XGBoost through
+onnxmltools, each with its defaults: classifiers end in a ZipMap). The converters are test
+dependencies (requirements-test.txt), not the server's; tests/test_tabular.py runs this.
 """
 import os
+import sys
 
 import numpy as np
 import onnx
@@ -429,7 +435,51 @@ def write(path, text):
     print("wrote", os.path.relpath(path, ROOT))
 
 
-if __name__ == "__main__":
+def tabular(repo):
+    """Classifiers and a regressor on 4 features, trained on a fixed synthetic set, converted with
+    their converters' defaults into `repo/<name>/1/model.onnx`."""
+    import lightgbm
+    import onnxmltools
+    import xgboost
+    from onnxmltools.convert.common.data_types import FloatTensorType as MlFloat
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import FloatTensorType
+    from sklearn.ensemble import GradientBoostingRegressor, RandomForestClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(300, 4)).astype(np.float32)
+    classes = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(int) + (x[:, 2] > 0.8).astype(int)
+    names = np.array(["bird", "cat", "dog"])[classes]
+    opset = {"": OPSET, "ai.onnx.ml": 3}
+    features = [("input", FloatTensorType([None, 4]))]
+    models = {
+        "forest": to_onnx(RandomForestClassifier(n_estimators=10, max_depth=5, random_state=0).fit(x, classes),
+                          initial_types=features, target_opset=opset),
+        "scaled_logreg": to_onnx(make_pipeline(StandardScaler(), LogisticRegression()).fit(x, names),
+                                 initial_types=features, target_opset=opset),
+        "boosted_regressor": to_onnx(GradientBoostingRegressor(n_estimators=20, random_state=0).fit(x, x[:, 0] * 2 + x[:, 3]),
+                                     initial_types=features, target_opset=opset),
+        "lightgbm": onnxmltools.convert_lightgbm(
+            lightgbm.LGBMClassifier(n_estimators=20, num_leaves=8, random_state=0, verbose=-1).fit(x, classes),
+            initial_types=[("input", MlFloat([None, 4]))], target_opset=15),
+        "xgboost": onnxmltools.convert_xgboost(
+            xgboost.XGBClassifier(n_estimators=20, max_depth=3, random_state=0).fit(x, classes),
+            initial_types=[("input", MlFloat([None, 4]))], target_opset=15),
+    }
+    for name, model in models.items():
+        model.ir_version = min(model.ir_version, IR_VERSION)
+        path = os.path.join(repo, name, "1", "model.onnx")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        onnx.save(model, path)
+        print("wrote", path)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--tabular"]:
+    tabular(sys.argv[2])
+elif __name__ == "__main__":
     mlp()
     mixed()
     identity()

@@ -73,26 +73,32 @@ def test_a_pipeline_step_reading_a_name_no_step_writes_fails_the_load_naming_bot
     assert row.split()[2:4] == ["READY", "image:BYTES[-1]"], row
 
 
-def test_a_classifier_with_skl2onnx_zipmap_is_refused_with_the_fix(tmp_path):
+def test_a_zipmap_serves_as_its_probabilities_and_other_non_tensors_are_refused(tmp_path):
     """skl2onnx ends classifiers with a ZipMap (probabilities as a list of {class: probability})
-    unless told not to: the refusal says how to convert it so that it serves."""
+    unless told not to: it serves as the FP32[N, classes] tensor it was made from (the converters'
+    own models: tests/test_tabular.py). An output that is some other sequence is refused by name."""
     import onnx
     from onnx import TensorProto, helper
 
-    probs = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])
-    zipmap = helper.make_value_info("output_probability", helper.make_sequence_type_proto(
-        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, []))))
-    graph = helper.make_graph([helper.make_node("ZipMap", ["x"], ["output_probability"], domain="ai.onnx.ml",
-                                                classlabels_int64s=[0, 1])], "zipmap", [probs], [zipmap])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
-    model.ir_version = 8
-    (tmp_path / "repo" / "forest" / "1").mkdir(parents=True)
-    onnx.save(model, tmp_path / "repo" / "forest" / "1" / "model.onnx")
+    def save(name, nodes, output):
+        probs = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])
+        graph = helper.make_graph(nodes, name, [probs], [output])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+        model.ir_version = 8
+        (tmp_path / "repo" / name / "1").mkdir(parents=True)
+        onnx.save(model, tmp_path / "repo" / name / "1" / "model.onnx")
+
+    save("forest", [helper.make_node("ZipMap", ["x"], ["output_probability"], domain="ai.onnx.ml",
+                                     classlabels_strings=["no", "yes"])],
+         helper.make_value_info("output_probability", helper.make_sequence_type_proto(
+             helper.make_map_type_proto(TensorProto.STRING, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))))
+    save("listed", [helper.make_node("SequenceConstruct", ["x"], ["rows"])],
+         helper.make_value_info("rows", helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))))
     r = check(tmp_path / "repo")
     assert r.returncode == 1, r.stdout + r.stderr
-    row = next(line for line in r.stdout.splitlines() if line.startswith("forest"))
-    assert "'output_probability' is a" in row and "ZipMap" in row, row
-    assert "options={id(model): {'zipmap': False}}" in row, row
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.strip()}
+    assert rows["forest"].split()[2] == "READY" and "output_probability:FP32[-1,2]" in rows["forest"], rows
+    assert "'rows' is a" in rows["listed"] and "only tensors are supported" in rows["listed"], rows
 
 
 def test_a_bad_step_value_is_one_row_naming_the_step_and_its_line_and_values_take_any_case(tmp_path):

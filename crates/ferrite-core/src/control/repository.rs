@@ -470,6 +470,10 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let mut spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
     spec.onnx = backend.options().clone();
     spec.labels = labels(onnx, config)?;
+    for (output, classes) in backend.labels() {
+        // A ZipMap's class labels label its probabilities, unless the config gives a file.
+        spec.labels.entry(output.to_string()).or_insert_with(|| classes.to_vec());
+    }
     // What the file holds, not where it is: cached answers and remembered calibrations follow it,
     // and processes on other hosts with the same file agree on it.
     let content = std::fs::read(onnx)

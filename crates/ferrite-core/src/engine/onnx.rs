@@ -11,7 +11,10 @@ use ort::{
     environment::Environment,
     memory::Allocator,
     session::{builder::GraphOptimizationLevel, RunOptions, Session, SessionInputValue},
-    value::{DynTensor, DynTensorValueType, Tensor as OrtTensor, TensorElementType, ValueType},
+    value::{
+        DynMapValueType, DynSequenceValueType, DynTensor, DynTensorValueType, DynValue, Tensor as OrtTensor,
+        TensorElementType, ValueType,
+    },
 };
 
 use crate::{
@@ -175,21 +178,121 @@ fn from_ort(t: TensorElementType) -> Option<DataType> {
     DataType::ALL.into_iter().find(|&d| to_ort(d) == t)
 }
 
-fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec> {
+fn spec(name: &str, ty: &ValueType, zipmaps: &ZipMaps) -> Result<TensorSpec> {
     match ty {
         ValueType::Tensor { ty, shape, .. } => Ok(TensorSpec {
             name: name.to_string(),
             datatype: from_ort(*ty).ok_or_else(|| Error::Unsupported(format!("tensor '{name}' has type {ty:?}")))?,
             dims: shape.iter().map(|&d| if d < 0 { -1 } else { d }).collect(),
         }),
-        // skl2onnx's default for classifiers: probabilities as a list of {class: probability}.
-        ValueType::Sequence(inner) if matches!(**inner, ValueType::Map { .. }) => Err(Error::Unsupported(format!(
-            "'{name}' is a {ty:?} (a ZipMap, which skl2onnx adds to classifiers by default); only tensors are \
-             supported: convert with options={{id(model): {{'zipmap': False}}}} (skl2onnx) or zipmap=False \
-             (onnxmltools) to get the probabilities as a tensor"
-        ))),
+        // skl2onnx's and onnxmltools' default for classifiers: probabilities as a list of
+        // {class: probability}, served as the tensor FP32[N, classes] it was made from.
+        ValueType::Sequence(inner) if matches!(**inner, ValueType::Map { .. }) => match zipmaps.get(name) {
+            Some(_) if !matches!(**inner, ValueType::Map { value: TensorElementType::Float32, .. }) => {
+                Err(Error::Unsupported(format!("'{name}' is a {ty:?}; a ZipMap is served only with FP32 probabilities")))
+            }
+            Some(z) => Ok(TensorSpec { name: name.to_string(), datatype: DataType::Fp32, dims: vec![-1, z.labels.len() as i64] }),
+            None => Err(Error::Unsupported(format!(
+                "'{name}' is a {ty:?} not written by a ZipMap node with class labels; only tensors are supported: \
+                 convert with options={{id(model): {{'zipmap': False}}}} (skl2onnx) or zipmap=False (onnxmltools) to get \
+                 the probabilities as a tensor"
+            ))),
+        },
         other => Err(Error::Unsupported(format!("'{name}' is a {other:?}; only tensors are supported"))),
     }
+}
+
+/// ZipMap outputs by name: their class labels in the order of the probabilities ZipMap was given.
+type ZipMaps = std::collections::BTreeMap<String, ZipMap>;
+
+#[derive(Debug, Clone)]
+struct ZipMap {
+    labels: Vec<String>,
+    /// Integer class labels (`classlabels_int64s`) rather than strings.
+    int_keys: bool,
+}
+
+/// Just the parts of ONNX's protobuf messages that name a ZipMap's outputs and class labels;
+/// everything else (the weights among it) is skipped by the decoder.
+mod proto {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Model {
+        #[prost(message, optional, tag = "7")]
+        pub graph: Option<Graph>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Graph {
+        #[prost(message, repeated, tag = "1")]
+        pub node: Vec<Node>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Node {
+        #[prost(string, repeated, tag = "2")]
+        pub output: Vec<String>,
+        #[prost(string, tag = "4")]
+        pub op_type: String,
+        #[prost(message, repeated, tag = "5")]
+        pub attribute: Vec<Attribute>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Attribute {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(int64, repeated, tag = "8")]
+        pub ints: Vec<i64>,
+        #[prost(bytes = "vec", repeated, tag = "9")]
+        pub strings: Vec<Vec<u8>>,
+    }
+}
+
+/// The ZipMap nodes of the main graph of the model at `path`, by output name.
+fn zipmaps(path: &Path) -> Result<ZipMaps> {
+    use prost::Message;
+    let bytes = std::fs::read(path).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))?;
+    let model = proto::Model::decode(bytes.as_slice())
+        .map_err(|e| Error::invalid(format!("{} is not an ONNX model: {e}", path.display())))?;
+    let mut found = ZipMaps::new();
+    for node in model.graph.into_iter().flat_map(|g| g.node).filter(|n| n.op_type == "ZipMap") {
+        let attr = |name: &str| node.attribute.iter().find(|a| a.name == name);
+        let zipmap = if let Some(a) = attr("classlabels_int64s").filter(|a| !a.ints.is_empty()) {
+            ZipMap { labels: a.ints.iter().map(i64::to_string).collect(), int_keys: true }
+        } else if let Some(a) = attr("classlabels_strings") {
+            ZipMap {
+                labels: a.strings.iter().map(|s| String::from_utf8_lossy(s).into_owned()).collect(),
+                int_keys: false,
+            }
+        } else {
+            continue;
+        };
+        if let Some(out) = node.output.first() {
+            found.insert(out.clone(), zipmap);
+        }
+    }
+    Ok(found)
+}
+
+/// A ZipMap's output (one {class: probability} map per row) as FP32[rows, classes], each row's
+/// probabilities in the order of `z.labels`.
+fn zipmap_tensor(name: &str, value: DynValue, z: &ZipMap) -> Result<Tensor> {
+    let rows = value
+        .downcast::<DynSequenceValueType>()
+        .and_then(|s| s.try_extract_sequence::<DynMapValueType>())
+        .map_err(|e| Error::internal(format!("output '{name}': {e}")))?;
+    let shape = vec![rows.len(), z.labels.len()];
+    let mut out = Vec::with_capacity(rows.len() * z.labels.len() * 4);
+    for row in rows {
+        let pairs: Vec<(String, f32)> = if z.int_keys {
+            row.try_extract_key_values::<i64, f32>().map(|kv| kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+        } else {
+            row.try_extract_key_values::<String, f32>()
+        }
+        .map_err(|e| Error::internal(format!("output '{name}': {e}")))?;
+        for label in &z.labels {
+            let p = pairs.iter().find(|(k, _)| k == label).map_or(0.0, |(_, v)| *v);
+            out.extend_from_slice(&p.to_le_bytes());
+        }
+    }
+    Ok(Tensor { name: name.to_string(), datatype: DataType::Fp32, shape, data: TensorData::Fixed(aligned_bytes(&out)) })
 }
 
 /// Session options for one instance: ONNX Runtime's own settings, per model (config.toml's
@@ -237,14 +340,28 @@ pub struct OnnxBackend {
     outputs: Vec<TensorSpec>,
     /// The session opened to read the model's signature, handed to the first instance.
     first: Mutex<Option<Session>>,
+    zipmaps: std::sync::Arc<ZipMaps>,
 }
 
 impl OnnxBackend {
     pub fn load(path: &Path, options: OnnxOptions) -> Result<OnnxBackend> {
         let session = open(path, &options)?;
-        let inputs = session.inputs().iter().map(|o| spec(o.name(), o.dtype())).collect::<Result<_>>()?;
-        let outputs = session.outputs().iter().map(|o| spec(o.name(), o.dtype())).collect::<Result<_>>()?;
-        Ok(OnnxBackend { path: path.to_path_buf(), options, inputs, outputs, first: Mutex::new(Some(session)) })
+        // The file is read again only for a model with an output that is not a tensor.
+        let zipmaps = if session.outputs().iter().any(|o| !matches!(o.dtype(), ValueType::Tensor { .. })) {
+            zipmaps(path)?
+        } else {
+            ZipMaps::new()
+        };
+        let none = ZipMaps::new();
+        let inputs = session.inputs().iter().map(|o| spec(o.name(), o.dtype(), &none)).collect::<Result<_>>()?;
+        let outputs = session.outputs().iter().map(|o| spec(o.name(), o.dtype(), &zipmaps)).collect::<Result<_>>()?;
+        let (path, first, zipmaps) = (path.to_path_buf(), Mutex::new(Some(session)), std::sync::Arc::new(zipmaps));
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps })
+    }
+
+    /// The class labels of outputs that ONNX Runtime gives as a ZipMap, in their columns' order.
+    pub fn labels(&self) -> impl Iterator<Item = (&str, &[String])> {
+        self.zipmaps.iter().map(|(name, z)| (name.as_str(), z.labels.as_slice()))
     }
 }
 
@@ -306,7 +423,8 @@ impl Backend for OnnxBackend {
         } else {
             None
         };
-        Ok(Box::new(OnnxInstance { session, output_names, input_time: Duration::ZERO, run_options }))
+        let zipmaps = self.zipmaps.clone();
+        Ok(Box::new(OnnxInstance { session, output_names, input_time: Duration::ZERO, run_options, zipmaps }))
     }
 }
 
@@ -316,6 +434,7 @@ struct OnnxInstance {
     input_time: Duration,
     /// Set when the arena gives back its growth after each run.
     run_options: Option<RunOptions>,
+    zipmaps: std::sync::Arc<ZipMaps>,
 }
 
 /// Writes the parts of `input` into one ONNX Runtime tensor: the only copy on the way in.
@@ -373,6 +492,10 @@ impl Instance for OnnxInstance {
         let mut result = Vec::with_capacity(self.output_names.len());
         for name in &self.output_names {
             let value = outputs.remove(name.as_str()).ok_or_else(|| Error::internal(format!("no output '{name}'")))?;
+            if let Some(z) = self.zipmaps.get(name) {
+                result.push(zipmap_tensor(name, value, z)?);
+                continue;
+            }
             let tensor = value.downcast::<DynTensorValueType>().map_err(ort_err)?;
             let ValueType::Tensor { ty, shape, .. } = tensor.dtype() else {
                 return Err(Error::internal(format!("output '{name}' is not a tensor")));
