@@ -4,6 +4,7 @@ tritonclient (HTTP and gRPC) and plain HTTP. Tolerances are stated per operation
 
 import concurrent.futures
 import io
+import itertools
 import json
 import shutil
 import urllib.request
@@ -73,7 +74,7 @@ def image_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("images")
     raw = ("normalize", {"dtype": "UINT8", "layout": "NHWC"})
     pipeline(repo, "decoded", [("decode_image", {}), raw], extra="max_batch_size = 8")
-    for f in ("nearest", "bilinear", "bicubic"):
+    for f in ("nearest", "bilinear", "bicubic", "area"):
         # A budget of decoded pixels per request past eight 36-megapixel images (the memory test).
         pipeline(repo, f"exact_{f}", [("decode_image", {"max_request_pixels": 300_000_000}),
                                       ("resize", {"size": [37, 23], "filter": f}), raw])
@@ -90,7 +91,9 @@ def image_server(tmp_path_factory):
                                                                       "scale": 1.0, "mean": [10.0]})])
     pipeline(repo, "small", [("decode_image", {"max_pixels": 10000, "max_bytes": 200000}), raw])
     for w, h in CV_SIZES:
-        pipeline(repo, f"cv_linear_{w}x{h}", [("decode_image", {}), ("resize", {"size": [w, h], "antialias": False}), raw])
+        for f in ("bilinear", "area"):
+            pipeline(repo, f"cv_{f}_{w}x{h}", [("decode_image", {}), ("resize", {"size": [w, h], "filter": f,
+                                                                                "antialias": False}), raw])
     pipeline(repo, "cv_nearest", [("decode_image", {}), ("resize", {"size": [37, 23], "filter": "nearest",
                                                                      "antialias": False}), raw])
     # ultralytics' LetterBox: auto=True (each side up to a multiple of the stride), and the square.
@@ -144,7 +147,7 @@ def test_resizing_matches_pillow(image_server):
     widened when shrinking; rounding differs), nearest on 99% of pixels; keep-ratio sizes exact."""
     img = photo(70, 50)
     data = encode(img)
-    filters = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
+    filters = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "area": Image.BOX}
     for name, f in filters.items():
         got = pixels(image_server.url, f"exact_{name}", [data])[0].astype(int)
         ref = np.asarray(img.resize((37, 23), f)).astype(int)
@@ -160,22 +163,24 @@ def test_resizing_matches_pillow(image_server):
     assert pixels(image_server.url, "longer", [data])[0].shape == (46, 64, 3)  # 50 * 64/70 = 45.7
 
 
-CV_SIZES = [(37, 23), (35, 25), (150, 97), (71, 13), (1, 1)]
+# Down (by whole blocks, by fractions), up, up one way and down the other, to a pixel.
+CV_SIZES = [(37, 23), (35, 25), (150, 97), (71, 13), (1, 1), (10, 25), (66, 47)]
 # Odd sizes, extreme ratios, exact halves and doubles of each other, grayscale.
 CV_IMAGES = [photo(70, 50), photo(33, 61, 1), photo(200, 9, 2), photo(3, 2, 3), photo(140, 100, 4).convert("L")]
 
 
 def test_resize_without_antialias_is_opencvs_to_the_byte(image_server):
     """`antialias = false`: the bytes `cv2.resize` gives with INTER_LINEAR (up, down, the 2x case
-    OpenCV serves with its area code) and INTER_NEAREST, on every image of a mixed batch."""
+    OpenCV serves with its area code), INTER_AREA (by whole blocks, 2x2 and others, by fractions,
+    and enlarging) and INTER_NEAREST, on every image of a mixed batch."""
     import cv2
 
     data = [encode(img) for img in CV_IMAGES]
-    for w, h in CV_SIZES:
-        got = infer(image_server.url, f"cv_linear_{w}x{h}", {"image": data}).as_numpy("pixels")
+    for (w, h), (f, flag) in itertools.product(CV_SIZES, [("bilinear", cv2.INTER_LINEAR), ("area", cv2.INTER_AREA)]):
+        got = infer(image_server.url, f"cv_{f}_{w}x{h}", {"image": data}).as_numpy("pixels")
         for img, g in zip(CV_IMAGES, got):
-            ref = cv2.resize(np.asarray(img.convert("RGB")), (w, h), interpolation=cv2.INTER_LINEAR)
-            assert (g == ref).all(), (img.size, (w, h), int(np.abs(g.astype(int) - ref).max()), int((g != ref).sum()))
+            ref = cv2.resize(np.asarray(img.convert("RGB")), (w, h), interpolation=flag)
+            assert (g == ref).all(), (f, img.size, (w, h), int(np.abs(g.astype(int) - ref).max()), int((g != ref).sum()))
     got = infer(image_server.url, "cv_nearest", {"image": data}).as_numpy("pixels")
     for img, g in zip(CV_IMAGES, got):
         assert (g == cv2.resize(np.asarray(img.convert("RGB")), (37, 23), interpolation=cv2.INTER_NEAREST)).all()

@@ -305,6 +305,9 @@ pub enum Filter {
     #[default]
     Bilinear,
     Bicubic,
+    /// The average of the pixels each output pixel covers: Pillow's `BOX`, or with
+    /// `antialias = false` OpenCV's `INTER_AREA`.
+    Area,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
@@ -334,8 +337,8 @@ pub struct ResizeConfig {
     #[serde(default, deserialize_with = "super::any_case")]
     pub filter: Filter,
     /// `true` (default): Pillow's `Image.resize` (the filter widened when shrinking, as
-    /// torchvision's `antialias=True`); `false`: OpenCV's `cv2.resize` with `INTER_LINEAR` or
-    /// `INTER_NEAREST`, to the byte (two taps, or one, whatever the scale).
+    /// torchvision's `antialias=True`); `false`: OpenCV's `cv2.resize` with `INTER_LINEAR`,
+    /// `INTER_AREA` or `INTER_NEAREST`, to the byte.
     #[serde(default = "yes")]
     pub antialias: bool,
 }
@@ -430,7 +433,8 @@ impl ImageOp {
         if !c.antialias && c.filter == Filter::Bicubic {
             return Err(Error::invalid(
                 "filter = \"bicubic\" with antialias = false (OpenCV's INTER_CUBIC) is not available: use \
-                 filter = \"bilinear\" or \"nearest\" (cv2.INTER_LINEAR, cv2.INTER_NEAREST), or antialias = true",
+                 filter = \"bilinear\", \"area\" or \"nearest\" (cv2.INTER_LINEAR, INTER_AREA, INTER_NEAREST), or \
+                 antialias = true",
             ));
         }
         let output = c.output.clone().unwrap_or_default();
@@ -531,7 +535,8 @@ impl ImageOp {
                     )));
                 }
                 let pixels = match (antialias, filter) {
-                    (false, Filter::Bilinear) => opencv_linear(&p.pixels, nw, nh),
+                    (false, Filter::Bilinear) => opencv_linear(&p.pixels, nw, nh, taps(nw, w), taps(nh, h)),
+                    (false, Filter::Area) => opencv_area(&p.pixels, nw, nh),
                     (false, Filter::Nearest) => opencv_nearest(&p.pixels, nw, nh),
                     _ => resize(&p.pixels, nw, nh, *filter)?,
                 };
@@ -600,6 +605,7 @@ fn resize(src: &RgbImage, w: u32, h: u32, filter: Filter) -> Result<RgbImage> {
         Filter::Nearest => fr::ResizeAlg::Nearest,
         Filter::Bilinear => fr::ResizeAlg::Convolution(fr::FilterType::Bilinear),
         Filter::Bicubic => fr::ResizeAlg::Convolution(fr::FilterType::CatmullRom),
+        Filter::Area => fr::ResizeAlg::Convolution(fr::FilterType::Box),
     };
     fr::Resizer::new()
         .resize(&from, &mut to, &fr::ResizeOptions::new().resize_alg(algorithm))
@@ -634,14 +640,33 @@ fn taps(dst: u32, src: u32) -> Vec<Tap> {
         .collect()
 }
 
-/// `cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)` on an 8-bit RGB image, to the byte:
-/// each source row is resized across in integers (pixel x 2048ths), then two such rows are
-/// combined as OpenCV's vector code does, each product shifted before the sum and rounded in the
-/// last two bits (tests/test_parity.py checks it against OpenCV on odd sizes, up and down). Two
-/// rows of the first pass are kept at a time.
-fn opencv_linear(src: &RgbImage, w: u32, h: u32) -> RgbImage {
-    let (sw, sh) = src.dimensions();
-    let (xs, ys) = (taps(w, sw), taps(h, sh));
+/// `INTER_AREA`'s coefficients where it enlarges (OpenCV then interpolates between two pixels,
+/// with the weight `(d + 1) - (s + 1) * dst / src` for source pixel `s = floor(d * src / dst)`).
+fn area_taps(dst: u32, src: u32) -> Vec<Tap> {
+    let inv = f64::from(dst) / f64::from(src);
+    let scale = 1.0 / inv;
+    let last = i64::from(src) - 1;
+    (0..dst)
+        .map(|d| {
+            let s = (f64::from(d) * scale).floor() as i64;
+            let f = ((f64::from(d) + 1.0) - (s as f64 + 1.0) * inv) as f32;
+            let f = if f <= 0.0 { 0.0 } else { f - f.floor() };
+            Tap {
+                at: [s.clamp(0, last) as usize, (s + 1).clamp(0, last) as usize],
+                weight: [((1.0 - f) * 2048.0).round_ties_even() as i32, (f * 2048.0).round_ties_even() as i32],
+            }
+        })
+        .collect()
+}
+
+/// `cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)` on an 8-bit RGB image, to the byte
+/// (with `taps`; `INTER_AREA` where it enlarges, with `area_taps`): each source row is resized
+/// across in integers (pixel x 2048ths), then two such rows are combined as OpenCV's vector code
+/// does, each product shifted before the sum and rounded in the last two bits
+/// (tests/test_pipelines.py checks it against OpenCV on odd sizes, up and down). Two rows of the
+/// first pass are kept at a time.
+fn opencv_linear(src: &RgbImage, w: u32, h: u32, xs: Vec<Tap>, ys: Vec<Tap>) -> RgbImage {
+    let sw = src.width();
     let raw = src.as_raw();
     let stride = sw as usize * 3;
     let across = |y: usize, row: &mut Vec<i32>| {
@@ -676,6 +701,103 @@ fn opencv_linear(src: &RgbImage, w: u32, h: u32) -> RgbImage {
         }
     }
     RgbImage::from_raw(w, h, out).expect("w x h x 3 bytes")
+}
+
+/// `cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)` on an 8-bit RGB image, to the byte.
+/// Shrinking both ways, each output pixel is the average of the source area it covers: by whole
+/// blocks when the sizes divide (2x2 rounded as OpenCV's vector code, `(sum + 2) >> 2`; other
+/// blocks `sum * (1 / area)` in single precision, rounded half to even), else with fractional
+/// weights at the edges of each area, summed in single precision in OpenCV's order. Enlarging
+/// either way, it interpolates with `area_taps`.
+fn opencv_area(src: &RgbImage, w: u32, h: u32) -> RgbImage {
+    let (sw, sh) = src.dimensions();
+    let (scale_x, scale_y) = (1.0 / (f64::from(w) / f64::from(sw)), 1.0 / (f64::from(h) / f64::from(sh)));
+    if scale_x < 1.0 || scale_y < 1.0 {
+        return opencv_linear(src, w, h, area_taps(w, sw), area_taps(h, sh));
+    }
+    let raw = src.as_raw();
+    let stride = sw as usize * 3;
+    let (ix, iy) = (scale_x.round(), scale_y.round());
+    if (scale_x - ix).abs() < f64::EPSILON && (scale_y - iy).abs() < f64::EPSILON {
+        let (kx, ky) = (ix as usize, iy as usize);
+        let inv_area = 1.0 / (kx * ky) as f32;
+        let mut out = Vec::with_capacity(w as usize * h as usize * 3);
+        for dy in 0..h as usize {
+            for dx in 0..w as usize {
+                for c in 0..3 {
+                    let mut sum = 0u32;
+                    for y in dy * ky..(dy + 1) * ky {
+                        for x in dx * kx..(dx + 1) * kx {
+                            sum += u32::from(raw[y * stride + x * 3 + c]);
+                        }
+                    }
+                    let v = if (kx, ky) == (2, 2) {
+                        (sum + 2) >> 2
+                    } else {
+                        (sum as f32 * inv_area).round_ties_even() as u32
+                    };
+                    out.push(v.min(255) as u8);
+                }
+            }
+        }
+        return RgbImage::from_raw(w, h, out).expect("w x h x 3 bytes");
+    }
+    let (xs, ys) = (area_weights(sw, w, scale_x), area_weights(sh, h, scale_y));
+    let width = w as usize * 3;
+    let (mut buf, mut sum) = (vec![0f32; width], vec![0f32; width]);
+    let mut out = vec![0u8; width * h as usize];
+    let mut store = |dy: usize, sum: &[f32]| {
+        for (o, v) in out[dy * width..(dy + 1) * width].iter_mut().zip(sum) {
+            *o = v.round_ties_even().clamp(0.0, 255.0) as u8;
+        }
+    };
+    let mut prev = ys.first().map_or(0, |t| t.0);
+    for &(dy, sy, beta) in &ys {
+        buf.fill(0.0);
+        let line = &raw[sy * stride..(sy + 1) * stride];
+        for &(dx, sx, alpha) in &xs {
+            for c in 0..3 {
+                buf[dx * 3 + c] += f32::from(line[sx * 3 + c]) * alpha;
+            }
+        }
+        if dy != prev {
+            store(prev, &sum);
+            for (s, b) in sum.iter_mut().zip(&buf) {
+                *s = beta * b;
+            }
+            prev = dy;
+        } else {
+            for (s, b) in sum.iter_mut().zip(&buf) {
+                *s += beta * b;
+            }
+        }
+    }
+    store(prev, &sum);
+    RgbImage::from_raw(w, h, out).expect("w x h x 3 bytes")
+}
+
+/// OpenCV's table for shrinking `src` pixels to `dst` by area (`computeResizeAreaTab`): for each
+/// output pixel, the source pixels it covers with the share of each, as (output, source, weight).
+fn area_weights(src: u32, dst: u32, scale: f64) -> Vec<(usize, usize, f32)> {
+    let mut tab = Vec::new();
+    let src_f = f64::from(src);
+    for d in 0..dst as usize {
+        let fs1 = d as f64 * scale;
+        let fs2 = fs1 + scale;
+        let cell = scale.min(src_f - fs1);
+        let s2 = (fs2.floor() as i64).min(i64::from(src) - 1);
+        let s1 = (fs1.ceil() as i64).min(s2);
+        if s1 as f64 - fs1 > 1e-3 {
+            tab.push((d, (s1 - 1) as usize, ((s1 as f64 - fs1) / cell) as f32));
+        }
+        for s in s1..s2 {
+            tab.push((d, s as usize, (1.0 / cell) as f32));
+        }
+        if fs2 - s2 as f64 > 1e-3 {
+            tab.push((d, s2 as usize, ((fs2 - s2 as f64).min(1.0).min(cell) / cell) as f32));
+        }
+    }
+    tab
 }
 
 /// `cv2.resize(img, (w, h), interpolation=cv2.INTER_NEAREST)`: output pixel `d` takes source
