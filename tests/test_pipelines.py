@@ -321,7 +321,8 @@ def bundled(tmp_path_factory):
     shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "strict")
     for name, layout, formats in [("detect_v8", "v8", {}), ("detect_v5", "v5", {}),
                                   ("detect_v8_cxcywhn", "v8", {"box_format": "CXCYWH", "normalized": True}),
-                                  ("detect_v8_xywh", "v8", {"box_format": "xywh"})]:
+                                  ("detect_v8_xywh", "v8", {"box_format": "xywh"}),
+                                  ("detect_v8_xywh_int", "v8", {"box_format": "xywh", "integer": True})]:
         d = pipeline(repo, name, [
             ("decode_image", {}), ("resize", {"mode": "longer_side", "size": [64], "antialias": False}),
             ("pad", {"mode": "size", "size": [64, 64], "value": 114}),
@@ -472,16 +473,18 @@ def test_the_detector_pipeline_matches_a_numpy_nms_with_boxes_in_the_images_pixe
 
 
 def test_nms_writes_boxes_in_the_format_asked(bundled):
-    """xywh (COCO, nudenet) and ultralytics' normalized centre format: the same detections as the
-    default corners, converted."""
+    """xywh (COCO, nudenet), whole pixels (INT64, cut toward zero as int() does) and ultralytics'
+    normalized centre format: the same detections as the default corners, converted."""
     c = grpcclient.InferenceServerClient(bundled.grpc_url)
     t = grpcclient.InferInput("image", [1], "BYTES")
     t.set_data_from_numpy(np.array([encode(photo(160, 100, seed=3))], dtype=object))
     xyxy = c.infer("detect_v8", [t]).as_numpy("boxes")[0]
     xywh = c.infer("detect_v8_xywh", [t]).as_numpy("boxes")[0]
     cxcywhn = c.infer("detect_v8_cxcywhn", [t]).as_numpy("boxes")[0]
+    whole = c.infer("detect_v8_xywh_int", [t]).as_numpy("boxes")[0]
     x1, y1, x2, y2 = xyxy.T
     np.testing.assert_allclose(xywh, np.stack([x1, y1, x2 - x1, y2 - y1], 1), atol=1e-4)
+    assert whole.dtype == np.int64 and (whole == xywh.astype(np.int64)).all() and whole[0].any(), whole
     np.testing.assert_allclose(cxcywhn, np.stack([(x1 + x2) / 2 / 160, (y1 + y2) / 2 / 100,
                                                   (x2 - x1) / 160, (y2 - y1) / 100], 1), atol=1e-6)
 

@@ -92,6 +92,10 @@ pub struct NmsConfig {
     /// Boxes as fractions of the image as sent (ultralytics' `xyxyn`/`xywhn`), not pixels.
     #[serde(default)]
     pub normalized: bool,
+    /// Boxes as whole pixels, INT64, each number cut toward zero as Python's `int()`, NumPy's
+    /// `astype(int)` and torch's `.int()` do (what nudenet and most drawing code take).
+    #[serde(default)]
+    pub integer: bool,
 }
 
 /// The four numbers of a box in `boxes`.
@@ -147,6 +151,7 @@ pub(crate) struct Nms {
     labels: Option<Vec<String>>,
     format: BoxFormat,
     normalized: bool,
+    integer: bool,
 }
 
 fn tensor_dims(kind: Kind, name: &str) -> Result<Vec<i64>> {
@@ -215,10 +220,14 @@ impl Post {
         if !(1..=10_000).contains(&max) || !(0.0..=1.0).contains(&score) || !(0.0..=1.0).contains(&iou) {
             return Err(Error::invalid("max_detections must be 1..=10000 and the thresholds 0..=1"));
         }
+        if c.integer && c.normalized {
+            return Err(Error::invalid("integer boxes cannot be normalized (fractions of the image): choose one"));
+        }
         let labels = c.labels.as_deref().map(|f| read_labels(dir, f)).transpose()?;
         let d = max as i64;
+        let box_type = if c.integer { DataType::Int64 } else { DataType::Fp32 };
         let mut written = vec![
-            ("boxes".to_string(), Kind::Tensor(DataType::Fp32, vec![d, 4])),
+            ("boxes".to_string(), Kind::Tensor(box_type, vec![d, 4])),
             ("scores".to_string(), Kind::Tensor(DataType::Fp32, vec![d])),
             ("classes".to_string(), Kind::Tensor(DataType::Int64, vec![d])),
             ("num_detections".to_string(), Kind::Tensor(DataType::Int64, vec![])),
@@ -237,6 +246,7 @@ impl Post {
             labels,
             format: c.box_format,
             normalized: c.normalized,
+            integer: c.integer,
         };
         Ok((Op::Post(Post::Nms(Box::new(nms))), written))
     }
@@ -293,7 +303,12 @@ impl Post {
                             names[j] = bytes::Bytes::from(l.get(det.class).cloned().unwrap_or_default());
                         }
                     }
-                    columns[0].push(Tensor::from_le("boxes", DataType::Fp32, vec![d, 4], &boxes));
+                    columns[0].push(if n.integer {
+                        let whole: Vec<i64> = boxes.iter().map(|&v| v.trunc() as i64).collect();
+                        Tensor::from_le("boxes", DataType::Int64, vec![d, 4], &whole)
+                    } else {
+                        Tensor::from_le("boxes", DataType::Fp32, vec![d, 4], &boxes)
+                    });
                     columns[1].push(Tensor::from_le("scores", DataType::Fp32, vec![d], &scores));
                     columns[2].push(Tensor::from_le("classes", DataType::Int64, vec![d], &classes));
                     columns[3].push(Tensor::from_le("num_detections", DataType::Int64, vec![], &[dets.len() as i64]));
@@ -487,6 +502,7 @@ mod tests {
             labels: None,
             format: BoxFormat::Xyxy,
             normalized: false,
+            integer: false,
         }
     }
 
