@@ -48,15 +48,20 @@ def reference(repo, name):
     return out
 
 
+def infer(client, url, name, outputs=None):
+    """X through tritonclient's `client` module (http or grpc): the client and the answer."""
+    c = client.InferenceServerClient(url)
+    t = client.InferInput("input", list(X.shape), "FP32")
+    t.set_data_from_numpy(X)
+    return c, c.infer(name, [t], outputs=outputs)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_converted_models_answer_as_onnx_runtime_does(tabular, name):
     server, repo = tabular
     label, probabilities = MODELS[name]
     ref = reference(repo, name)
-    c = httpclient.InferenceServerClient(server.url)
-    t = httpclient.InferInput("input", list(X.shape), "FP32")
-    t.set_data_from_numpy(X)
-    got = c.infer(name, [t])
+    c, got = infer(httpclient, server.url, name)
     if probabilities is None:
         np.testing.assert_array_equal(got.as_numpy(label), ref[label])
         return
@@ -80,10 +85,7 @@ def test_a_zipmaps_classes_name_the_classification_extensions_answers(tabular, n
     server, repo = tabular
     label, probabilities = MODELS[name]
     ref = reference(repo, name)
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    t = grpcclient.InferInput("input", list(X.shape), "FP32")
-    t.set_data_from_numpy(X)
-    got = c.infer(name, [t], outputs=[grpcclient.InferRequestedOutput(probabilities, class_count=1)])
+    _, got = infer(grpcclient, server.grpc_url, name, [grpcclient.InferRequestedOutput(probabilities, class_count=1)])
     top = [v.decode().split(":") for v in got.as_numpy(probabilities).reshape(-1)]
     predicted = [v if isinstance(v, str) else str(int(v)) for v in ref[label]]
     assert [t[2] for t in top] == predicted
