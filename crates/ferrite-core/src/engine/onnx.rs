@@ -368,7 +368,10 @@ impl OnnxBackend {
 impl OnnxBackend {
     /// The same model file opened with other session options.
     pub fn with_options(&self, options: OnnxOptions) -> Result<OnnxBackend> {
-        OnnxBackend::load(&self.path, options)
+        // The signature and the ZipMaps are the file's, whatever the options: not read again.
+        let first = Mutex::new(Some(open(&self.path, &options)?));
+        let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
+        Ok(OnnxBackend { path: self.path.clone(), options, inputs, outputs, first, zipmaps: self.zipmaps.clone() })
     }
 
     pub fn options(&self) -> &OnnxOptions {

@@ -117,15 +117,16 @@ const CLEAR_FALL: f64 = 0.25;
 const MIN_ROUNDS: usize = 3;
 const MAX_ROUNDS: usize = 50;
 
-/// Synthetic inputs of `rows` rows for `spec`, and the batch of them an instance runs.
+/// Synthetic inputs of `rows` rows for `spec`, and the times of the runs timed on them.
 struct Batch {
     rows: usize,
     tensors: Vec<crate::Tensor>,
+    times: Vec<Duration>,
 }
 
 impl Batch {
     fn new(spec: &ModelSpec, rows: usize) -> Batch {
-        Batch { rows, tensors: synthetic_inputs(spec, rows) }
+        Batch { rows, tensors: synthetic_inputs(spec, rows), times: Vec::new() }
     }
 
     fn inputs<'a>(&'a self, spec: &'a ModelSpec) -> Vec<BatchInput<'a>> {
@@ -162,12 +163,11 @@ fn run_once(instances: &mut [Box<dyn Instance>], spec: &ModelSpec, batch: &Batch
 }
 
 /// A plan under measurement: its instances, opened once and used for every size, as serving
-/// uses them; the sizes worth measuring; the times of each size's runs.
+/// uses them; the sizes worth measuring, with their runs' times.
 struct Candidate {
     plan: Plan,
     instances: Vec<Box<dyn Instance>>,
     batches: Vec<Batch>,
-    times: Vec<Vec<Duration>>,
 }
 
 impl Candidate {
@@ -179,11 +179,11 @@ impl Candidate {
         let options = OnnxOptions { intra_threads: plan.threads, spinning: plan.spinning, ..spec.onnx.clone() };
         let b = backend.with_options(options)?;
         let mut instances: Vec<Box<dyn Instance>> = (0..plan.instances).map(|_| b.instance()).collect::<Result<_>>()?;
-        let (mut batches, mut times) = (Vec::new(), Vec::new());
+        let mut batches = Vec::new();
         let mut best = 0.0f64;
         let mut rows = 1;
         loop {
-            let batch = Batch::new(spec, rows);
+            let mut batch = Batch::new(spec, rows);
             let (Some(_), Some(took)) =
                 (run_once(&mut instances, spec, &batch), run_once(&mut instances, spec, &batch))
             else {
@@ -194,28 +194,28 @@ impl Candidate {
                 break;
             }
             best = best.max(throughput);
+            batch.times.push(took);
             batches.push(batch);
-            times.push(vec![took]);
             if rows >= max_rows || took > SLOWEST_RUN {
                 break;
             }
             rows = (rows * 2).min(max_rows);
         }
-        Ok((!batches.is_empty()).then_some(Candidate { plan, instances, batches, times }))
+        Ok((!batches.is_empty()).then_some(Candidate { plan, instances, batches }))
     }
 
     /// One more run of every size.
     fn round(&mut self, spec: &ModelSpec) {
-        for (batch, times) in self.batches.iter().zip(&mut self.times) {
+        for batch in &mut self.batches {
             if let Some(t) = run_once(&mut self.instances, spec, batch) {
-                times.push(t);
+                batch.times.push(t);
             }
         }
     }
 
     /// (batch size, median run time), sizes ascending.
     fn curve(&self) -> Vec<(usize, Duration)> {
-        self.batches.iter().zip(&self.times).map(|(b, t)| (b.rows, median(t))).collect()
+        self.batches.iter().map(|b| (b.rows, median(&b.times))).collect()
     }
 }
 

@@ -645,8 +645,7 @@ fn resize(src: &RgbImage, w: u32, h: u32, filter: Filter) -> Result<RgbImage> {
                 })
                 .collect::<Vec<u32>>()
         };
-        let (xs, ys) = (picks(w, sw), picks(h, sh));
-        return Ok(RgbImage::from_fn(w, h, |x, y| *src.get_pixel(xs[x as usize], ys[y as usize])));
+        return Ok(pick(src, &picks(w, sw), &picks(h, sh)));
     }
     let (xs, ys) = (PillowTaps::new(sw, w, filter), PillowTaps::new(sh, h, filter));
     let out = convolve(src, w, h, &xs, &ys);
@@ -828,6 +827,17 @@ struct Tap {
     weight: [i32; 2],
 }
 
+impl Tap {
+    /// Source pixels `s` and `s + 1` (clamped to `0..=last`) weighted `1 - f` and `f`, each
+    /// rounded half to even to 2048ths as OpenCV's `saturate_cast<short>` does.
+    fn new(s: i64, f: f32, last: i64) -> Tap {
+        Tap {
+            at: [s.clamp(0, last) as usize, (s + 1).clamp(0, last) as usize],
+            weight: [((1.0 - f) * 2048.0).round_ties_even() as i32, (f * 2048.0).round_ties_even() as i32],
+        }
+    }
+}
+
 /// OpenCV's coefficients for `dst` outputs from `src` inputs (`cv::resize`, `INTER_LINEAR`): the
 /// source position `(d + 0.5) * src / dst - 0.5` in single precision, its fraction rounded
 /// (half to even) to 2048ths; positions outside the image keep their weights on the edge pixel.
@@ -838,12 +848,7 @@ fn taps(dst: u32, src: u32) -> Vec<Tap> {
         .map(|d| {
             let f = ((f64::from(d) + 0.5) * scale - 0.5) as f32;
             let s = f.floor();
-            let f = f - s;
-            let s = s as i64;
-            Tap {
-                at: [s.clamp(0, last) as usize, (s + 1).clamp(0, last) as usize],
-                weight: [((1.0 - f) * 2048.0).round_ties_even() as i32, (f * 2048.0).round_ties_even() as i32],
-            }
+            Tap::new(s as i64, f - s, last)
         })
         .collect()
 }
@@ -858,11 +863,7 @@ fn area_taps(dst: u32, src: u32) -> Vec<Tap> {
         .map(|d| {
             let s = (f64::from(d) * scale).floor() as i64;
             let f = ((f64::from(d) + 1.0) - (s as f64 + 1.0) * inv) as f32;
-            let f = if f <= 0.0 { 0.0 } else { f - f.floor() };
-            Tap {
-                at: [s.clamp(0, last) as usize, (s + 1).clamp(0, last) as usize],
-                weight: [((1.0 - f) * 2048.0).round_ties_even() as i32, (f * 2048.0).round_ties_even() as i32],
-            }
+            Tap::new(s, if f <= 0.0 { 0.0 } else { f - f.floor() }, last)
         })
         .collect()
 }
@@ -1011,13 +1012,17 @@ fn area_weights(src: u32, dst: u32, scale: f64) -> Vec<(usize, usize, f32)> {
 /// `cv2.resize(img, (w, h), interpolation=cv2.INTER_NEAREST)`: output pixel `d` takes source
 /// pixel `floor(d * src / dst)` on each axis.
 fn opencv_nearest(src: &RgbImage, w: u32, h: u32) -> RgbImage {
-    let (sw, sh) = src.dimensions();
-    let pick = |d: u32, dst: u32, src: u32| {
+    let picks = |dst: u32, src: u32| {
         let scale = 1.0 / (f64::from(dst) / f64::from(src));
-        ((f64::from(d) * scale).floor() as u32).min(src - 1)
+        (0..dst).map(|d| ((f64::from(d) * scale).floor() as u32).min(src - 1)).collect::<Vec<u32>>()
     };
-    let xs: Vec<u32> = (0..w).map(|x| pick(x, w, sw)).collect();
-    RgbImage::from_fn(w, h, |x, y| *src.get_pixel(xs[x as usize], pick(y, h, sh)))
+    let (sw, sh) = src.dimensions();
+    pick(src, &picks(w, sw), &picks(h, sh))
+}
+
+/// The image of `src`'s pixels at columns `xs` and rows `ys` (a nearest-neighbour resize).
+fn pick(src: &RgbImage, xs: &[u32], ys: &[u32]) -> RgbImage {
+    RgbImage::from_fn(xs.len() as u32, ys.len() as u32, |x, y| *src.get_pixel(xs[x as usize], ys[y as usize]))
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
