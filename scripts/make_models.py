@@ -8,6 +8,10 @@ python3 scripts/make_models.py --tabular DIR writes tabular models into the repo
 their converters write them (scikit-learn through skl2onnx, LightGBM and XGBoost through
 onnxmltools, each with its defaults: classifiers end in a ZipMap). The converters are test
 dependencies (requirements-test.txt), not the server's; tests/test_tabular.py runs this.
+
+python3 scripts/make_models.py --hugging-face DIR writes an embedder, a cross-encoder and a
+classifier into DIR in Hugging Face layout (config.json, tokenizer.json, ...); tests/test_tei.py
+runs this.
 """
 import os
 import sys
@@ -331,6 +335,8 @@ def tokenizer_json(path):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", vocab.index("[CLS]")), ("[SEP]", vocab.index("[SEP]"))])
     tok.decoder = decoders.WordPiece()
+    # Registered as special, as BERT's files have them: decoding can skip them.
+    tok.add_special_tokens(specials)
     tok.enable_truncation(max_length=128)
     tok.enable_padding(pad_id=0, pad_token="[PAD]", length=128)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -339,13 +345,10 @@ def tokenizer_json(path):
     return len(vocab)
 
 
-def text_encoder():
-    """A small BERT-shaped encoder for the bundled text pipeline: input_ids, attention_mask,
-    token_type_ids INT64 [N,S] -> word + position + type embeddings -> LayerNorm -> one masked
-    self-attention block with a residual -> LayerNorm -> last_hidden_state FP32 [N,S,32]."""
-    vocab = tokenizer_json(os.path.join(ROOT, "models", "text_embedder", "tokenizer.json"))
-    rng = np.random.default_rng(2)
-    h = 32
+def bert_body(vocab, rng, h=32):
+    """A small BERT-shaped encoder: input_ids, attention_mask, token_type_ids INT64 [N,S] ->
+    word + position + type embeddings -> LayerNorm -> one masked self-attention block with a
+    residual -> LayerNorm -> last_hidden_state FP32 [N,S,h]. Returns (nodes, initializers, inputs)."""
     f = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     inits = [numpy_helper.from_array(v, n) for n, v in [
         ("word", f(vocab, h)), ("pos", f(512, h)), ("type", f(2, h)), ("wq", f(h, h)), ("wk", f(h, h)),
@@ -382,10 +385,69 @@ def text_encoder():
         helper.make_node("LayerNormalization", ["res", "gamma", "beta"], ["last_hidden_state"], axis=-1),
     ]
     ints = lambda n: helper.make_tensor_value_info(n, TensorProto.INT64, ["N", "S"])
+    return nodes, inits, [ints("input_ids"), ints("attention_mask"), ints("token_type_ids")]
+
+
+def text_encoder():
+    """The bundled text pipeline's encoder (bert_body), last_hidden_state FP32 [N,S,32]."""
+    vocab = tokenizer_json(os.path.join(ROOT, "models", "text_embedder", "tokenizer.json"))
+    nodes, inits, inputs = bert_body(vocab, np.random.default_rng(2))
     graph = helper.make_graph(
-        nodes, "text_encoder", [ints("input_ids"), ints("attention_mask"), ints("token_type_ids")],
-        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", "S", h])], inits)
+        nodes, "text_encoder", inputs,
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", "S", 32])], inits)
     save(graph, os.path.join(ROOT, "models", "text_encoder", "1", "model.onnx"))
+
+
+def hugging_face(repo):
+    """Three models in Hugging Face layout, as optimum and sentence-transformers write them, for
+    the TEI tests: `hf_embedder` (BertModel, mean pooling in 1_Pooling/, max_seq_length 24, a
+    `query` prompt, onnx/model.onnx: the bundled encoder), `hf_reranker` (a cross-encoder:
+    BertForSequenceClassification with one label, logits FP32 [N,1] from the [CLS] token) and
+    `hf_classifier` (three labels in id2label, logits FP32 [N,3])."""
+    import json
+    import shutil
+
+    def write_json(path, value):
+        write(path, json.dumps(value, indent=2))
+
+    vocab = tokenizer_json(os.path.join(repo, "hf_embedder", "tokenizer.json"))
+    write_json(os.path.join(repo, "hf_embedder", "config.json"),
+               {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 32, "max_position_embeddings": 512})
+    write_json(os.path.join(repo, "hf_embedder", "sentence_bert_config.json"), {"max_seq_length": 24, "do_lower_case": False})
+    write_json(os.path.join(repo, "hf_embedder", "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    write_json(os.path.join(repo, "hf_embedder", "1_Pooling", "config.json"),
+               {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+                "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False})
+    write_json(os.path.join(repo, "hf_embedder", "config_sentence_transformers.json"),
+               {"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": None})
+    os.makedirs(os.path.join(repo, "hf_embedder", "onnx"), exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "models", "text_encoder", "1", "model.onnx"),
+                os.path.join(repo, "hf_embedder", "onnx", "model.onnx"))
+    for name, labels, seed in [("hf_reranker", ["LABEL_0"], 5), ("hf_classifier", ["negative", "neutral", "positive"], 6)]:
+        rng = np.random.default_rng(seed)
+        nodes, inits, inputs = bert_body(vocab, rng)
+        k = len(labels)
+        inits += [numpy_helper.from_array((rng.standard_normal((32, k)) * 2).astype(np.float32), "head"),
+                  numpy_helper.from_array(rng.standard_normal(k).astype(np.float32), "head_bias"),
+                  numpy_helper.from_array(np.array([0], np.int64), "first")]
+        nodes += [helper.make_node("Gather", ["last_hidden_state", "first"], ["cls3"], axis=1),
+                  helper.make_node("Squeeze", ["cls3", "ax1"], ["cls"]),
+                  helper.make_node("MatMul", ["cls", "head"], ["projected"]),
+                  helper.make_node("Add", ["projected", "head_bias"], ["logits"])]
+        graph = helper.make_graph(nodes, name, inputs,
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", k])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ferrite")
+        model.ir_version = IR_VERSION
+        onnx.checker.check_model(model)
+        os.makedirs(os.path.join(repo, name), exist_ok=True)
+        onnx.save(model, os.path.join(repo, name, "model.onnx"))
+        shutil.copy(os.path.join(repo, "hf_embedder", "tokenizer.json"), os.path.join(repo, name, "tokenizer.json"))
+        write_json(os.path.join(repo, name, "config.json"), {
+            "architectures": ["BertForSequenceClassification"], "model_type": "bert", "max_position_embeddings": 512,
+            "id2label": {str(i): l for i, l in enumerate(labels)}, "label2id": {l: i for i, l in enumerate(labels)}})
 
 
 def detector(layout):
@@ -479,6 +541,8 @@ def tabular(repo):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--tabular"]:
     tabular(sys.argv[2])
+elif __name__ == "__main__" and sys.argv[1:2] == ["--hugging-face"]:
+    hugging_face(sys.argv[2])
 elif __name__ == "__main__":
     mlp()
     mixed()

@@ -344,8 +344,8 @@ def test_small_wrongs_of_the_embedding_apis(tenants):
     assert status == 400 and len(answer) < 1000, len(answer)
     # A wrong size is refused before any embedding is computed.
     start = time.time()
-    status, answer = embed(tenants, "alice", [f"t{i} " * 100 for i in range(2048)], path="/v1/embeddings", dimensions=7)
-    assert status == 400 and b"not 7" in answer, answer[:300]
+    status, answer = embed(tenants, "alice", [f"t{i} " * 100 for i in range(2048)], path="/v1/embeddings", dimensions=70)
+    assert status == 400 and b"1..=32, not 70" in answer, answer[:300]
     assert time.time() - start < 3
 
 

@@ -75,7 +75,7 @@ def test_openai_errors_come_in_openais_shape(server):
     client = openai.OpenAI(base_url=f"http://{server.url}/v1", api_key=TOKEN)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="nowhere", input="hi")
-    with pytest.raises(openai.BadRequestError, match="does not answer embeddings"):
+    with pytest.raises(openai.BadRequestError, match="is not a text pipeline of task 'embed'"):
         client.embeddings.create(model="mlp", input="hi")
     with pytest.raises(openai.BadRequestError, match="step 'tokenize'.*empty"):
         client.embeddings.create(model="text_embedder", input=["fine", " "])
@@ -93,19 +93,26 @@ def test_tei_embed_normalizes_and_picks_the_one_embedding_model(server):
     assert status == 200
     np.testing.assert_allclose(np.array(got), expected, atol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
-    status, one = post(server, "/embed", {"inputs": "hello world", "normalize": False, "truncate": True})
+    status, one = post(server, "/embed", {"inputs": "hello world", "truncate": True})
     assert status == 200 and np.allclose(one[0], expected[1], atol=1e-6)
+    # Its pool step normalizes: raw vectors cannot be had from it, and the refusal says why.
+    status, body = post(server, "/embed", {"inputs": "hello world", "normalize": False})
+    assert status == 422 and body["error_type"] == "Validation" and "pool step normalizes" in body["error"], body
     assert post(server, "/embed", {"inputs": "hi"}, token="wrong")[0] == 401
-    assert post(server, "/embed", {"inputs": 7})[0] == 400
+    assert post(server, "/embed", {"inputs": 7})[0] == 422
 
 
 def test_a_long_list_is_split_into_batches_and_answered_in_order_from_the_cache_the_second_time(server):
     texts = [f"{w} number {i}" for i, w in enumerate(["cat", "dog", "bird", "fish"] * 40)]  # 160 > 64 rows
-    status, first = post(server, "/embed", {"inputs": texts})
-    assert status == 200 and len(first) == 160
-    np.testing.assert_allclose(np.array(first[:3]), v2_embeddings(server, texts[:3]), atol=1e-6)
-    status, second = post(server, "/embed", {"inputs": texts})
+    status, first = post(server, "/v1/embeddings", {"model": "text_embedder", "input": texts})
+    assert status == 200 and len(first["data"]) == 160
+    vectors = [d["embedding"] for d in first["data"]]
+    np.testing.assert_allclose(np.array(vectors[:3]), v2_embeddings(server, texts[:3]), atol=1e-6)
+    status, second = post(server, "/v1/embeddings", {"model": "text_embedder", "input": texts})
     assert second == first
+    # TEI's routes take at most its client batch size (32), as TEI does.
+    status, body = post(server, "/embed", {"inputs": texts})
+    assert status == 422 and body["error"] == "batch size 160 > maximum allowed batch size 32", body
     with urllib.request.urlopen(urllib.request.Request(f"http://{server.url}/v2/models/text_embedder/stats",
                                                        headers={"Authorization": f"Bearer {TOKEN}"})) as r:
         stats = json.loads(r.read())["model_stats"][0]["inference_stats"]

@@ -18,7 +18,7 @@
 //! | pipeline | [`pipeline`] | native pre- and post-processing steps and calls to other models, served as a model (it finds those through its `Models` trait) |
 //! | control | [`control`] | the control plane: repository, configs (`config.toml` and Triton's `config.pbtxt`), the registry swapped on every change, lifecycle, canary |
 //! | core | [`core`] | [`Core`], one per process: the path of a request (routing once to a [`Route`], admission, the model, the canary's record) and the control plane's operations |
-//! | services | [`embed`] | text embeddings as OpenAI's and TEI's APIs ask for them, over `Core` |
+//! | services | [`texts`] | text models as OpenAI's, TEI's and Cohere's APIs call them (embed, rerank, classify, tokenize), over `Core` |
 //!
 //! A change to batching touches `engine` alone; the control plane builds models, never the reverse.
 
@@ -28,11 +28,11 @@ pub mod control;
 pub mod core;
 pub mod crash;
 pub mod data;
-pub mod embed;
 pub mod engine;
 pub mod error;
 pub mod pipeline;
 pub mod telemetry;
+pub mod texts;
 pub mod wire;
 
 pub use crate::core::{Core, ModelControl, Route, Startup};

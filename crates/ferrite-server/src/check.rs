@@ -12,13 +12,15 @@ use ferrite_core::{
 /// model is ready.
 pub fn report(core: &Core) -> (String, bool) {
     let mut rows =
-        vec![["MODEL", "VERSION", "STATE", "INPUTS", "OUTPUTS", "BATCHING", "INSTANCES", "REASON"].map(String::from)];
+        vec![["MODEL", "VERSION", "STATE", "INPUTS", "OUTPUTS", "BATCHING", "INSTANCES", "TASK", "REASON"]
+            .map(String::from)];
     let mut ok = true;
     for entry in core.index() {
         let version = entry.version.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
         let model = entry.version.and_then(|v| core.model(&entry.name, Some(&v.to_string())).ok());
         let ready = entry.state == State::Ready && model.is_some();
         ok &= ready;
+        let task = model.as_ref().and_then(|m| m.spec.text.as_deref()).map(task).unwrap_or_else(|| "-".into());
         let (inputs, outputs, batching, instances) = match &model {
             Some(m) => {
                 let s = &m.spec;
@@ -46,10 +48,11 @@ pub fn report(core: &Core) -> (String, bool) {
             outputs,
             batching,
             instances,
+            task,
             reason,
         ]);
     }
-    let widths: Vec<usize> = (0..8).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..9).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
     let mut text = String::new();
     for r in &rows {
         let line: Vec<String> = r.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
@@ -57,6 +60,20 @@ pub fn report(core: &Core) -> (String, bool) {
         text.push('\n');
     }
     (text, ok)
+}
+
+/// A text pipeline's task as it was declared or found (a Hugging Face directory's): `embed
+/// (mean, 256 tokens)`, `rerank (512 tokens)`, `classify (negative,positive; 512 tokens)`.
+fn task(t: &ferrite_core::engine::spec::TextSpec) -> String {
+    let tokens = format!("{} tokens", t.max_length);
+    let detail = match (t.pooling.as_deref(), t.labels.is_empty()) {
+        (Some(p), _) if t.task == ferrite_core::engine::spec::Task::Embed => format!("{p}, {tokens}"),
+        (_, false) if t.task == ferrite_core::engine::spec::Task::Classify => {
+            format!("{}; {tokens}", t.labels.join(","))
+        }
+        _ => tokens,
+    };
+    format!("{} ({detail})", t.task.as_str())
 }
 
 /// `name:DTYPE[d0,d1]` for each tensor with its shape as clients see it (`-1`: variable).

@@ -217,6 +217,7 @@ fn image(data: &[u8]) {
             &[],
             &ferrite_core::Registry::default(),
             registry,
+            Default::default(),
         )
         .unwrap()
     });

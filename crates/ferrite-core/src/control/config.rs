@@ -49,10 +49,16 @@ pub struct ModelConfig {
     /// fails one is refused.
     #[serde(default)]
     pub warmup: Vec<WarmupConfig>,
+    /// What a text pipeline answers (`embed`, `rerank`, `classify`): the routes that reach it.
+    pub task: Option<crate::engine::spec::Task>,
     /// A pipeline's steps (native operations and other models' calls) in place of a model file;
     /// its outputs are the `[[output]]` names given, else what the last step writes.
     #[serde(default)]
     pub steps: Vec<crate::pipeline::StepConfig>,
+    /// Class labels found elsewhere than in a label file (a Hugging Face `config.json`'s
+    /// `id2label`), by output.
+    #[serde(skip)]
+    pub labels: std::collections::BTreeMap<String, Vec<String>>,
     /// What reading the config found worth saying (settings that have no effect here), logged
     /// when the model loads, not each time the file is read.
     #[serde(skip)]
@@ -234,7 +240,7 @@ pub struct CacheConfig {
 }
 
 /// An input or output override: `dims` exclude the batch dim when `max_batch_size > 0`; -1 is variable.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorConfig {
     pub name: String,
@@ -375,7 +381,11 @@ impl ModelSpec {
                     .iter()
                     .filter_map(|s| match s {
                         crate::pipeline::StepConfig::Model(m) => Some(StepRecord {
-                            model: m.model.clone(),
+                            // A step of its own file runs as `<pipeline>/<file>`.
+                            model: match &m.file {
+                                Some(f) if m.model.is_empty() => format!("{name}/{f}"),
+                                _ => m.model.clone(),
+                            },
                             version: m.version,
                             inputs: m.inputs.clone(),
                             outputs: m.outputs.clone(),
@@ -384,6 +394,7 @@ impl ModelSpec {
                     })
                     .collect(),
             },
+            text: None,
         })
     }
 }

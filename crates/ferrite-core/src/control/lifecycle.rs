@@ -47,7 +47,7 @@ impl Sources {
             Some(t) => Ok(ConfigFile { format: ConfigFormat::Toml, text: t.to_string() }),
             None => repo.config_file(name),
         };
-        let config = file.as_ref().map_err(Clone::clone).and_then(|f| f.parse(name));
+        let config = file.as_ref().map_err(Clone::clone).and_then(|f| repo.config(name, f));
         let filename = config.as_ref().ok().and_then(|c| c.default_model_filename.as_deref());
         let disk = match &config {
             Ok(c) if !c.steps.is_empty() => repo.pipeline_versions(name),
@@ -67,7 +67,7 @@ impl Sources {
         c.steps
             .iter()
             .filter_map(|s| match s {
-                crate::pipeline::StepConfig::Model(m) => Some(m.model.clone()),
+                crate::pipeline::StepConfig::Model(m) if m.file.is_none() => Some(m.model.clone()),
                 _ => None,
             })
             .collect()

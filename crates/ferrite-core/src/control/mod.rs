@@ -6,6 +6,7 @@
 
 pub mod canary;
 pub mod config;
+pub mod hugging_face;
 pub(crate) mod lifecycle;
 pub mod registry;
 pub mod repository;

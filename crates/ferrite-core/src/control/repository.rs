@@ -138,6 +138,17 @@ impl Repository {
         }
     }
 
+    /// The config a model serves with: `file`'s, and for a Hugging Face directory whose config
+    /// has no steps of its own, the text pipeline its files describe (`hugging_face`).
+    pub fn config(&self, name: &str, file: &ConfigFile) -> Result<ModelConfig> {
+        let config = file.parse(name)?;
+        let dir = self.model_dir(name)?;
+        if !config.steps.is_empty() || !super::hugging_face::is_layout(&dir) {
+            return Ok(config);
+        }
+        super::hugging_face::pipeline(&dir, config)
+    }
+
     /// The model's version directories that hold its model file (`filename`, normally
     /// `model.onnx`), highest first.
     pub fn versions(&self, name: &str, filename: &str) -> Result<Vec<OnDisk>> {
@@ -181,8 +192,15 @@ impl Repository {
             match name.parse::<u64>() {
                 Ok(v) if v > 0 => versions.push(v),
                 _ => {
-                    if let Some(m) = std::fs::metadata(e.path()).ok().filter(|m| m.is_file()) {
-                        stamps.push((name, m.len(), m.mtime(), m.mtime_nsec(), m.ino()));
+                    // Its files, and those of its other directories (a Hugging Face directory's
+                    // `onnx/`, `1_Pooling/`).
+                    let inner = std::fs::read_dir(e.path()).into_iter().flatten().flatten();
+                    let files = std::iter::once((name.clone(), e.path()))
+                        .chain(inner.map(|f| (format!("{name}/{}", f.file_name().to_string_lossy()), f.path())));
+                    for (name, path) in files {
+                        if let Some(m) = std::fs::metadata(path).ok().filter(|m| m.is_file()) {
+                            stamps.push((name, m.len(), m.mtime(), m.mtime_nsec(), m.ino()));
+                        }
                     }
                 }
             }
@@ -210,21 +228,39 @@ impl Repository {
         let dir = self.model_dir(name)?;
         // Its tensors follow from its steps; the config names its outputs, and what it states of
         // a tensor's type (as Triton's ensembles do) must agree.
-        if let Some(t) = config
-            .input
-            .iter()
-            .chain(&config.output)
-            .find(|t| t.label_filename.is_some() || t.reshape.is_some() || t.optional)
+        let labelled_input = config.input.iter().find(|t| t.label_filename.is_some());
+        if let Some(t) =
+            labelled_input.or(config.input.iter().chain(&config.output).find(|t| t.reshape.is_some() || t.optional))
         {
             return Err(Error::invalid(format!(
-                "'{}': a pipeline's tensors take a name, datatype and dims only",
+                "'{}': a pipeline's tensors take a name, datatype and dims only (and outputs a label_filename)",
                 t.name
             )));
         }
         let names = |ts: &[crate::control::config::TensorConfig]| ts.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
         let (inputs, outputs) = (names(&config.input), names(&config.output));
+        // Its own models (`file` steps: a Hugging Face directory's ONNX file), loaded with its
+        // config's ONNX Runtime settings; they serve only it.
+        let mut own = std::collections::BTreeMap::new();
+        for step in &config.steps {
+            let crate::pipeline::StepConfig::Model(m) = step else { continue };
+            let Some(file) = &m.file else { continue };
+            let path = crate::pipeline::model_file(&dir, file, "model file")?;
+            let path = self.inside(&path)?.ok_or_else(|| Error::invalid(format!("no model file '{file}'")))?;
+            let settings = ModelConfig {
+                threads: config.threads,
+                onnxruntime: config.onnxruntime.clone(),
+                calibrate: config.calibrate,
+                solo_instance: config.solo_instance,
+                ..Default::default()
+            };
+            let own_name = if m.model.is_empty() { format!("{name}/{file}") } else { m.model.clone() };
+            let model = load_version(&path, &own_name, version, &settings, &self.options)
+                .map_err(|e| Error::invalid(format!("model file '{file}': {e}")))?;
+            own.insert(file.clone(), Arc::new(model));
+        }
         let pipeline =
-            crate::pipeline::Pipeline::build(name, &dir, &config.steps, &inputs, &outputs, models, registry as _)?;
+            crate::pipeline::Pipeline::build(name, &dir, &config.steps, &inputs, &outputs, models, registry as _, own)?;
         for (what, stated, derived) in
             [("input", &config.input, pipeline.inputs()), ("output", &config.output, pipeline.outputs())]
         {
@@ -266,6 +302,11 @@ impl Repository {
         spec.platform = "ensemble";
         spec.backend = "ferrite";
         spec.uses = pipeline.uses.clone();
+        spec.labels = labels(&dir, config)?;
+        spec.labels.extend(config.labels.clone());
+        spec.load.label_files =
+            config.output.iter().filter_map(|o| Some((o.name.clone(), o.label_filename.clone()?))).collect();
+        spec.text = pipeline.text_spec(&dir, config.task, &spec.labels)?.map(Arc::new);
         // Cached answers follow the pipeline's files and config and the models it calls.
         let mut content = fingerprint;
         for m in &spec.uses {
@@ -469,7 +510,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     let mut backend = OnnxBackend::load(onnx, session)?;
     let mut spec = ModelSpec::resolve(name, version, config, backend.inputs(), backend.outputs(), threads)?;
     spec.onnx = backend.options().clone();
-    spec.labels = labels(onnx, config)?;
+    spec.labels = labels(onnx.parent().and_then(Path::parent).unwrap_or(Path::new(".")), config)?;
     for (output, classes) in backend.labels() {
         // A ZipMap's class labels label its probabilities, unless the config gives a file.
         spec.labels.entry(output.to_string()).or_insert_with(|| classes.to_vec());
@@ -652,8 +693,7 @@ fn random_data(dt: crate::DataType, n: usize, random: &mut impl FnMut() -> u64) 
 
 /// The class labels of outputs that name a `label_filename`: a file of the model's directory (the
 /// one holding the version directories), one label per line.
-fn labels(onnx: &Path, config: &ModelConfig) -> Result<std::collections::BTreeMap<String, Vec<String>>> {
-    let dir = onnx.parent().and_then(Path::parent).unwrap_or(Path::new("."));
+fn labels(dir: &Path, config: &ModelConfig) -> Result<std::collections::BTreeMap<String, Vec<String>>> {
     let mut labels = std::collections::BTreeMap::new();
     for o in &config.output {
         let Some(file) = &o.label_filename else { continue };

@@ -282,6 +282,8 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         onnxruntime.graph_optimization_level = Some(graph_level(g.level).to_string());
     }
     Ok(ModelConfig {
+        task: None,
+        labels: Default::default(),
         steps,
         backend: None,
         max_batch_size,
@@ -540,6 +542,7 @@ fn ensemble_steps(e: &pb::ModelEnsembling) -> Vec<StepConfig> {
             StepConfig::Model(ModelStepConfig {
                 name: None,
                 model: s.model_name.clone(),
+                file: None,
                 version: u64::try_from(s.model_version).ok().filter(|&v| v > 0),
                 inputs: s.input_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                 outputs: s.output_map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),

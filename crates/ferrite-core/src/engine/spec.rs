@@ -147,6 +147,58 @@ pub struct ModelSpec {
     pub cache_across_tenants: bool,
     /// How the model was loaded; the engine reads none of it.
     pub load: LoadRecord,
+    /// What the text routes (TEI's, OpenAI's) need of a text pipeline: its task and tokenizer.
+    pub text: Option<std::sync::Arc<TextSpec>>,
+}
+
+/// What a text pipeline answers, as its config declares it (`task = "..."`); a pipeline that
+/// tokenizes and pools is an embedder unless it says otherwise. TEI's routes go by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    /// A vector per text (`/embed`, `/v1/embeddings`).
+    Embed,
+    /// One score per (query, text) pair, a cross-encoder (`/rerank`, `/v1/rerank`).
+    Rerank,
+    /// A score per class for a text or a pair (`/predict`).
+    Classify,
+}
+
+impl Task {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Task::Embed => "embed",
+            Task::Rerank => "rerank",
+            Task::Classify => "classify",
+        }
+    }
+}
+
+/// A text pipeline as its routes see it: which inputs take the text (and the second text of a
+/// pair), which output answers, how long a text may be, and the tokenizer (without its file's
+/// truncation and padding) for `/tokenize`, `/decode` and the length checks.
+#[derive(Debug, Clone)]
+pub struct TextSpec {
+    pub task: Task,
+    pub input: String,
+    pub pair: Option<String>,
+    /// The vector (embed) or the scores (rerank: one per row; classify: one per class).
+    pub output: String,
+    /// The tokens each row took (`token_count`), when the pipeline answers it.
+    pub count: Option<String>,
+    /// Tokens per text at most, special tokens included (the tokenize step's `max_length`).
+    pub max_length: usize,
+    pub special_tokens: bool,
+    /// How the pool step pools (`mean`, `cls`, `max`), for TEI's `/info`.
+    pub pooling: Option<String>,
+    /// The pipeline's own vectors are unit vectors (its pool step normalizes).
+    pub normalized: bool,
+    /// A classifier's labels in the order of its scores.
+    pub labels: Vec<String>,
+    /// sentence-transformers' prompts (`config_sentence_transformers.json`): name -> prefix.
+    pub prompts: std::collections::BTreeMap<String, String>,
+    pub default_prompt: Option<String>,
+    pub tokenizer: std::sync::Arc<tokenizers::Tokenizer>,
 }
 
 /// What a model was loaded from and chose at load, for the control plane and the config

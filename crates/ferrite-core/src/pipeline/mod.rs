@@ -32,7 +32,9 @@ use crate::{
 };
 
 pub use self::image::{CropConfig, DecodeConfig, NormalizeConfig, PadConfig, ResizeConfig};
-pub use post::{NmsConfig, PoolConfig, TopkConfig, UnaryConfig};
+pub(crate) use post::{sigmoid, softmax};
+pub use post::{NmsConfig, PoolConfig, Pooling, TopkConfig, UnaryConfig};
+pub(crate) use text::encode;
 pub use text::TokenizeConfig;
 
 /// One `[[steps]]` entry of a config: `op` names the operation; every op takes an optional
@@ -98,7 +100,12 @@ impl StepConfig {
 #[serde(deny_unknown_fields)]
 pub struct ModelStepConfig {
     pub name: Option<String>,
+    /// The model of the repository it calls (or, with `file`, the name its own model serves as).
+    #[serde(default)]
     pub model: String,
+    /// An ONNX file of the pipeline's own directory, run as the pipeline's own model (a Hugging
+    /// Face directory's `onnx/model.onnx`) instead of a model of the repository.
+    pub file: Option<String>,
     /// A version to pin; default the one the model serves (a reload is picked up at once).
     pub version: Option<u64>,
     #[serde(default)]
@@ -188,7 +195,9 @@ pub struct Pipeline {
     outputs: Vec<TensorSpec>,
     steps: Arc<Vec<Step>>,
     registry: Weak<dyn Models>,
-    /// The models its steps call.
+    /// The models of its own files (`file` steps), by file.
+    own: BTreeMap<String, Arc<crate::Model>>,
+    /// The models of the repository its steps call.
     pub uses: Vec<String>,
     label: String,
 }
@@ -216,6 +225,7 @@ impl Pipeline {
     /// model steps' tensors, checked now), `registry` where model steps find their model at run
     /// time. `inputs`: the values clients send, when the config declares them (otherwise found
     /// from the steps); `outputs`: the values it answers with (default: what the last step wrote).
+    #[allow(clippy::too_many_arguments)]
     pub fn build(
         label: &str,
         dir: &Path,
@@ -224,6 +234,7 @@ impl Pipeline {
         outputs: &[String],
         models: &dyn Models,
         registry: Arc<dyn Models>,
+        own: BTreeMap<String, Arc<crate::Model>>,
     ) -> Result<Pipeline> {
         if steps.is_empty() {
             return Err(Error::invalid("a pipeline needs at least one step"));
@@ -280,9 +291,22 @@ impl Pipeline {
                         (Op::Tokenize(Box::new(t)), written)
                     }
                     StepConfig::Model(c) => {
-                        let (op, written) = model_step(c, models, &mut known)?;
-                        uses.push(c.model.clone());
-                        (op, written)
+                        if c.model.is_empty() && c.file.is_none() {
+                            return Err(Error::invalid(
+                                "a model step names a `model` of the repository or a `file` of its own",
+                            ));
+                        }
+                        let model = match &c.file {
+                            Some(f) => {
+                                own.get(f).cloned().ok_or_else(|| Error::internal(format!("'{f}' is not loaded")))?
+                            }
+                            None => called(c, models)?,
+                        };
+                        let written = model_step(c, &model, &mut known)?;
+                        if c.file.is_none() {
+                            uses.push(c.model.clone());
+                        }
+                        (Op::Model(c.clone()), written)
                     }
                     StepConfig::Pool(c) => post::Post::pool(c, &mut known)?,
                     StepConfig::Softmax(c) => post::Post::unary(post::Unary::Softmax, c, &mut known)?,
@@ -314,7 +338,36 @@ impl Pipeline {
         uses.sort();
         uses.dedup();
         let registry = Arc::downgrade(&registry);
-        Ok(Pipeline { inputs: known.inputs, outputs, steps: Arc::new(built), registry, uses, label: label.to_string() })
+        Ok(Pipeline {
+            inputs: known.inputs,
+            outputs,
+            steps: Arc::new(built),
+            registry,
+            own,
+            uses,
+            label: label.to_string(),
+        })
+    }
+}
+
+impl Pipeline {
+    /// The text routes' view of it (see `text::text_spec`), for the `task` its config declares;
+    /// `labels` a classifier's, by output.
+    pub fn text_spec(
+        &self,
+        dir: &Path,
+        task: Option<crate::engine::spec::Task>,
+        labels: &BTreeMap<String, Vec<String>>,
+    ) -> Result<Option<crate::engine::spec::TextSpec>> {
+        let tokenize = self.steps.iter().find_map(|s| match &s.op {
+            Op::Tokenize(t) => Some(&**t),
+            _ => None,
+        });
+        let pool = self.steps.iter().find_map(|s| match &s.op {
+            Op::Post(post::Post::Pool { output, mode, normalize, .. }) => Some((output.as_str(), *mode, *normalize)),
+            _ => None,
+        });
+        text::text_spec(dir, task, tokenize, pool, &self.inputs, &self.outputs, labels)
     }
 }
 
@@ -397,14 +450,20 @@ impl Known {
 
 /// The build of a model step: the model it calls must serve and batch, the inputs and outputs it
 /// maps must be the model's, and each input must be written before it as the type the model takes.
-fn model_step(c: &ModelStepConfig, models: &dyn Models, known: &mut Known) -> Result<(Op, Vec<(String, Kind)>)> {
-    let model = models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(|e| match e {
+/// The model of the repository a model step calls, as it serves while the pipeline is built.
+fn called(c: &ModelStepConfig, models: &dyn Models) -> Result<Arc<crate::Model>> {
+    models.model(&c.model, c.version.map(|v| v.to_string()).as_deref()).map_err(|e| match e {
         // Its reason is its own (a chain of pipelines would nest each one's).
         Error::Unavailable { .. } => {
             Error::invalid(format!("model '{}', which it calls, is not available (its own reason says why)", c.model))
         }
         e => Error::invalid(format!("{e} (a pipeline loads after the models its steps call)")),
-    })?;
+    })
+}
+
+/// A model step's values: what it reads of `known` (checked against the model's inputs) and
+/// what it writes.
+fn model_step(c: &ModelStepConfig, model: &crate::Model, known: &mut Known) -> Result<Vec<(String, Kind)>> {
     let spec = &model.spec;
     if !spec.batched() {
         return Err(Error::invalid(format!(
@@ -438,7 +497,7 @@ fn model_step(c: &ModelStepConfig, models: &dyn Models, known: &mut Known) -> Re
         .iter()
         .map(|t| (c.outputs.get(&t.name).unwrap_or(&t.name).clone(), Kind::Tensor(t.datatype, t.dims.clone())))
         .collect();
-    Ok((Op::Model(c.clone()), written))
+    Ok(written)
 }
 
 /// The build of a resize, pad or crop step: image in, image out (default both `image`).
@@ -510,6 +569,7 @@ impl Backend for Pipeline {
         Ok(Box::new(Worker {
             steps: self.steps.clone(),
             registry: self.registry.clone(),
+            own: self.own.clone(),
             outputs: self.outputs.iter().map(|t| t.name.clone()).collect(),
             runtime,
             failed: Vec::new(),
@@ -522,6 +582,7 @@ struct Worker {
     steps: Arc<Vec<Step>>,
     /// Weak: the registry holds this pipeline, whose workers must not keep it alive.
     registry: Weak<dyn Models>,
+    own: BTreeMap<String, Arc<crate::Model>>,
     outputs: Vec<String>,
     runtime: tokio::runtime::Runtime,
     failed: Vec<(usize, Error)>,
@@ -730,15 +791,20 @@ impl Worker {
         rows: usize,
         awaited: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let registry =
-            self.registry.upgrade().ok_or_else(|| Error::unavailable("the server is shutting down", None))?;
-        let model = registry.model(&c.model, c.version.map(|v| v.to_string()).as_deref());
-        drop(registry);
-        // A model unloaded under a pipeline that calls it: the pipeline cannot serve for now.
-        let model = model.map_err(|e| match e {
-            Error::NotFound(m) => Error::unavailable(format!("{m}, which this pipeline calls"), None),
-            other => other,
-        })?;
+        let model = match c.file.as_ref().and_then(|f| self.own.get(f)) {
+            Some(own) => own.clone(),
+            None => {
+                let registry =
+                    self.registry.upgrade().ok_or_else(|| Error::unavailable("the server is shutting down", None))?;
+                let model = registry.model(&c.model, c.version.map(|v| v.to_string()).as_deref());
+                drop(registry);
+                // A model unloaded under a pipeline that calls it: the pipeline cannot serve for now.
+                model.map_err(|e| match e {
+                    Error::NotFound(m) => Error::unavailable(format!("{m}, which this pipeline calls"), None),
+                    other => other,
+                })?
+            }
+        };
         let spec = &model.spec;
         let mut given: Vec<(&str, &Vec<Tensor>)> = Vec::new();
         for t in &spec.inputs {
@@ -957,9 +1023,18 @@ mod tests {
         let registry: Arc<dyn Models> = Arc::new(arc_swap::ArcSwap::from_pointee(Registry::default()));
         let dir = std::env::temp_dir();
         let build = |text: &str| {
-            Pipeline::build("p", &dir, &steps(text).unwrap(), &[], &[], &Registry::default(), registry.clone())
-                .err()
-                .map(|e| e.to_string())
+            Pipeline::build(
+                "p",
+                &dir,
+                &steps(text).unwrap(),
+                &[],
+                &[],
+                &Registry::default(),
+                registry.clone(),
+                Default::default(),
+            )
+            .err()
+            .map(|e| e.to_string())
         };
         let e = build("[[steps]]\nop = \"resize\"\nsize = [4, 4]\n").unwrap();
         assert!(e.contains("step 'resize' (resize): no earlier step writes the image 'image'"), "{e}");
@@ -983,9 +1058,18 @@ mod tests {
         // Declared inputs are the only ones: a typo in a tokenizer's input is caught too.
         let declared = |text: &str, inputs: &[&str]| {
             let inputs: Vec<String> = inputs.iter().map(|s| s.to_string()).collect();
-            Pipeline::build("p", &dir, &steps(text).unwrap(), &inputs, &[], &Registry::default(), registry.clone())
-                .err()
-                .map(|e| e.to_string())
+            Pipeline::build(
+                "p",
+                &dir,
+                &steps(text).unwrap(),
+                &inputs,
+                &[],
+                &Registry::default(),
+                registry.clone(),
+                Default::default(),
+            )
+            .err()
+            .map(|e| e.to_string())
         };
         let two = "[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"resize\"\nsize = [8, 8]\n\
                    [[steps]]\nop = \"normalize\"\n[[steps]]\nop = \"softmax\"\ninput = \"scores\"\n";
@@ -1005,6 +1089,7 @@ mod tests {
             &[],
             &Registry::default(),
             registry,
+            Default::default(),
         )
         .unwrap();
         assert_eq!(ok.inputs()[0], TensorSpec { name: "image".into(), datatype: DataType::Bytes, dims: vec![] });

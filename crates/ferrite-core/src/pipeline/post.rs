@@ -19,13 +19,17 @@ pub enum Pooling {
     Mean,
     Cls,
     Max,
+    /// The last token the mask marks (decoder-style embedders: Qwen, Mistral).
+    #[serde(alias = "last_token", alias = "lasttoken")]
+    Last,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     pub name: Option<String>,
-    /// The token embeddings `[tokens, hidden]` per row (default `last_hidden_state`).
+    /// The token embeddings `[tokens, hidden]` per row (default `last_hidden_state`, or
+    /// `token_embeddings` when no step writes that: sentence-transformers' ONNX exports).
     pub input: Option<String>,
     /// The mask that says which tokens are text (default `attention_mask`).
     pub mask: Option<String>,
@@ -163,7 +167,15 @@ fn tensor_dims(kind: Kind, name: &str) -> Result<Vec<i64>> {
 
 impl Post {
     pub fn pool(c: &PoolConfig, known: &mut super::Known) -> Result<Built> {
-        let input = c.input.clone().unwrap_or_else(|| "last_hidden_state".into());
+        let input = c.input.clone().unwrap_or_else(|| {
+            let written = |n: &str| known.values.contains_key(n);
+            if !written("last_hidden_state") && written("token_embeddings") {
+                "token_embeddings"
+            } else {
+                "last_hidden_state"
+            }
+            .into()
+        });
         let mask = c.mask.clone().unwrap_or_else(|| "attention_mask".into());
         let dims = tensor_dims(known.need(&input, Kind::Tensor(DataType::Fp32, vec![-1, -1]))?, &input)?;
         let [_, hidden] = dims.as_slice() else {
@@ -336,6 +348,12 @@ fn pool(h: &Tensor, mask: Option<&[f32]>, mode: Pooling, normalize: bool) -> Res
     let mut out = vec![0f32; hidden];
     match mode {
         Pooling::Cls => out.copy_from_slice(&values[..hidden]),
+        Pooling::Last => {
+            let mask = mask.unwrap_or_default();
+            let last = mask.iter().rposition(|&m| m != 0.0).filter(|_| mask.len() == tokens);
+            let t = last.ok_or_else(|| Error::invalid("no token is marked in the attention mask"))?;
+            out.copy_from_slice(&values[t * hidden..(t + 1) * hidden]);
+        }
         Pooling::Mean | Pooling::Max => {
             let mask = mask.unwrap_or_default();
             if mask.len() != tokens {
@@ -369,25 +387,32 @@ fn pool(h: &Tensor, mask: Option<&[f32]>, mode: Pooling, normalize: bool) -> Res
     Ok(out)
 }
 
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Scores to probabilities, in place (the largest subtracted first, so none overflows).
+pub(crate) fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    row.iter_mut().for_each(|x| *x /= sum);
+}
+
 fn unary(op: &Unary, t: &Tensor, output: &str) -> Result<Tensor> {
     let values = floats(t)?;
     let last = t.shape.last().copied().unwrap_or(1).max(1);
     match op {
         Unary::Sigmoid => {
-            let v: Vec<f32> = values.iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+            let v: Vec<f32> = values.iter().map(|&x| sigmoid(x)).collect();
             Ok(Tensor::from_le(output, DataType::Fp32, t.shape.clone(), &v))
         }
         Unary::Softmax => {
             let mut v = values;
-            for row in v.chunks_mut(last) {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for x in row.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-                row.iter_mut().for_each(|x| *x /= sum);
-            }
+            v.chunks_mut(last).for_each(softmax);
             Ok(Tensor::from_le(output, DataType::Fp32, t.shape.clone(), &v))
         }
         Unary::Argmax => {
@@ -559,6 +584,8 @@ mod tests {
         assert_eq!(mean, vec![2.0, 3.0]);
         assert_eq!(pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Max, false).unwrap(), vec![3.0, 4.0]);
         assert_eq!(pool(&h, None, Pooling::Cls, false).unwrap(), vec![1.0, 2.0]);
+        assert_eq!(pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Last, false).unwrap(), vec![3.0, 4.0]);
+        assert!(pool(&h, Some(&[0.0, 0.0, 0.0]), Pooling::Last, false).is_err());
         let unit = pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Mean, true).unwrap();
         assert!((unit[0] * unit[0] + unit[1] * unit[1] - 1.0).abs() < 1e-6);
         assert!(pool(&h, Some(&[0.0, 0.0, 0.0]), Pooling::Mean, false).is_err());

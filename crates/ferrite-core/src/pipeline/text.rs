@@ -8,8 +8,11 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use tokenizers::{Tokenizer, TruncationParams};
 
-use super::{model_file, per_row, Kind, StepError, Value};
-use crate::{DataType, Error, Result, Tensor, TensorData};
+use super::{model_file, per_row, post::Pooling, Kind, StepError, Value};
+use crate::{
+    engine::spec::{Task, TensorSpec, TextSpec},
+    DataType, Error, Result, Tensor, TensorData,
+};
 
 fn default_text() -> String {
     "text".into()
@@ -168,42 +171,173 @@ impl Tokenize {
 }
 
 impl Tokenize {
-    /// The encoding of `text` (and `pair`), paying for the tokens kept rather than the text's
-    /// whole length: each text is cut at a word boundary to a prefix of `8 x max_length` bytes,
-    /// which is taken when it holds more tokens than are kept (the rest would be cut anyway), and
-    /// grown fourfold until it does or is the whole text. So 1 MB of text costs a few kilobytes.
     fn encode(&self, text: &str, pair: Option<&str>) -> Result<tokenizers::Encoding> {
-        let failed = |e: tokenizers::Error| Error::invalid(format!("cannot tokenize: {e}"));
-        let mut budget = self.max_length.saturating_mul(8).max(256);
-        loop {
-            let (a, b) = (prefix(text, budget), pair.map(|p| prefix(p, budget)));
-            let whole = a.len() == text.len() && pair.zip(b).is_none_or(|(p, b)| b.len() == p.len());
-            let encoding = match b {
-                Some(b) => self.tokenizer.encode((a, b), self.special),
-                None => self.tokenizer.encode(a, self.special),
-            }
-            .map_err(failed)?;
-            if whole {
-                return Ok(encoding);
-            }
-            // Over the limit with what was read: the rest of the text could not have been kept.
-            let over = |t: &str| -> Result<bool> {
-                let e = self.tokenizer.encode(t, false).map_err(failed)?;
-                Ok(!e.get_overflowing().is_empty() || e.get_ids().len() > self.max_length)
-            };
-            let enough = match b {
-                // Each cut side alone must be over the limit (longest-first truncation takes from both).
-                Some(b) => {
-                    (a.len() == text.len() || over(a)?) && (pair.is_some_and(|p| b.len() == p.len()) || over(b)?)
-                }
-                None => !encoding.get_overflowing().is_empty() || encoding.get_ids().len() > self.max_length,
-            };
-            if enough {
-                return Ok(encoding);
-            }
-            budget = budget.saturating_mul(4);
-        }
+        encode(&self.tokenizer, text, pair, self.special, self.max_length)
     }
+
+    /// What the text routes read of the step: its inputs, its limit, and its tokenizer without
+    /// truncation (TEI's `/tokenize` never cuts; a length check must see past the limit).
+    pub(crate) fn parts(&self) -> (String, Option<String>, usize, bool, Tokenizer) {
+        let mut plain = self.tokenizer.clone();
+        // Infallible without a stride; None has no stride at all.
+        let _ = plain.with_truncation(None);
+        (self.input.clone(), self.pair.clone(), self.max_length, self.special, plain)
+    }
+}
+
+/// The encoding of `text` (and `pair`) by `tokenizer`, paying for the tokens kept rather than the
+/// text's whole length: each text is cut at a word boundary to a prefix of `8 x max_length`
+/// bytes, which is taken when it holds more tokens than are kept (the rest would be cut anyway,
+/// or, without truncation, the text is over the limit whatever follows), and grown fourfold
+/// until it does or is the whole text. So 1 MB of text costs a few kilobytes.
+pub(crate) fn encode(
+    tokenizer: &Tokenizer,
+    text: &str,
+    pair: Option<&str>,
+    special: bool,
+    max_length: usize,
+) -> Result<tokenizers::Encoding> {
+    let failed = |e: tokenizers::Error| Error::invalid(format!("cannot tokenize: {e}"));
+    let mut budget = max_length.saturating_mul(8).max(256);
+    loop {
+        let (a, b) = (prefix(text, budget), pair.map(|p| prefix(p, budget)));
+        let whole = a.len() == text.len() && pair.zip(b).is_none_or(|(p, b)| b.len() == p.len());
+        let encoding = match b {
+            Some(b) => tokenizer.encode((a, b), special),
+            None => tokenizer.encode(a, special),
+        }
+        .map_err(failed)?;
+        if whole {
+            return Ok(encoding);
+        }
+        // Over the limit with what was read: the rest of the text could not have been kept.
+        let over = |t: &str| -> Result<bool> {
+            let e = tokenizer.encode(t, false).map_err(failed)?;
+            Ok(!e.get_overflowing().is_empty() || e.get_ids().len() > max_length)
+        };
+        let enough = match b {
+            // Each cut side alone must be over the limit (longest-first truncation takes from both).
+            Some(b) => (a.len() == text.len() || over(a)?) && (pair.is_some_and(|p| b.len() == p.len()) || over(b)?),
+            None => !encoding.get_overflowing().is_empty() || encoding.get_ids().len() > max_length,
+        };
+        if enough {
+            return Ok(encoding);
+        }
+        budget = budget.saturating_mul(4);
+    }
+}
+
+/// The text routes' view of a pipeline whose first tokenize step is `tokenize` and whose pool
+/// step (if any) writes `pool`: for the task its config declares or, with none declared, `embed`
+/// when it tokenizes one text and pools; `None` for a pipeline that is no text model. `outputs`
+/// are the pipeline's (without the batch dim), `labels` a classifier's by output.
+pub(crate) fn text_spec(
+    dir: &std::path::Path,
+    task: Option<Task>,
+    tokenize: Option<&Tokenize>,
+    pool: Option<(&str, Pooling, bool)>,
+    inputs: &[TensorSpec],
+    outputs: &[TensorSpec],
+    labels: &BTreeMap<String, Vec<String>>,
+) -> Result<Option<TextSpec>> {
+    let Some(tokenize) = tokenize else {
+        return match task {
+            Some(t) => Err(Error::invalid(format!("task '{}' needs a tokenize step", t.as_str()))),
+            None => Ok(None),
+        };
+    };
+    let (input, pair, max_length, special_tokens, tokenizer) = tokenize.parts();
+    let Some(task) = task.or((pool.is_some() && pair.is_none()).then_some(Task::Embed)) else { return Ok(None) };
+    let fail = |m: String| Error::invalid(format!("task '{}': {m}", task.as_str()));
+    if let Some(other) = inputs.iter().find(|t| t.name != input && Some(&t.name) != pair.as_ref()) {
+        return Err(fail(format!("the pipeline also takes '{}', which its text routes cannot send", other.name)));
+    }
+    let floats = |rank: &dyn Fn(&[i64]) -> bool| -> Vec<&TensorSpec> {
+        outputs.iter().filter(|o| o.datatype == DataType::Fp32 && rank(&o.dims)).collect()
+    };
+    let named = |found: Vec<&TensorSpec>, names: &[&str]| -> Option<String> {
+        let by_name = names.iter().find_map(|n| found.iter().find(|o| o.name == *n));
+        by_name.or(found.first()).map(|o| o.name.clone())
+    };
+    let vector = |d: &[i64]| d.len() == 1;
+    let (output, normalized) = match task {
+        Task::Embed => {
+            if pair.is_some() {
+                return Err(fail("an embedder takes one text; its tokenize step has a pair".into()));
+            }
+            let output = pool
+                .filter(|(o, ..)| outputs.iter().any(|t| t.name == *o))
+                .map(|(o, ..)| o.to_string())
+                .or_else(|| named(floats(&vector), &["embedding", "sentence_embedding"]))
+                .ok_or_else(|| fail("the pipeline answers no vector (an FP32 output of one dim)".into()))?;
+            let normalized = pool.is_some_and(|(o, _, n)| o == output && n);
+            (output, normalized)
+        }
+        Task::Rerank => {
+            if pair.is_none() {
+                return Err(fail("a re-ranker reads (query, text) pairs: give its tokenize step a `pair`".into()));
+            }
+            let one = |d: &[i64]| d.is_empty() || d == [1];
+            let output = named(floats(&one), &["logits", "scores", "score"])
+                .ok_or_else(|| fail("the pipeline answers no score (an FP32 output of one value per row)".into()))?;
+            (output, false)
+        }
+        Task::Classify => {
+            let output = named(floats(&vector), &["logits", "scores", "probabilities"])
+                .ok_or_else(|| fail("the pipeline answers no scores (an FP32 output of one per class)".into()))?;
+            (output, false)
+        }
+    };
+    let labels = labels.get(&output).cloned().unwrap_or_default();
+    let width = outputs.iter().find(|o| o.name == output).and_then(|o| o.dims.first().copied()).unwrap_or(-1);
+    if task == Task::Classify && !labels.is_empty() && width >= 0 && labels.len() as i64 != width {
+        return Err(fail(format!("{} labels for {width} scores", labels.len())));
+    }
+    let (prompts, default_prompt) = prompts(dir)?;
+    Ok(Some(TextSpec {
+        task,
+        input,
+        pair,
+        output,
+        count: outputs.iter().find(|o| o.name == "token_count").map(|o| o.name.clone()),
+        max_length,
+        special_tokens,
+        pooling: pool.map(|(_, mode, _)| {
+            match mode {
+                Pooling::Mean => "mean",
+                Pooling::Cls => "cls",
+                Pooling::Max => "max",
+                Pooling::Last => "last_token",
+            }
+            .to_string()
+        }),
+        normalized,
+        labels,
+        prompts,
+        default_prompt,
+        tokenizer: std::sync::Arc::new(tokenizer),
+    }))
+}
+
+/// sentence-transformers' prompts, from `config_sentence_transformers.json` when the directory
+/// has one: `{"prompts": {"query": "query: "}, "default_prompt_name": "query"}`.
+fn prompts(dir: &std::path::Path) -> Result<(BTreeMap<String, String>, Option<String>)> {
+    #[derive(Deserialize, Default)]
+    struct File {
+        #[serde(default)]
+        prompts: BTreeMap<String, String>,
+        default_prompt_name: Option<String>,
+    }
+    let path = dir.join("config_sentence_transformers.json");
+    let file: File = match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))?,
+        Err(_) => File::default(),
+    };
+    if let Some(name) = file.default_prompt_name.as_ref().filter(|n| !file.prompts.contains_key(*n)) {
+        return Err(Error::invalid(format!("{}: default_prompt_name '{name}' is not a prompt", path.display())));
+    }
+    Ok((file.prompts, file.default_prompt_name))
 }
 
 /// The longest prefix of `text` of at most `budget` bytes that ends at a word boundary (at a

@@ -235,3 +235,121 @@ pub struct OpenAiUsage {
 #[derive(Serialize, ToSchema)]
 #[serde(transparent)]
 pub struct TeiEmbedResponse(pub Vec<Vec<f32>>);
+
+/// TEI's error body.
+#[derive(Serialize, ToSchema)]
+pub struct TeiError {
+    pub error: String,
+    /// `Validation` (422), `Empty` (400), `Backend` (424: the model does not do what the route
+    /// asks), `Overloaded` (429), `Unhealthy` (503), `NotFound` (404, ours: no such model).
+    pub error_type: &'static str,
+}
+
+/// One passage of TEI's `/rerank` answer, highest score first.
+#[derive(Serialize, ToSchema)]
+pub struct TeiRank {
+    /// The passage's position in `texts`.
+    pub index: usize,
+    pub score: f32,
+    /// The passage, with `return_text`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
+/// TEI's `/rerank` answer.
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct TeiRerankResponse(pub Vec<TeiRank>);
+
+/// One class of TEI's `/predict` answer, highest score first.
+#[derive(Serialize, ToSchema)]
+pub struct TeiPrediction {
+    pub score: f32,
+    pub label: String,
+}
+
+/// TEI's `/predict` answer: a list of classes for one input, a list of such lists for several.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum TeiPredictResponse {
+    One(Vec<TeiPrediction>),
+    Many(Vec<Vec<TeiPrediction>>),
+}
+
+/// TEI's `/similarity` answer: the cosine similarity of each sentence to the source sentence.
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct TeiSimilarityResponse(pub Vec<f32>);
+
+/// One token of TEI's `/tokenize` answer.
+#[derive(Serialize, ToSchema)]
+pub struct TeiToken {
+    pub id: u32,
+    /// The input's text the token covers (the token itself for a special token).
+    pub text: String,
+    pub special: bool,
+    /// Byte offsets into the input (`null` for a special token).
+    pub start: Option<usize>,
+    pub stop: Option<usize>,
+}
+
+/// TEI's `/tokenize` answer: the tokens of each input.
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct TeiTokenizeResponse(pub Vec<Vec<TeiToken>>);
+
+/// TEI's `/decode` answer: one text per list of ids.
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct TeiDecodeResponse(pub Vec<String>);
+
+/// TEI's `/info`: the model a route serves, and the server's limits.
+#[derive(Serialize, ToSchema)]
+pub struct TeiInfo {
+    pub model_id: String,
+    pub model_sha: Option<String>,
+    pub model_dtype: String,
+    /// `{"embedding": {"pooling"}}`, `{"reranker": {"id2label", "label2id"}}` or
+    /// `{"classifier": {...}}`.
+    #[schema(value_type = Object)]
+    pub model_type: Value,
+    pub max_concurrent_requests: usize,
+    pub max_input_length: usize,
+    pub max_batch_tokens: usize,
+    pub max_batch_requests: Option<usize>,
+    pub max_client_batch_size: usize,
+    pub auto_truncate: bool,
+    pub tokenization_workers: usize,
+    pub version: String,
+    pub sha: Option<String>,
+    pub docker_label: Option<String>,
+}
+
+/// Cohere's and Jina's `/v1/rerank` answer.
+#[derive(Serialize, ToSchema)]
+pub struct RerankResponse {
+    pub id: String,
+    pub model: String,
+    pub results: Vec<RerankResult>,
+    pub usage: RerankUsage,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct RerankResult {
+    pub index: usize,
+    /// The sigmoid of the model's score, in 0..1.
+    pub relevance_score: f32,
+    /// With `return_documents`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub document: Option<RerankDocument>,
+}
+
+#[derive(Serialize, Deserialize, ToSchema)]
+pub struct RerankDocument {
+    pub text: String,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct RerankUsage {
+    pub total_tokens: u64,
+}

@@ -2,11 +2,11 @@
 
 mod bodies;
 mod decode;
-mod embeddings;
 mod error;
 pub(crate) mod json;
 pub(crate) mod msgpack;
 pub mod openapi;
+mod texts;
 
 use axum::{
     body::Bytes,
@@ -249,6 +249,10 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         error: json::<b::Error>(),
     };
     let (user, admin) = (Some("infer"), Some("admin"));
+    let tei = |path, summary: &str, body, answer| Doc {
+        error: json::<b::TeiError>(),
+        ..doc("post", path, summary, user, Some(body), answer)
+    };
     let live = || async { axum::Json(b::Live { live: true }) };
     let mut routes = vec![
         (doc("get", "/v2", "Server metadata: name, version, extensions", user, None, json::<b::ServerMetadata>()), get(server_metadata)),
@@ -259,8 +263,15 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         (doc("post", "/v2/repository/models/{model}/load", "Loads or reloads a model from the repository (explicit mode)", admin, Some(json::<b::RepositoryRequest>()), json::<b::Empty>()), post(repository_load)),
         (doc("post", "/v2/repository/models/{model}/unload", "Stops serving a model (explicit mode)", admin, Some(json::<b::RepositoryRequest>()), json::<b::Empty>()), post(repository_unload)),
         (doc("post", "/v2/repository/models/{model}/promote", "Makes a model's canary candidate its stable version (explicit mode)", admin, None, json::<b::Empty>()), post(repository_promote)),
-        (Doc { error: json::<b::OpenAiError>(), ..doc("post", "/v1/embeddings", "OpenAI's embeddings API, answered by a pipeline that embeds texts (model = its name)", user, Some(json::<embeddings::OpenAiRequest>()), json::<b::OpenAiEmbeddingResponse>()) }, post(embeddings::openai)),
-        (doc("post", "/embed", "Hugging Face TEI's embed API, answered by the one pipeline that embeds texts (or the one named in model)", user, Some(json::<embeddings::TeiRequest>()), json::<b::TeiEmbedResponse>()), post(embeddings::tei)),
+        (Doc { error: json::<b::OpenAiError>(), ..doc("post", "/v1/embeddings", "OpenAI's embeddings API, answered by a text pipeline of task embed (model = its name)", user, Some(json::<texts::OpenAiRequest>()), json::<b::OpenAiEmbeddingResponse>()) }, post(texts::openai)),
+        (Doc { error: json::<b::OpenAiError>(), ..doc("post", "/v1/rerank", "Cohere's and Jina's rerank API, answered by a text pipeline of task rerank (model optional with one)", user, Some(json::<texts::CohereRerankRequest>()), json::<b::RerankResponse>()) }, post(texts::cohere_rerank)),
+        (tei("/embed", "Hugging Face TEI's embed API, answered by the one pipeline of task embed (or the one named in model)", json::<texts::TeiEmbedRequest>(), json::<b::TeiEmbedResponse>()), post(texts::embed)),
+        (tei("/rerank", "TEI's rerank API: passages scored for a query by a pipeline of task rerank, highest first", json::<texts::TeiRerankRequest>(), json::<b::TeiRerankResponse>()), post(texts::rerank)),
+        (tei("/predict", "TEI's predict API: a text or pair classified by a pipeline of task classify", json::<texts::TeiPredictRequest>(), json::<b::TeiPredictResponse>()), post(texts::predict)),
+        (tei("/similarity", "TEI's similarity API: cosine similarity of sentences to a source sentence", json::<texts::TeiSimilarityRequest>(), json::<b::TeiSimilarityResponse>()), post(texts::similarity)),
+        (tei("/tokenize", "TEI's tokenize API: a text model's tokens, with byte offsets, never cut", json::<texts::TeiTokenizeRequest>(), json::<b::TeiTokenizeResponse>()), post(texts::tokenize)),
+        (tei("/decode", "TEI's decode API: token ids back to text", json::<texts::TeiDecodeRequest>(), json::<b::TeiDecodeResponse>()), post(texts::decode)),
+        (Doc { error: json::<b::TeiError>(), ..doc("get", "/info", "TEI's info: the text model (?model= when several), its task and limits", user, None, json::<b::TeiInfo>()) }, get(texts::info)),
         (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, json::<b::OpenApi>()), get(openapi_json)),
         (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, Body::Html), get(docs_page)),
     ];

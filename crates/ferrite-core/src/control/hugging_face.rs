@@ -1,0 +1,187 @@
+//! A Hugging Face / sentence-transformers model directory served as it is, as TEI serves one:
+//! `config.json` and `tokenizer.json` beside `model.onnx` (or `onnx/model.onnx`), and no version
+//! directories. Its text pipeline is found from its files, by TEI's rules:
+//!
+//! - the task from `config.json`'s `architectures`: `*ForSequenceClassification` with one label
+//!   re-ranks (a cross-encoder, reading (query, text) pairs), with several classifies (labels from
+//!   `id2label`); any other encoder (`BertModel`, `XLMRobertaModel`, ...) embeds;
+//!   `*ForMaskedLM` (SPLADE) is refused by name;
+//! - the max input length from `sentence_bert_config.json`'s `max_seq_length`, else the model's
+//!   `max_position_embeddings` (less RoBERTa's two offset positions);
+//! - an embedder's pooling from `1_Pooling/config.json` (mean, cls, max, last token); one without
+//!   that file is refused, as TEI refuses it without `--pooling`. Vectors are normalized by the
+//!   routes (TEI's `normalize`, on by default), not by the pipeline.
+//!
+//! A `config.toml` beside the files overrides: its `task`, batching, cache and ONNX Runtime
+//! settings apply; with `[[steps]]` of its own it is an ordinary pipeline.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::{
+    control::config::{ModelConfig, TensorConfig},
+    engine::spec::Task,
+    pipeline::{ModelStepConfig, PoolConfig, Pooling, StepConfig, TokenizeConfig},
+    Error, Result,
+};
+
+/// Whether `dir` holds a Hugging Face model: `config.json` and `tokenizer.json`, and no version
+/// directory.
+pub fn is_layout(dir: &Path) -> bool {
+    let versioned =
+        std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+            e.path().is_dir() && e.file_name().to_str().is_some_and(|n| n.parse::<u64>().is_ok_and(|v| v > 0))
+        });
+    dir.join("config.json").is_file() && dir.join("tokenizer.json").is_file() && !versioned
+}
+
+#[derive(Deserialize, Default)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    model_type: Option<String>,
+    max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    id2label: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct SentenceBert {
+    max_seq_length: Option<usize>,
+}
+
+#[derive(Deserialize, Default)]
+struct PoolingFile {
+    #[serde(default)]
+    pooling_mode_cls_token: bool,
+    #[serde(default)]
+    pooling_mode_mean_tokens: bool,
+    #[serde(default)]
+    pooling_mode_max_tokens: bool,
+    #[serde(default)]
+    pooling_mode_lasttoken: bool,
+    #[serde(default)]
+    pooling_mode_mean_sqrt_len_tokens: bool,
+    #[serde(default)]
+    pooling_mode_weightedmean_tokens: bool,
+}
+
+fn read<T: serde::de::DeserializeOwned>(dir: &Path, file: &str) -> Result<Option<T>> {
+    let path = dir.join(file);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).map(Some).map_err(|e| Error::invalid(format!("cannot read {file}: {e}")))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::invalid(format!("cannot read {file}: {e}"))),
+    }
+}
+
+/// The ONNX file: `default_model_filename` (default `model.onnx`) at the top or under `onnx/`.
+fn onnx_file(dir: &Path, config: &ModelConfig) -> Result<String> {
+    let name = config.default_model_filename.as_deref().unwrap_or(super::repository::DEFAULT_MODEL_FILENAME);
+    [name.to_string(), format!("onnx/{name}")].into_iter().find(|f| dir.join(f).is_file()).ok_or_else(|| {
+        Error::invalid(format!(
+            "a Hugging Face directory without an ONNX file: neither {name} nor onnx/{name} (export one with optimum)"
+        ))
+    })
+}
+
+/// `config` with the pipeline of the Hugging Face directory `dir` (see the module's text): its
+/// steps, outputs, task and labels.
+pub fn pipeline(dir: &Path, mut config: ModelConfig) -> Result<ModelConfig> {
+    let hf: HfConfig = read(dir, "config.json")?.unwrap_or_default();
+    let file = onnx_file(dir, &config)?;
+    let arch = hf.architectures.first().cloned().unwrap_or_default();
+    if arch.ends_with("ForMaskedLM") {
+        return Err(Error::Unsupported(format!(
+            "{arch}: sparse (SPLADE) models are not served yet; an embedder or a sequence classifier is"
+        )));
+    }
+    let mut labels: Vec<(usize, String)> = hf
+        .id2label
+        .iter()
+        .map(|(k, v)| k.parse().map(|i| (i, v.clone())).map_err(|_| Error::invalid(format!("id2label key '{k}'"))))
+        .collect::<Result<_>>()?;
+    labels.sort();
+    let found = if arch.ends_with("ForSequenceClassification") {
+        if labels.len() <= 1 {
+            Task::Rerank
+        } else {
+            Task::Classify
+        }
+    } else if arch.contains("For") {
+        return Err(Error::Unsupported(format!("{arch}: only embedders and sequence classifiers are served")));
+    } else {
+        Task::Embed
+    };
+    let task = *config.task.get_or_insert(found);
+    let offset = match hf.model_type.as_deref() {
+        Some("roberta" | "xlm-roberta" | "camembert") => 2,
+        _ => 0,
+    };
+    let max_length = read::<SentenceBert>(dir, "sentence_bert_config.json")?
+        .and_then(|s| s.max_seq_length)
+        .or(hf.max_position_embeddings.map(|p| p.saturating_sub(offset)))
+        .unwrap_or(512);
+    let tokenize = TokenizeConfig {
+        name: None,
+        input: "text".into(),
+        pair: (task == Task::Rerank).then(|| "pair".into()),
+        tokenizer: None,
+        max_length: Some(max_length),
+        truncation: None,
+        add_special_tokens: None,
+        dtype: None,
+        outputs: None,
+    };
+    let model = ModelStepConfig {
+        name: None,
+        model: String::new(),
+        file: Some(file),
+        version: None,
+        inputs: Default::default(),
+        outputs: Default::default(),
+    };
+    let mut steps = vec![StepConfig::Tokenize(tokenize), StepConfig::Model(model)];
+    let output = |name: &str| TensorConfig { name: name.into(), ..Default::default() };
+    if task == Task::Embed {
+        let p: PoolingFile = read(dir, "1_Pooling/config.json")?.ok_or_else(|| {
+            Error::invalid("an embedder's directory needs 1_Pooling/config.json (its pooling), as TEI does")
+        })?;
+        let mode = match (
+            p.pooling_mode_cls_token,
+            p.pooling_mode_mean_tokens,
+            p.pooling_mode_max_tokens,
+            p.pooling_mode_lasttoken,
+        ) {
+            (true, false, false, false) => Pooling::Cls,
+            (false, true, false, false) => Pooling::Mean,
+            (false, false, true, false) => Pooling::Max,
+            (false, false, false, true) => Pooling::Last,
+            _ if p.pooling_mode_mean_sqrt_len_tokens || p.pooling_mode_weightedmean_tokens => {
+                return Err(Error::Unsupported(
+                    "1_Pooling/config.json: mean-sqrt-len and weighted-mean pooling are not served".into(),
+                ))
+            }
+            _ => return Err(Error::invalid("1_Pooling/config.json names no pooling mode, or several")),
+        };
+        steps.push(StepConfig::Pool(PoolConfig {
+            name: None,
+            input: None,
+            mask: None,
+            output: None,
+            mode,
+            normalize: false,
+        }));
+        if config.output.is_empty() {
+            config.output = vec![output("embedding"), output("token_count")];
+        }
+    } else if config.output.is_empty() {
+        config.output = vec![output("logits"), output("token_count")];
+        config.labels.insert("logits".into(), labels.into_iter().map(|(_, l)| l).collect());
+    }
+    config.steps = steps;
+    Ok(config)
+}

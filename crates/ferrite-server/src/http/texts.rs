@@ -1,0 +1,811 @@
+//! Text models as their users call them, over the core's `texts`: OpenAI's `POST /v1/embeddings`,
+//! Hugging Face TEI's API (`/embed`, `/rerank`, `/predict`, `/similarity`, `/tokenize`,
+//! `/decode`, `/info`, with its request bodies, answers and `{"error", "error_type"}` errors)
+//! and Cohere's and Jina's `POST /v1/rerank`, so their clients (OpenAI's, LangChain, LlamaIndex,
+//! the RAG frameworks) work with a base URL change. A call names its model in `model` (`?model=`
+//! on `/info`), or leaves it to the one served model of its task. Same auth, limits, tenants,
+//! metrics and cache as `/v2/.../infer`.
+
+use axum::{
+    extract::{Query, State},
+    http::{header, HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+};
+use base64::Engine as _;
+use bytes::Bytes;
+use ferrite_core::{
+    engine::spec::Task,
+    texts::{self, TextModel, TEI_MAX_INPUTS},
+    Error,
+};
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use super::{
+    bodies::{
+        Embedding, OpenAiEmbedding, OpenAiEmbeddingResponse, OpenAiError, OpenAiErrorDetail, OpenAiUsage,
+        RerankDocument, RerankResponse, RerankResult, RerankUsage, TeiDecodeResponse, TeiEmbedResponse, TeiError,
+        TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse, TeiSimilarityResponse, TeiToken,
+        TeiTokenizeResponse,
+    },
+    tenant_of, ApiError, AppState,
+};
+
+type Principal = Option<axum::Extension<crate::auth::Principal>>;
+
+/// A string or a list of strings (both APIs take either).
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+pub(super) enum Texts {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Texts {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Texts::One(t) => vec![t],
+            Texts::Many(v) => v,
+        }
+    }
+}
+
+fn bytes(texts: Vec<String>) -> Vec<Bytes> {
+    texts.into_iter().map(Bytes::from).collect()
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// A client's string as an error names it: its first 32 characters.
+fn shown(s: &str) -> String {
+    let cut: String = s.chars().take(32).collect();
+    if cut.len() < s.len() {
+        format!("{cut}...")
+    } else {
+        cut
+    }
+}
+
+// ---- OpenAI --------------------------------------------------------------------------------
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = OpenAiEmbeddingRequest)]
+pub(super) struct OpenAiRequest {
+    input: Texts,
+    model: String,
+    /// `float` (default) or `base64`.
+    #[serde(default)]
+    encoding_format: Option<String>,
+    /// Vectors cut to this many dimensions and normalized again (matryoshka models).
+    #[serde(default)]
+    dimensions: Option<u64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<String>,
+}
+
+/// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
+fn openai_error(e: ApiError) -> Response {
+    let kind = if e.status.is_client_error() { "invalid_request_error" } else { "server_error" };
+    let body =
+        OpenAiError { error: OpenAiErrorDetail { message: e.message, kind, param: None, code: e.status.as_u16() } };
+    let mut resp = (e.status, axum::Json(body)).into_response();
+    if let Some(secs) = e.retry_after {
+        resp.headers_mut().insert(header::RETRY_AFTER, secs.into());
+    }
+    resp
+}
+
+/// `dimensions` in `1..=width` (`width` when the model's spec fixes it).
+fn dimensions(asked: Option<u64>, width: Option<usize>) -> Result<Option<usize>, String> {
+    match (asked, width) {
+        (None, _) => Ok(None),
+        (Some(d), Some(w)) if d == 0 || d > w as u64 => Err(format!("`dimensions` must be in 1..={w}, not {d}")),
+        (Some(0), None) => Err("`dimensions` must be positive".into()),
+        (Some(d), _) => Ok(Some(d as usize)),
+    }
+}
+
+pub(super) async fn openai(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let answer = async {
+        let req: OpenAiRequest = parse(&body)?;
+        let base64 = match req.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!("encoding_format '{}': float or base64", shown(other))))
+            }
+        };
+        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+        let m = TextModel::new(&s.core, &req.model, Some(Task::Embed)).map_err(invalid_as_400)?;
+        // A wrong size is refused before any text is embedded.
+        let cut = dimensions(req.dimensions, m.width()).map_err(ApiError::bad_request)?;
+        let normalized = m.text.as_ref().is_some_and(|t| t.normalized);
+        let rows = bytes(req.input.into_vec()).into_iter().map(|t| (t, None)).collect();
+        let e = m.run(&s.core, rows, texts::MAX_INPUTS, tenant).await?;
+        let data = e
+            .rows
+            .into_iter()
+            .enumerate()
+            .map(|(index, v)| {
+                // OpenAI's vectors are unit vectors.
+                let v = texts::shape_vector(v, cut, cut.is_some() || !normalized);
+                let embedding = if base64 {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    Embedding::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
+                } else {
+                    Embedding::Floats(v)
+                };
+                OpenAiEmbedding { object: "embedding", index, embedding }
+            })
+            .collect();
+        let usage = OpenAiUsage { prompt_tokens: e.tokens, total_tokens: e.tokens };
+        Ok(axum::Json(OpenAiEmbeddingResponse { object: "list", data, model: e.model, usage }).into_response())
+    };
+    answer.await.unwrap_or_else(openai_error)
+}
+
+/// OpenAI and Cohere answer a model of another kind as a bad request.
+fn invalid_as_400(e: Error) -> ApiError {
+    match e {
+        Error::Unsupported(m) => ApiError::bad_request(m),
+        e => e.into(),
+    }
+}
+
+// ---- TEI -----------------------------------------------------------------------------------
+
+/// A core error as TEI answers it: validation 422, a model of another task 424, a fault 424.
+fn tei_status(e: &Error) -> StatusCode {
+    match e {
+        Error::InvalidInput(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        Error::Unsupported(_) | Error::Internal(_) => StatusCode::FAILED_DEPENDENCY,
+        e => ApiError::from(e.clone()).status,
+    }
+}
+
+/// TEI's error: `{"error", "error_type"}`, its type following the status.
+pub(super) struct TeiFail(ApiError);
+
+impl From<Error> for TeiFail {
+    fn from(e: Error) -> Self {
+        let status = tei_status(&e);
+        TeiFail(ApiError { status, ..ApiError::from(e) })
+    }
+}
+
+impl From<ApiError> for TeiFail {
+    fn from(e: ApiError) -> Self {
+        TeiFail(e)
+    }
+}
+
+impl TeiFail {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        TeiFail(ApiError::new(status, message))
+    }
+
+    fn validation(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, message)
+    }
+}
+
+impl IntoResponse for TeiFail {
+    fn into_response(self) -> Response {
+        let e = self.0;
+        let error_type = match e.status.as_u16() {
+            400 => "Empty",
+            401 | 403 => "Unauthorized",
+            404 => "NotFound",
+            413 | 422 => "Validation",
+            429 => "Overloaded",
+            503 => "Unhealthy",
+            _ => "Backend",
+        };
+        let mut resp = (e.status, axum::Json(TeiError { error: e.message, error_type })).into_response();
+        if let Some(secs) = e.retry_after {
+            resp.headers_mut().insert(header::RETRY_AFTER, secs.into());
+        }
+        resp
+    }
+}
+
+pub(super) type TeiResult = Result<Response, TeiFail>;
+
+fn tei_parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, TeiFail> {
+    serde_json::from_slice(body).map_err(|e| TeiFail::validation(format!("invalid request body: {e}")))
+}
+
+/// TEI's checks of a call's texts: none empty (400), at most its client batch size (422).
+fn tei_texts<'t>(texts: impl IntoIterator<Item = &'t String>) -> Result<(), TeiFail> {
+    let mut n = 0;
+    for t in texts {
+        if t.is_empty() {
+            return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`inputs` cannot be empty"));
+        }
+        n += 1;
+    }
+    if n == 0 {
+        return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`inputs` cannot be empty"));
+    }
+    if n > TEI_MAX_INPUTS {
+        return Err(TeiFail::validation(format!("batch size {n} > maximum allowed batch size {TEI_MAX_INPUTS}")));
+    }
+    Ok(())
+}
+
+/// `truncation_direction`: the pipelines cut texts at their end (TEI's `Right`).
+fn right(direction: &Option<String>) -> Result<(), TeiFail> {
+    match direction.as_deref() {
+        None | Some("Right" | "right") => Ok(()),
+        Some(other) => Err(TeiFail::validation(format!(
+            "truncation_direction '{}': text pipelines cut texts at their end (Right)",
+            shown(other)
+        ))),
+    }
+}
+
+/// The model a TEI call reaches: the one it names, or the one served model of `task`.
+fn tei_model(s: &AppState, model: Option<&str>, task: Option<Task>) -> Result<TextModel, TeiFail> {
+    let name = texts::pick(&s.core, model, task)?;
+    Ok(TextModel::new(&s.core, &name, task)?)
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiEmbedRequest)]
+pub(super) struct TeiEmbedRequest {
+    inputs: Texts,
+    /// Unit vectors (default); `false` answers the model's own (refused by a pipeline whose
+    /// pool step normalizes).
+    #[serde(default = "yes")]
+    normalize: bool,
+    /// `false`: a text over the model's max input length is refused (422) instead of cut.
+    #[serde(default)]
+    truncate: Option<bool>,
+    /// `Right` (the end of a text is cut).
+    #[serde(default)]
+    truncation_direction: Option<String>,
+    /// One of the model's sentence-transformers prompts, put before each text.
+    #[serde(default)]
+    prompt_name: Option<String>,
+    /// Vectors cut to this many dimensions, before normalizing.
+    #[serde(default)]
+    dimensions: Option<u64>,
+    /// Ours: which model, when more than one answers embeddings.
+    #[serde(default)]
+    model: Option<String>,
+}
+
+/// Embeds `texts` for TEI's `/embed` and `/similarity`: checked, prompted, cut or refused when long.
+async fn tei_vectors(
+    s: &AppState,
+    principal: Principal,
+    headers: &HeaderMap,
+    req: TeiEmbedRequest,
+) -> Result<Vec<Vec<f32>>, TeiFail> {
+    let texts = req.inputs.into_vec();
+    tei_texts(&texts)?;
+    right(&req.truncation_direction)?;
+    let tenant = tenant_of(s, principal.map(|p| p.0).as_ref(), headers)?;
+    let m = tei_model(s, req.model.as_deref(), Some(Task::Embed))?;
+    let cut = dimensions(req.dimensions, m.width()).map_err(TeiFail::validation)?;
+    let normalized = m.text.as_ref().is_some_and(|t| t.normalized);
+    if normalized && !req.normalize {
+        return Err(TeiFail::validation(format!(
+            "model '{}' answers unit vectors (its pool step normalizes); `normalize: false` needs a pipeline \
+             whose pool step does not",
+            m.name()
+        )));
+    }
+    let rows: Vec<_> = m.prompted(bytes(texts), req.prompt_name.as_deref())?.into_iter().map(|t| (t, None)).collect();
+    if req.truncate == Some(false) {
+        m.check_lengths(&rows)?;
+    }
+    let e = m.run(&s.core, rows, TEI_MAX_INPUTS, tenant).await?;
+    let renormalize = req.normalize && (cut.is_some() || !normalized);
+    Ok(e.rows.into_iter().map(|v| texts::shape_vector(v, cut, renormalize)).collect())
+}
+
+pub(super) async fn embed(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> TeiResult {
+    let req: TeiEmbedRequest = tei_parse(&body)?;
+    let vectors = tei_vectors(&s, principal, &headers, req).await?;
+    Ok(axum::Json(TeiEmbedResponse(vectors)).into_response())
+}
+
+#[derive(Deserialize, ToSchema)]
+pub(super) struct SimilarityInputs {
+    source_sentence: String,
+    sentences: Vec<String>,
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiSimilarityRequest)]
+pub(super) struct TeiSimilarityRequest {
+    inputs: SimilarityInputs,
+    #[serde(default)]
+    truncate: Option<bool>,
+    #[serde(default)]
+    truncation_direction: Option<String>,
+    #[serde(default)]
+    prompt_name: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+pub(super) async fn similarity(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> TeiResult {
+    let req: TeiSimilarityRequest = tei_parse(&body)?;
+    let inputs = std::iter::once(req.inputs.source_sentence).chain(req.inputs.sentences).collect();
+    let embed = TeiEmbedRequest {
+        inputs: Texts::Many(inputs),
+        normalize: true,
+        truncate: req.truncate,
+        truncation_direction: req.truncation_direction,
+        prompt_name: req.prompt_name,
+        dimensions: None,
+        model: req.model,
+    };
+    let vectors = tei_vectors(&s, principal, &headers, embed).await?;
+    if vectors.len() < 2 {
+        return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`sentences` cannot be empty"));
+    }
+    let source = &vectors[0];
+    let cosines = vectors[1..].iter().map(|v| v.iter().zip(source).map(|(a, b)| a * b).sum()).collect();
+    Ok(axum::Json(TeiSimilarityResponse(cosines)).into_response())
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiRerankRequest)]
+pub(super) struct TeiRerankRequest {
+    query: String,
+    texts: Vec<String>,
+    #[serde(default)]
+    truncate: Option<bool>,
+    #[serde(default)]
+    truncation_direction: Option<String>,
+    /// The model's scores as they are, without the sigmoid.
+    #[serde(default)]
+    raw_scores: bool,
+    /// Each passage with its score.
+    #[serde(default)]
+    return_text: bool,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+/// `(index, score)` of each passage for `query`, highest first, and the tokens they took.
+async fn ranked(
+    s: &AppState,
+    principal: Principal,
+    headers: &HeaderMap,
+    (model, query, passages): (Option<&str>, &str, &[String]),
+    (truncate, raw): (Option<bool>, bool),
+    max_inputs: usize,
+) -> Result<(String, Vec<(usize, f32)>, u64), ApiError> {
+    let tenant = tenant_of(s, principal.map(|p| p.0).as_ref(), headers)?;
+    let m = TextModel::new(&s.core, &texts::pick(&s.core, model, Some(Task::Rerank))?, Some(Task::Rerank))?;
+    let query = Bytes::copy_from_slice(query.as_bytes());
+    let rows: Vec<_> = passages.iter().map(|p| (query.clone(), Some(Bytes::copy_from_slice(p.as_bytes())))).collect();
+    if truncate == Some(false) {
+        m.check_lengths(&rows)?;
+    }
+    let a = m.run(&s.core, rows, max_inputs, tenant).await?;
+    let mut scored: Vec<(usize, f32)> = a
+        .rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let score = r.first().copied().unwrap_or(f32::NAN);
+            (i, if raw { score } else { ferrite_core::texts::probabilities(vec![score])[0] })
+        })
+        .collect();
+    scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    Ok((a.model, scored, a.tokens))
+}
+
+fn tei_api(e: ApiError) -> TeiFail {
+    // The core's errors reach `ranked` as the V2 API's; TEI answers them with its own statuses.
+    let status = match e.status {
+        StatusCode::BAD_REQUEST => StatusCode::UNPROCESSABLE_ENTITY,
+        StatusCode::NOT_IMPLEMENTED | StatusCode::INTERNAL_SERVER_ERROR => StatusCode::FAILED_DEPENDENCY,
+        other => other,
+    };
+    TeiFail(ApiError { status, ..e })
+}
+
+pub(super) async fn rerank(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> TeiResult {
+    let req: TeiRerankRequest = tei_parse(&body)?;
+    tei_texts(std::iter::once(&req.query).chain(&req.texts))?;
+    if req.texts.is_empty() {
+        return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`texts` cannot be empty"));
+    }
+    right(&req.truncation_direction)?;
+    let (_, scored, _) = ranked(
+        &s,
+        principal,
+        &headers,
+        (req.model.as_deref(), &req.query, &req.texts),
+        (req.truncate, req.raw_scores),
+        TEI_MAX_INPUTS,
+    )
+    .await
+    .map_err(tei_api)?;
+    let ranks = scored
+        .into_iter()
+        .map(|(index, score)| TeiRank { index, score, text: req.return_text.then(|| req.texts[index].clone()) })
+        .collect();
+    Ok(axum::Json(TeiRerankResponse(ranks)).into_response())
+}
+
+/// A text, or a pair of texts.
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+pub(super) enum Sequence {
+    One(String),
+    Pair(String, String),
+}
+
+/// TEI's `/predict` input: a text or a pair, or a list of either (`["a", "b"]` is one pair).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum PredictInput {
+    Single(Sequence),
+    Batch(Vec<Sequence>),
+}
+
+// Described by hand: two strings fit both readings (the first, a pair, is taken), which a derived
+// `oneOf` would refuse.
+impl utoipa::PartialSchema for PredictInput {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{AnyOfBuilder, ArrayBuilder, Ref};
+        let sequence = || Ref::from_schema_name(Sequence::name());
+        AnyOfBuilder::new()
+            .description(Some("A text or a pair of texts, or a list of either; two strings are one pair"))
+            .item(sequence())
+            .item(ArrayBuilder::new().items(sequence()))
+            .into()
+    }
+}
+
+impl ToSchema for PredictInput {
+    fn schemas(schemas: &mut Vec<(String, utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>)>) {
+        schemas.push((Sequence::name().into(), <Sequence as utoipa::PartialSchema>::schema()));
+        Sequence::schemas(schemas);
+    }
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiPredictRequest)]
+pub(super) struct TeiPredictRequest {
+    inputs: PredictInput,
+    #[serde(default)]
+    truncate: Option<bool>,
+    #[serde(default)]
+    truncation_direction: Option<String>,
+    /// The model's scores as they are, without the softmax (sigmoid for one class).
+    #[serde(default)]
+    raw_scores: bool,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+pub(super) async fn predict(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> TeiResult {
+    let req: TeiPredictRequest = tei_parse(&body)?;
+    let (single, sequences) = match req.inputs {
+        PredictInput::Single(q) => (true, vec![q]),
+        PredictInput::Batch(v) => (false, v),
+    };
+    let rows: Vec<(String, Option<String>)> = sequences
+        .into_iter()
+        .map(|q| match q {
+            Sequence::One(a) => (a, None),
+            Sequence::Pair(a, b) => (a, Some(b)),
+        })
+        .collect();
+    tei_texts(rows.iter().flat_map(|(a, b)| std::iter::once(a).chain(b)))?;
+    if rows.len() > TEI_MAX_INPUTS {
+        return Err(TeiFail::validation(format!(
+            "batch size {} > maximum allowed batch size {TEI_MAX_INPUTS}",
+            rows.len()
+        )));
+    }
+    right(&req.truncation_direction)?;
+    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let m = tei_model(&s, req.model.as_deref(), Some(Task::Classify))?;
+    let rows: Vec<_> = rows.into_iter().map(|(a, b)| (Bytes::from(a), b.map(Bytes::from))).collect();
+    if req.truncate == Some(false) {
+        m.check_lengths(&rows)?;
+    }
+    let text = m.text.clone();
+    let a = m.run(&s.core, rows, TEI_MAX_INPUTS, tenant).await?;
+    let mut answers: Vec<Vec<TeiPrediction>> = a
+        .rows
+        .into_iter()
+        .map(|scores| {
+            let labels = texts::labels(text.as_deref(), scores.len());
+            let scores = if req.raw_scores { scores } else { texts::probabilities(scores) };
+            let mut p: Vec<_> =
+                scores.into_iter().zip(labels).map(|(score, label)| TeiPrediction { score, label }).collect();
+            p.sort_by(|a, b| b.score.total_cmp(&a.score));
+            p
+        })
+        .collect();
+    let body = match single {
+        true => TeiPredictResponse::One(answers.pop().unwrap_or_default()),
+        false => TeiPredictResponse::Many(answers),
+    };
+    Ok(axum::Json(body).into_response())
+}
+
+/// Text a `/tokenize` call may hand the tokenizer in all (it reads every byte: TEI's tokenize
+/// never cuts), so one call costs milliseconds.
+pub const TOKENIZE_MAX_BYTES: usize = 1 << 20;
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiTokenizeRequest)]
+pub(super) struct TeiTokenizeRequest {
+    inputs: Texts,
+    #[serde(default = "yes")]
+    add_special_tokens: bool,
+    #[serde(default)]
+    prompt_name: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+pub(super) async fn tokenize(State(s): State<AppState>, body: Bytes) -> TeiResult {
+    let req: TeiTokenizeRequest = tei_parse(&body)?;
+    let texts = req.inputs.into_vec();
+    tei_texts(&texts)?;
+    let m = tei_model(&s, req.model.as_deref(), None)?;
+    let texts = m.prompted(bytes(texts), req.prompt_name.as_deref())?;
+    let total: usize = texts.iter().map(Bytes::len).sum();
+    if total > TOKENIZE_MAX_BYTES {
+        return Err(TeiFail::validation(format!("{total} bytes to tokenize; at most {TOKENIZE_MAX_BYTES} a call")));
+    }
+    let text = m.text.clone().ok_or_else(|| TeiFail::validation(format!("model '{}' has no tokenizer", m.name())))?;
+    let special = req.add_special_tokens;
+    let tokens = tokio::task::spawn_blocking(move || -> Result<Vec<Vec<TeiToken>>, TeiFail> {
+        texts
+            .iter()
+            .map(|t| {
+                let t = std::str::from_utf8(t).map_err(|_| TeiFail::validation("the text is not UTF-8"))?;
+                let e = text
+                    .tokenizer
+                    .encode(t, special)
+                    .map_err(|e| TeiFail::validation(format!("cannot tokenize: {e}")))?;
+                let tokens = e.get_ids().iter().enumerate().map(|(i, &id)| {
+                    let is_special = e.get_special_tokens_mask()[i] == 1;
+                    let (start, stop) = e.get_offsets()[i];
+                    match is_special {
+                        true => {
+                            TeiToken { id, text: e.get_tokens()[i].clone(), special: true, start: None, stop: None }
+                        }
+                        false => TeiToken {
+                            id,
+                            text: t.get(start..stop).unwrap_or_default().to_string(),
+                            special: false,
+                            start: Some(start),
+                            stop: Some(stop),
+                        },
+                    }
+                });
+                Ok(tokens.collect())
+            })
+            .collect()
+    })
+    .await
+    .map_err(|e| TeiFail::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizing failed: {e}")))??;
+    Ok(axum::Json(TeiTokenizeResponse(tokens)).into_response())
+}
+
+/// One list of token ids, or several.
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+pub(super) enum Ids {
+    One(Vec<u32>),
+    Many(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiDecodeRequest)]
+pub(super) struct TeiDecodeRequest {
+    ids: Ids,
+    #[serde(default = "yes")]
+    skip_special_tokens: bool,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+pub(super) async fn decode(State(s): State<AppState>, body: Bytes) -> TeiResult {
+    let req: TeiDecodeRequest = tei_parse(&body)?;
+    let lists = match req.ids {
+        Ids::One(ids) => vec![ids],
+        Ids::Many(lists) => lists,
+    };
+    if lists.is_empty() || lists.iter().any(Vec::is_empty) {
+        return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`ids` cannot be empty"));
+    }
+    if lists.len() > TEI_MAX_INPUTS {
+        return Err(TeiFail::validation(format!(
+            "batch size {} > maximum allowed batch size {TEI_MAX_INPUTS}",
+            lists.len()
+        )));
+    }
+    let m = tei_model(&s, req.model.as_deref(), None)?;
+    let text = m.text.clone().ok_or_else(|| TeiFail::validation(format!("model '{}' has no tokenizer", m.name())))?;
+    let texts = lists
+        .iter()
+        .map(|ids| {
+            text.tokenizer
+                .decode(ids, req.skip_special_tokens)
+                .map_err(|e| TeiFail::validation(format!("cannot decode: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(axum::Json(TeiDecodeResponse(texts)).into_response())
+}
+
+#[derive(Deserialize)]
+pub(super) struct InfoQuery {
+    model: Option<String>,
+}
+
+pub(super) async fn info(State(s): State<AppState>, Query(q): Query<InfoQuery>) -> TeiResult {
+    let m = tei_model(&s, q.model.as_deref(), None)?;
+    let text = m.text.clone().ok_or_else(|| TeiFail::validation(format!("model '{}' has no tokenizer", m.name())))?;
+    let classes = |n: usize| {
+        let labels = texts::labels(Some(&text), n);
+        let id2label: serde_json::Map<_, _> =
+            labels.iter().enumerate().map(|(i, l)| (i.to_string(), serde_json::Value::from(l.as_str()))).collect();
+        let label2id: serde_json::Map<_, _> =
+            labels.iter().enumerate().map(|(i, l)| (l.clone(), serde_json::Value::from(i))).collect();
+        serde_json::json!({"id2label": id2label, "label2id": label2id})
+    };
+    let model_type = match text.task {
+        Task::Embed => serde_json::json!({"embedding": {"pooling": text.pooling.as_deref().unwrap_or("mean")}}),
+        Task::Rerank => serde_json::json!({"reranker": classes(1)}),
+        Task::Classify => serde_json::json!({"classifier": classes(text.labels.len().max(m.width().unwrap_or(0)))}),
+    };
+    let (per_batch, workers) = s
+        .core
+        .models()
+        .iter()
+        .find(|x| x.spec.name == m.name())
+        .map_or((1, 1), |x| (x.spec.batch.max_batch_size.max(1), x.spec.instance_count));
+    let info = TeiInfo {
+        model_id: m.name().to_string(),
+        model_sha: None,
+        model_dtype: "float32".into(),
+        model_type,
+        max_concurrent_requests: s.core.limits().max_concurrent_requests,
+        max_input_length: text.max_length,
+        max_batch_tokens: text.max_length * per_batch,
+        max_batch_requests: Some(per_batch),
+        max_client_batch_size: TEI_MAX_INPUTS,
+        auto_truncate: true,
+        tokenization_workers: workers,
+        version: env!("CARGO_PKG_VERSION").into(),
+        sha: None,
+        docker_label: None,
+    };
+    Ok(axum::Json(info).into_response())
+}
+
+// ---- Cohere / Jina -------------------------------------------------------------------------
+
+/// Documents Cohere's rerank takes in one call.
+pub const RERANK_MAX_DOCUMENTS: usize = 1000;
+
+/// A document: its text, or `{"text": ...}`.
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+pub(super) enum Document {
+    Text(String),
+    Object(RerankDocument),
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = RerankRequest)]
+pub(super) struct CohereRerankRequest {
+    /// Optional when one model re-ranks.
+    #[serde(default)]
+    model: Option<String>,
+    query: String,
+    documents: Vec<Document>,
+    /// The best `top_n` only (default all).
+    #[serde(default)]
+    top_n: Option<usize>,
+    #[serde(default)]
+    return_documents: bool,
+}
+
+pub(super) async fn cohere_rerank(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let answer = async {
+        let req: CohereRerankRequest = parse(&body)?;
+        let docs: Vec<String> = req
+            .documents
+            .into_iter()
+            .map(|d| match d {
+                Document::Text(t) | Document::Object(RerankDocument { text: t }) => t,
+            })
+            .collect();
+        if req.query.is_empty() || docs.is_empty() || docs.iter().any(String::is_empty) {
+            return Err(ApiError::bad_request("query and documents must be non-empty texts"));
+        }
+        if docs.len() > RERANK_MAX_DOCUMENTS {
+            return Err(ApiError::bad_request(format!(
+                "{} documents; at most {RERANK_MAX_DOCUMENTS} a call",
+                docs.len()
+            )));
+        }
+        let (model, mut scored, tokens) = ranked(
+            &s,
+            principal,
+            &headers,
+            (req.model.as_deref(), &req.query, &docs),
+            (None, false),
+            RERANK_MAX_DOCUMENTS,
+        )
+        .await
+        .map_err(|e| match e.status {
+            StatusCode::NOT_IMPLEMENTED => ApiError::bad_request(e.message),
+            _ => e,
+        })?;
+        scored.truncate(req.top_n.unwrap_or(usize::MAX));
+        let results = scored
+            .into_iter()
+            .map(|(index, relevance_score)| RerankResult {
+                index,
+                relevance_score,
+                document: req.return_documents.then(|| RerankDocument { text: docs[index].clone() }),
+            })
+            .collect();
+        let id = format!("{:016x}", rand_id());
+        Ok(axum::Json(RerankResponse { id, model, results, usage: RerankUsage { total_tokens: tokens } })
+            .into_response())
+    };
+    answer.await.unwrap_or_else(openai_error)
+}
+
+/// An id for an answer (Cohere's `id`): unique enough to tell answers apart in logs.
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}

@@ -1,0 +1,297 @@
+"""TEI drop-in: Hugging Face directories (written by scripts/make_models.py --hugging-face as
+optimum and sentence-transformers lay them out) served with no configuration, and TEI's API over
+them: /embed, /rerank, /predict, /similarity, /tokenize, /decode, /info, plus Cohere's /v1/rerank.
+Answers are compared with a reference made here from the same files: the tokenizer through the
+`tokenizers` package, the ONNX file through onnxruntime, pooling and scores in NumPy."""
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import jsonschema
+import numpy as np
+import onnxruntime as ort
+import pytest
+from tokenizers import Tokenizer
+
+from conftest import BIN, ROOT, Server
+
+TOKEN = "tei-token-0123456789abcdef"
+TEXTS = ["the cat eats fast food", "hello world", "A question, and an answer."]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_models.py"), "--hugging-face", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(hf, tmp_path_factory):
+    """The three directories as they are, beside an image pipeline (BYTES in, like a text model)
+    and the bundled hand-written text pipeline renamed out of the embedders' way."""
+    repo = tmp_path_factory.mktemp("tei") / "models"
+    repo.mkdir()
+    for m in ("hf_embedder", "hf_reranker", "hf_classifier"):
+        shutil.copytree(hf / m, repo / m)
+    for m in ("tiny_cnn", "image_classifier", "mlp"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    tokens = repo.parent / "tokens"
+    tokens.write_text(f"{TOKEN} infer\n")
+    s = Server(repo, "--auth-token-file", str(tokens))
+    yield s
+    s.stop()
+
+
+def call(server, path, body=None, token=TOKEN):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{server.url}{path}", data=data, method="GET" if body is None else "POST")
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Reference:
+    """The model of a Hugging Face directory run by hand."""
+
+    def __init__(self, directory, max_length):
+        self.tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.tok.no_padding()
+        self.tok.enable_truncation(max_length)
+        onnx = directory / "onnx" / "model.onnx"
+        self.session = ort.InferenceSession(str(onnx if onnx.exists() else directory / "model.onnx"))
+
+    def run(self, first, second=None):
+        e = self.tok.encode(first, second) if second is not None else self.tok.encode(first)
+        feed = {"input_ids": np.array([e.ids], np.int64), "attention_mask": np.array([e.attention_mask], np.int64),
+                "token_type_ids": np.array([e.type_ids], np.int64)}
+        return self.session.run(None, feed)[0][0]
+
+    def embed(self, text, normalize=True):
+        v = self.run(text).mean(axis=0)
+        return v / np.linalg.norm(v) if normalize else v
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_info_says_what_each_directory_was_found_to_be(server):
+    status, info = call(server, "/info?model=hf_embedder")
+    assert status == 200, info
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+    # sentence_bert_config.json's max_seq_length, not the model's 512 positions.
+    assert info["max_input_length"] == 24 and info["max_client_batch_size"] == 32 and info["model_id"] == "hf_embedder"
+    assert call(server, "/info?model=hf_reranker")[1]["model_type"] == {
+        "reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+    classifier = call(server, "/info?model=hf_classifier")[1]
+    assert classifier["model_type"]["classifier"]["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+    assert classifier["max_input_length"] == 512
+    # Three text models: /info must be told which (TEI serves one, Ferrite many).
+    status, body = call(server, "/info")
+    assert status == 422 and body["error_type"] == "Validation" and "hf_classifier" in body["error"], body
+    status, body = call(server, "/info?model=nowhere")
+    assert status == 404 and body["error_type"] == "NotFound", body
+
+
+def test_a_directory_served_as_it_is_embeds_as_its_files_say(server, hf):
+    ref = Reference(hf / "hf_embedder", 24)
+    # No "model": the one embedder answers, though an image pipeline also takes BYTES.
+    status, got = call(server, "/embed", {"inputs": TEXTS})
+    assert status == 200, got
+    np.testing.assert_allclose(np.array(got), [ref.embed(t) for t in TEXTS], atol=1e-5)
+    # normalize: false answers the pooled vector as it is (the directory's pipeline does not normalize).
+    status, raw = call(server, "/embed", {"inputs": "hello world", "normalize": False})
+    assert status == 200
+    np.testing.assert_allclose(raw[0], ref.embed("hello world", normalize=False), atol=1e-5)
+    assert abs(np.linalg.norm(raw[0]) - 1) > 0.1
+    # dimensions: cut, then normalized.
+    status, cut = call(server, "/embed", {"inputs": "hello world", "dimensions": 8})
+    v = ref.embed("hello world", normalize=False)[:8]
+    np.testing.assert_allclose(cut[0], v / np.linalg.norm(v), atol=1e-5)
+    for bad in (0, 33):
+        status, body = call(server, "/embed", {"inputs": "hi", "dimensions": bad})
+        assert status == 422 and body["error_type"] == "Validation", body
+    # A prompt of config_sentence_transformers.json goes before the text.
+    status, prompted = call(server, "/embed", {"inputs": "hello world", "prompt_name": "query"})
+    np.testing.assert_allclose(prompted[0], ref.embed("query: hello world"), atol=1e-5)
+    status, body = call(server, "/embed", {"inputs": "hi", "prompt_name": "nope"})
+    assert status == 422 and '"query"' in body["error"] and '"passage"' in body["error"], body
+
+
+def test_long_texts_are_cut_unless_truncate_is_false_and_bad_inputs_fail_as_in_tei(server, hf):
+    ref = Reference(hf / "hf_embedder", 24)
+    long = "the cat eats fast food " * 10  # 52 tokens
+    status, got = call(server, "/embed", {"inputs": long})
+    assert status == 200
+    np.testing.assert_allclose(got[0], ref.embed(long), atol=1e-5)
+    status, body = call(server, "/embed", {"inputs": long, "truncate": False})
+    assert status == 422 and body == {"error": "`inputs` must have less than 24 tokens. Given: 52",
+                                      "error_type": "Validation"}, body
+    status, body = call(server, "/embed", {"inputs": ["fine", ""]})
+    assert status == 400 and body["error_type"] == "Empty", body
+    status, body = call(server, "/embed", {"inputs": ["x"] * 33})
+    assert status == 422 and body["error"] == "batch size 33 > maximum allowed batch size 32", body
+    status, body = call(server, "/embed", {"inputs": "x", "truncation_direction": "Left"})
+    assert status == 422 and "Right" in body["error"], body
+    assert call(server, "/embed", {"inputs": "x"}, token="wrong")[0] == 401
+    status, body = call(server, "/embed", {"inputs": "x", "model": "nowhere"})
+    assert status == 404 and body["error_type"] == "NotFound", body
+
+
+def test_rerank_scores_each_passage_for_the_query_highest_first(server, hf):
+    ref = Reference(hf / "hf_reranker", 512)
+    query, passages = "what do cats eat", ["cats eat fish", "the road is long", "a dog runs fast", "hello world"]
+    raw = np.array([ref.run(query, p)[0] for p in passages])
+    status, got = call(server, "/rerank", {"query": query, "texts": passages, "return_text": True})
+    assert status == 200, got
+    order = np.argsort(-raw, kind="stable")
+    assert [r["index"] for r in got] == list(order)
+    np.testing.assert_allclose([r["score"] for r in got], sigmoid(raw[order]), atol=1e-5)
+    assert [r["text"] for r in got] == [passages[i] for i in order]
+    status, scores = call(server, "/rerank", {"query": query, "texts": passages, "raw_scores": True})
+    np.testing.assert_allclose([r["score"] for r in scores], raw[order], atol=1e-4)
+    assert all("text" not in r for r in scores)
+    # The wrong task is TEI's 424; an empty query its 400.
+    status, body = call(server, "/rerank", {"query": query, "texts": passages, "model": "hf_embedder"})
+    assert status == 424 and body["error_type"] == "Backend" and "not a re-ranker" in body["error"], body
+    assert call(server, "/rerank", {"query": "", "texts": passages})[0] == 400
+    # Cohere's and Jina's shape of the same call.
+    documents = [passages[0], {"text": passages[1]}, passages[2], passages[3]]
+    status, body = call(server, "/v1/rerank", {"query": query, "documents": documents, "top_n": 2,
+                                               "return_documents": True})
+    assert status == 200, body
+    assert [r["index"] for r in body["results"]] == list(order[:2])
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], sigmoid(raw[order[:2]]), atol=1e-5)
+    assert body["results"][0]["document"] == {"text": passages[order[0]]} and body["model"] == "hf_reranker"
+    assert body["usage"]["total_tokens"] > 0
+
+
+def test_predict_classifies_a_text_or_a_list_with_the_labels_of_config_json(server, hf):
+    ref = Reference(hf / "hf_classifier", 512)
+    labels = ["negative", "neutral", "positive"]
+    status, one = call(server, "/predict", {"inputs": "i love the sun"})
+    assert status == 200, one
+    p = softmax(ref.run("i love the sun"))
+    order = np.argsort(-p)
+    assert [c["label"] for c in one] == [labels[i] for i in order]
+    np.testing.assert_allclose([c["score"] for c in one], p[order], atol=1e-5)
+    status, many = call(server, "/predict", {"inputs": ["i love the sun", "a bad day", "the road"], "raw_scores": True})
+    assert status == 200 and len(many) == 3
+    for text, answer in zip(["i love the sun", "a bad day", "the road"], many):
+        logits = ref.run(text)
+        np.testing.assert_allclose(sorted(c["score"] for c in answer), sorted(logits), atol=1e-4)
+        assert answer[0]["label"] == labels[int(np.argmax(logits))]
+    # Two strings are one pair (TEI's reading): this classifier reads single texts.
+    status, body = call(server, "/predict", {"inputs": ["a", "b"]})
+    assert status == 422 and "single texts" in body["error"], body
+
+
+def test_similarity_tokenize_and_decode(server, hf):
+    ref = Reference(hf / "hf_embedder", 24)
+    status, sims = call(server, "/similarity", {"inputs": {"source_sentence": "hello world",
+                                                           "sentences": ["hello world", "the cat eats"]},
+                                                "model": "hf_embedder"})
+    assert status == 200, sims
+    source = ref.embed("hello world")
+    np.testing.assert_allclose(sims, [1.0, float(source @ ref.embed("the cat eats"))], atol=1e-5)
+    text = "Hello, café world"
+    status, tokens = call(server, "/tokenize", {"inputs": [text, "the cat"], "model": "hf_embedder"})
+    assert status == 200 and len(tokens) == 2
+    want = Tokenizer.from_file(str(hf / "hf_embedder" / "tokenizer.json"))
+    want.no_padding()
+    want.no_truncation()
+    e = want.encode(text)
+    assert [t["id"] for t in tokens[0]] == e.ids
+    first, last = tokens[0][0], tokens[0][-1]
+    assert first == {"id": e.ids[0], "text": "[CLS]", "special": True, "start": None, "stop": None}
+    assert last["special"] and last["text"] == "[SEP]"
+    for t in tokens[0][1:-1]:
+        # Byte offsets into the text as sent, and the text they cover.
+        assert text.encode()[t["start"]:t["stop"]].decode() == t["text"] and not t["special"], t
+    # /tokenize never cuts: 52 tokens from a model that keeps 24.
+    status, long = call(server, "/tokenize", {"inputs": "the cat eats fast food " * 10, "model": "hf_embedder"})
+    assert len(long[0]) == 52
+    status, plain = call(server, "/tokenize", {"inputs": "the cat", "add_special_tokens": False, "model": "hf_embedder"})
+    assert [t["text"] for t in plain[0]] == ["the", "cat"]
+    status, decoded = call(server, "/decode", {"ids": e.ids, "model": "hf_embedder"})
+    assert status == 200 and decoded == [want.decode(e.ids, skip_special_tokens=True)]
+    status, both = call(server, "/decode", {"ids": [e.ids, e.ids[:3]], "skip_special_tokens": False,
+                                            "model": "hf_embedder"})
+    assert both == [want.decode(e.ids, skip_special_tokens=False), want.decode(e.ids[:3], skip_special_tokens=False)]
+    status, body = call(server, "/tokenize", {"inputs": "x" * (1 << 20) + "y", "model": "hf_embedder"})
+    assert status == 422 and "at most" in body["error"], body
+
+
+def test_the_hand_written_pipeline_and_the_directory_agree_and_check_shows_what_was_found(hf, tmp_path):
+    repo = tmp_path / "models"
+    repo.mkdir()
+    shutil.copytree(hf / "hf_embedder", repo / "hf_embedder")
+    for m in ("text_encoder", "text_embedder"):
+        shutil.copytree(ROOT / "models" / m, repo / m)
+    s = Server(repo)
+    try:
+        texts = ["hello world", "the cat eats fast food"]
+        status, hand = call(s, "/embed", {"inputs": texts, "model": "text_embedder"})
+        assert status == 200
+        status, found = call(s, "/embed", {"inputs": texts, "model": "hf_embedder"})
+        np.testing.assert_allclose(found, hand, atol=1e-6)
+        # Two embedders: the call must name one.
+        status, body = call(s, "/embed", {"inputs": texts})
+        assert status == 422 and "hf_embedder, text_embedder" in body["error"], body
+    finally:
+        s.stop()
+    r = subprocess.run([BIN, "check", "--model-repository", str(repo)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("hf_embedder"))
+    assert "embed (mean, 24 tokens)" in row, row
+    # A directory TEI would serve but Ferrite cannot is refused by name.
+    shutil.copytree(hf / "hf_embedder", repo / "splade")
+    config = json.loads((repo / "splade" / "config.json").read_text())
+    (repo / "splade" / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    r = subprocess.run([BIN, "check", "--model-repository", str(repo)], capture_output=True, text=True)
+    assert r.returncode == 1 and "SPLADE" in r.stdout, r.stdout
+
+
+def test_tei_bodies_fit_the_openapi_document(server):
+    api = call(server, "/v2/openapi.json")[1]
+
+    def check(path, method, instance, status="200", request=False):
+        op = api["paths"][path][method]
+        content = op["requestBody"] if request else op["responses"][status]
+        name = content["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+        jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": api["components"]}
+                                        ).validate(instance)
+
+    calls = [("/rerank", {"query": "cats", "texts": ["a cat", "a road"], "return_text": True}),
+             ("/predict", {"inputs": ["i love the sun", "a day", "the road"]}),
+             ("/predict", {"inputs": "i love the sun"}),
+             ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
+             ("/tokenize", {"inputs": "hello", "model": "hf_embedder"}),
+             ("/decode", {"ids": [2, 3], "model": "hf_embedder"}),
+             ("/v1/rerank", {"query": "cats", "documents": ["a cat"], "return_documents": True})]
+    for path, body in calls:
+        check(path, "post", body, request=True)
+        status, answer = call(server, path, body)
+        assert status == 200, (path, answer)
+        check(path, "post", answer)
+    # A list of pairs is a request the schema takes too.
+    check("/predict", "post", {"inputs": [["a pair", "of texts"], ["another", "pair"]]}, request=True)
+    status, info = call(server, "/info?model=hf_reranker")
+    check("/info", "get", info)
+    status, error = call(server, "/rerank", {"query": "", "texts": ["x"]})
+    check("/rerank", "post", error, status="400")
