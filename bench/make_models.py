@@ -134,8 +134,10 @@ def detector(path):
            [helper.make_tensor_value_info("maps", TensorProto.FLOAT, ["N", 1, "H4", "W4"])], path)
 
 
-def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128):
-    """`seq` None: any sequence length up to 512 (positions gathered for the length given)."""
+def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128, labels=None, pairs=False):
+    """`seq` None: any sequence length up to 512 (positions gathered for the length given).
+    `labels`: a sequence classifier (a cross-encoder with 1), the [CLS] token through a linear
+    head to logits [N, labels]; `pairs`: it also reads token_type_ids (the second text's)."""
     g = Graph(4)
     head = hidden // heads
     emb = g.const((g.rng.standard_normal((vocab, hidden)) * 0.02).astype(np.float32), "emb")
@@ -147,6 +149,9 @@ def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128):
     else:
         pos = g.const((g.rng.standard_normal((1, seq, hidden)) * 0.02).astype(np.float32), "pos")
     x = g.op("Add", [g.op("Gather", [emb, "input_ids"], axis=0), pos])
+    if pairs:
+        types = g.const((g.rng.standard_normal((2, hidden)) * 0.02).astype(np.float32), "types")
+        x = g.op("Add", [x, g.op("Gather", [types, "token_type_ids"], axis=0)])
 
     def norm(x):
         return g.op("LayerNormalization", [x, g.const(np.ones(hidden, np.float32)), g.const(np.zeros(hidden, np.float32))],
@@ -175,11 +180,20 @@ def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128):
                          g.op("Add", [g.op("Erf", [g.op("Div", [h, g.const(np.float32(np.sqrt(2.0)))])]),
                                       g.const(np.float32(1.0))])])
         x = norm(g.op("Add", [x, g.linear(h, ffn, hidden)]))
-    rename_output(g, x, "last_hidden_state")
     s = seq or "S"
-    g.save([helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", s]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", s])],
-           [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", s, hidden])], path)
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", s]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", s])]
+    if pairs:
+        inputs.append(helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["N", s]))
+    if labels:
+        cls = g.op("Squeeze", [g.op("Gather", [x, g.const(np.array([0], np.int64))], axis=1), g.const(np.array([1], np.int64))])
+        logits = g.op("Add", [g.op("MatMul", [cls, g.weight((hidden, labels), hidden)]),
+                              g.const((g.rng.standard_normal(labels)).astype(np.float32), "b")])
+        rename_output(g, logits, "logits")
+        g.save(inputs, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", labels])], path)
+        return
+    rename_output(g, x, "last_hidden_state")
+    g.save(inputs, [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["N", s, hidden])], path)
 
 
 def main():
@@ -192,6 +206,8 @@ def main():
     detector(model("detector"))
     bert(model("bert"))
     bert(model("bert_var"), seq=None)
+    bert(model("bert_rerank"), seq=None, labels=1, pairs=True)
+    bert(model("bert_classify"), seq=None, labels=3)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 #        bench/run.sh --kinds [--duration 10] [--pin]  (model kinds against their ceilings: bench/kinds.py;
 #                                              --pin: server and ceiling on core 0, load generators on core 1)
 #        bench/run.sh --pipelines [--duration 10]  (image and text pipelines vs FastAPI and the ceiling)
+#        bench/run.sh --texts [--duration 10]  (TEI's /rerank and /predict vs FastAPI and the ceiling: bench/texts.py)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
@@ -49,6 +50,10 @@ fi
 if [ "${1:-}" = "--pipelines" ]; then
     shift
     exec python3 bench/pipelines.py "$@"
+fi
+if [ "${1:-}" = "--texts" ]; then
+    shift
+    exec python3 bench/texts.py "$@"
 fi
 if [ "${1:-}" = "--kinds" ]; then
     shift

@@ -295,3 +295,64 @@ def test_tei_bodies_fit_the_openapi_document(server):
     check("/info", "get", info)
     status, error = call(server, "/rerank", {"query": "", "texts": ["x"]})
     check("/rerank", "post", error, status="400")
+
+
+@pytest.fixture(scope="module")
+def tei_pb(tmp_path_factory):
+    """TEI's gRPC stubs, generated from the project's proto/tei.proto (TEI's field numbers)."""
+    from grpc_tools import protoc
+    out = tmp_path_factory.mktemp("tei_pb")
+    assert protoc.main(["protoc", f"-I{ROOT / 'proto'}", f"--python_out={out}", f"--grpc_python_out={out}",
+                        str(ROOT / "proto" / "tei.proto")]) == 0
+    sys.path.insert(0, str(out))
+    import tei_pb2
+    import tei_pb2_grpc
+    return tei_pb2, tei_pb2_grpc
+
+
+def test_tei_grpc_clients_get_the_http_answers(server, hf, tei_pb):
+    import grpc
+    pb, stubs = tei_pb
+    channel = grpc.insecure_channel(server.grpc_url)
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    info = stubs.InfoStub(channel).Info(pb.InfoRequest(), metadata=auth + [("model", "hf_reranker")])
+    assert info.model_type == pb.MODEL_TYPE_RERANKER and info.max_input_length == 512 and info.model_id == "hf_reranker"
+    embed = stubs.EmbedStub(channel)
+    got = embed.Embed(pb.EmbedRequest(inputs="hello world", normalize=True), metadata=auth)
+    status, want = call(server, "/embed", {"inputs": "hello world"})
+    np.testing.assert_allclose(got.embeddings, want[0], atol=1e-6)
+    assert got.metadata.compute_tokens == 4
+    streamed = list(embed.EmbedStream(iter([pb.EmbedRequest(inputs=t, normalize=True) for t in TEXTS]), metadata=auth))
+    np.testing.assert_allclose([list(r.embeddings) for r in streamed], call(server, "/embed", {"inputs": TEXTS})[1],
+                               atol=1e-6)
+    passages = ["cats eat fish", "the road is long", "hello world"]
+    ranks = stubs.RerankStub(channel).Rerank(pb.RerankRequest(query="what do cats eat", texts=passages, return_text=True),
+                                            metadata=auth)
+    http = call(server, "/rerank", {"query": "what do cats eat", "texts": passages, "return_text": True})[1]
+    assert [(r.index, r.text) for r in ranks.ranks] == [(r["index"], r["text"]) for r in http]
+    np.testing.assert_allclose([r.score for r in ranks.ranks], [r["score"] for r in http], atol=1e-6)
+    stream = iter([pb.RerankStreamRequest(query="what do cats eat", text=p) for p in passages])
+    assert [r.index for r in stubs.RerankStub(channel).RerankStream(stream, metadata=auth).ranks] == [r["index"] for r in http]
+    predicted = stubs.PredictStub(channel).Predict(pb.PredictRequest(inputs="i love the sun"), metadata=auth)
+    http = call(server, "/predict", {"inputs": "i love the sun"})[1]
+    assert [(p.label, round(p.score, 5)) for p in predicted.predictions] == [(p["label"], round(p["score"], 5)) for p in http]
+    tokens = stubs.TokenizeStub(channel).Tokenize(pb.EncodeRequest(inputs="hello world", add_special_tokens=True),
+                                                 metadata=auth + [("model", "hf_embedder")])
+    assert [(t.text, t.special, t.HasField("start")) for t in tokens.tokens] == [
+        ("[CLS]", True, False), ("hello", False, True), ("world", False, True), ("[SEP]", True, False)]
+    decoded = stubs.TokenizeStub(channel).Decode(pb.DecodeRequest(ids=[t.id for t in tokens.tokens], skip_special_tokens=True),
+                                                metadata=auth + [("model", "hf_embedder")])
+    assert decoded.text == "hello world"
+    # TEI's errors as gRPC codes: the wrong task, an empty text, no token, what is not served.
+    with pytest.raises(grpc.RpcError) as e:
+        stubs.RerankStub(channel).Rerank(pb.RerankRequest(query="q", texts=["t"]), metadata=auth + [("model", "hf_embedder")])
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not a re-ranker" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        embed.Embed(pb.EmbedRequest(inputs=""), metadata=auth)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        embed.Embed(pb.EmbedRequest(inputs="hi"))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        embed.EmbedSparse(pb.EmbedSparseRequest(inputs="hi"), metadata=auth)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

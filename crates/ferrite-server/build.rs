@@ -1,4 +1,4 @@
-//! Generates the KServe V2 gRPC types (and the etcd client) from `proto/` with a vendored `protoc`, so the build needs
+//! Generates the KServe V2 and TEI gRPC types (and the etcd client) from `proto/` with a vendored `protoc`, so the build needs
 //! nothing beyond crates.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".")
         .extern_path(".inference.ModelConfig", "::ferrite_core::control::triton::pb::ModelConfig")
         .compile_protos(&[proto.join("grpc_service.proto")], std::slice::from_ref(&proto))?;
+    // TEI's gRPC API (tei.v1), served beside it.
+    tonic_prost_build::configure().compile_protos(&[proto.join("tei.proto")], std::slice::from_ref(&proto))?;
     // The etcd client for --config-source: a client only.
     tonic_prost_build::configure()
         .build_server(false)

@@ -145,27 +145,19 @@ impl TextModel {
     }
 
     /// Refuses a row over the model's `max_length` tokens (TEI's `truncate: false`), in TEI's
-    /// words; each text is read only as far as the limit needs.
-    pub fn check_lengths(&self, rows: &[Row]) -> Result<()> {
-        let Some(t) = &self.text else { return Ok(()) };
-        for (text, pair) in rows {
-            let text = utf8(text)?;
-            let pair = pair.as_ref().map(|p| utf8(p)).transpose()?;
-            let e = crate::pipeline::encode(&t.tokenizer, text, pair, t.special_tokens, t.max_length)?;
-            let n = e.get_ids().len();
-            if n > t.max_length {
-                // A text longer than the first prefix `encode` reads may have been read in part.
-                let read_whole = |s: &str| s.len() <= t.max_length.saturating_mul(8).max(256);
-                let whole = read_whole(text) && pair.is_none_or(read_whole);
-                let given = if whole { n.to_string() } else { format!("at least {n}") };
-                // TEI's words (its check is the same: more than the max input length).
-                return Err(Error::invalid(format!(
-                    "`inputs` must have less than {} tokens. Given: {given}",
-                    t.max_length
-                )));
-            }
-        }
-        Ok(())
+    /// words; each text is read only as far as the limit needs, off the async runtime's threads.
+    pub async fn check_lengths(&self, rows: &[Row]) -> Result<()> {
+        let Some(t) = self.text.clone() else { return Ok(()) };
+        let rows = rows.to_vec();
+        tokio::task::spawn_blocking(move || lengths_fit(&t, &rows))
+            .await
+            .map_err(|e| Error::internal(format!("the length check failed: {e}")))?
+    }
+
+    /// Admits work of the call that runs no model (`/tokenize`, `/decode`) as one request of
+    /// its tenant: its rate and concurrency limits apply while the hold is kept.
+    pub fn admit(&self, core: &Core, tenant: Option<&str>) -> Result<Arc<crate::engine::queue::Hold>> {
+        core.admit(&self.route, tenant)
     }
 
     /// `texts` with the prompt `name` (sentence-transformers' prompts) put before each, or the
@@ -237,6 +229,215 @@ impl TextModel {
         }
         Ok(Answer { model, rows: out, tokens })
     }
+}
+
+fn lengths_fit(t: &TextSpec, rows: &[Row]) -> Result<()> {
+    for (text, pair) in rows {
+        let text = utf8(text)?;
+        let pair = pair.as_ref().map(utf8).transpose()?;
+        let e = crate::pipeline::encode(&t.tokenizer, text, pair, t.special_tokens, t.max_length)?;
+        let n = e.get_ids().len();
+        if n > t.max_length {
+            // A text longer than the first prefix `encode` reads may have been read in part.
+            let read_whole = |s: &str| s.len() <= t.max_length.saturating_mul(8).max(256);
+            let whole = read_whole(text) && pair.is_none_or(read_whole);
+            let given = if whole { n.to_string() } else { format!("at least {n}") };
+            // TEI's words (its check is the same: more than the max input length).
+            return Err(Error::invalid(format!(
+                "`inputs` must have less than {} tokens. Given: {given}",
+                t.max_length
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// How a call wants its vectors (TEI's `/embed` options; OpenAI's call asks for unit vectors).
+#[derive(Debug, Clone, Default)]
+pub struct EmbedOptions {
+    /// Unit vectors; `false` is refused by a pipeline whose pool step normalizes.
+    pub normalize: bool,
+    /// `Some(false)`: a text over the max input length is refused instead of cut.
+    pub truncate: Option<bool>,
+    pub prompt_name: Option<String>,
+    /// Vectors cut to this many dimensions (then normalized when `normalize`).
+    pub dimensions: Option<u64>,
+}
+
+/// A token as TEI's `/tokenize` answers it: its id, the text it covers (the token itself for a
+/// special token), and its byte offsets in the text (none for a special token).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+    pub special: bool,
+    pub start: Option<usize>,
+    pub stop: Option<usize>,
+}
+
+/// Text one `/tokenize` call may hand the tokenizer in all (it reads every byte: TEI's tokenize
+/// never cuts), and ids one `/decode` call may, so one call costs milliseconds.
+pub const TOKENIZE_MAX_BYTES: usize = 1 << 20;
+
+impl TextModel {
+    /// `dimensions` in `1..=width` (`width` when the model's spec fixes it).
+    pub fn dimensions(&self, asked: Option<u64>) -> Result<Option<usize>> {
+        match (asked, self.width()) {
+            (None, _) => Ok(None),
+            (Some(d), Some(w)) if d == 0 || d > w as u64 => {
+                Err(Error::invalid(format!("`dimensions` must be in 1..={w}, not {d}")))
+            }
+            (Some(0), None) => Err(Error::invalid("`dimensions` must be positive")),
+            (Some(d), _) => Ok(Some(d as usize)),
+        }
+    }
+
+    /// Embeds `texts` as `o` asks: checked (a wrong size before anything runs), prompted, cut
+    /// or refused when long, cut to `dimensions` and normalized.
+    pub async fn embed(
+        self,
+        core: &Core,
+        texts: Vec<Bytes>,
+        o: &EmbedOptions,
+        max_inputs: usize,
+        tenant: Option<String>,
+    ) -> Result<Answer> {
+        let cut = self.dimensions(o.dimensions)?;
+        let normalized = self.text.as_ref().is_some_and(|t| t.normalized);
+        if normalized && !o.normalize {
+            return Err(Error::invalid(format!(
+                "model '{}' answers unit vectors (its pool step normalizes); `normalize: false` needs a pipeline \
+                 whose pool step does not",
+                self.name()
+            )));
+        }
+        let rows: Vec<Row> = self.prompted(texts, o.prompt_name.as_deref())?.into_iter().map(|t| (t, None)).collect();
+        if o.truncate == Some(false) {
+            self.check_lengths(&rows).await?;
+        }
+        let mut a = self.run(core, rows, max_inputs, tenant).await?;
+        // Unit vectors stay as the pipeline made them unless they are cut.
+        let renormalize = o.normalize && (cut.is_some() || !normalized);
+        a.rows = a.rows.into_iter().map(|v| shape_vector(v, cut, renormalize)).collect();
+        Ok(a)
+    }
+
+    /// `(index, score)` of each passage for `query`, highest first; `raw` keeps the model's
+    /// scores, else each goes through a sigmoid.
+    pub async fn rerank(
+        self,
+        core: &Core,
+        query: &str,
+        passages: &[String],
+        (truncate, raw): (Option<bool>, bool),
+        max_inputs: usize,
+        tenant: Option<String>,
+    ) -> Result<(Answer, Vec<(usize, f32)>)> {
+        let query = Bytes::copy_from_slice(query.as_bytes());
+        let rows: Vec<Row> =
+            passages.iter().map(|p| (query.clone(), Some(Bytes::copy_from_slice(p.as_bytes())))).collect();
+        if truncate == Some(false) {
+            self.check_lengths(&rows).await?;
+        }
+        let a = self.run(core, rows, max_inputs, tenant).await?;
+        let mut scored: Vec<(usize, f32)> = a
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let score = r.first().copied().unwrap_or(f32::NAN);
+                (i, if raw { score } else { crate::pipeline::sigmoid(score) })
+            })
+            .collect();
+        scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        Ok((a, scored))
+    }
+
+    /// Each row's classes as `(label, score)`, highest first; `raw` keeps the model's scores,
+    /// else one goes through a sigmoid and several through a softmax.
+    pub async fn predict(
+        self,
+        core: &Core,
+        rows: Vec<Row>,
+        (truncate, raw): (Option<bool>, bool),
+        max_inputs: usize,
+        tenant: Option<String>,
+    ) -> Result<Vec<Vec<(String, f32)>>> {
+        if truncate == Some(false) {
+            self.check_lengths(&rows).await?;
+        }
+        let text = self.text.clone();
+        let a = self.run(core, rows, max_inputs, tenant).await?;
+        Ok(a.rows
+            .into_iter()
+            .map(|scores| {
+                let labels = labels(text.as_deref(), scores.len());
+                let scores = if raw { scores } else { probabilities(scores) };
+                let mut p: Vec<(String, f32)> = labels.into_iter().zip(scores).collect();
+                p.sort_by(|a, b| b.1.total_cmp(&a.1));
+                p
+            })
+            .collect())
+    }
+
+    /// The tokenizer's tokens of each text (prompted), never cut: at most
+    /// [`TOKENIZE_MAX_BYTES`] of text a call, read off the async runtime's threads, under the
+    /// tenant's limits (`held`, from [`TextModel::admit`]).
+    pub async fn tokenize(
+        &self,
+        texts: Vec<Bytes>,
+        special: bool,
+        prompt_name: Option<&str>,
+        held: Arc<crate::engine::queue::Hold>,
+    ) -> Result<Vec<Vec<Token>>> {
+        let texts = self.prompted(texts, prompt_name)?;
+        let total: usize = texts.iter().map(Bytes::len).sum();
+        if total > TOKENIZE_MAX_BYTES {
+            return Err(Error::invalid(format!("{total} bytes to tokenize; at most {TOKENIZE_MAX_BYTES} a call")));
+        }
+        let t = self.tokenizer()?;
+        tokio::task::spawn_blocking(move || {
+            let _held = held;
+            texts.iter().map(|text| tokens(&t, text, special)).collect()
+        })
+        .await
+        .map_err(|e| Error::internal(format!("tokenizing failed: {e}")))?
+    }
+
+    /// Each list of ids as text.
+    pub fn decode(&self, lists: &[Vec<u32>], skip_special: bool) -> Result<Vec<String>> {
+        let ids: usize = lists.iter().map(Vec::len).sum();
+        if ids > TOKENIZE_MAX_BYTES {
+            return Err(Error::invalid(format!("{ids} ids to decode; at most {TOKENIZE_MAX_BYTES} a call")));
+        }
+        let t = self.tokenizer()?;
+        lists
+            .iter()
+            .map(|ids| t.tokenizer.decode(ids, skip_special).map_err(|e| Error::invalid(format!("cannot decode: {e}"))))
+            .collect()
+    }
+
+    fn tokenizer(&self) -> Result<Arc<TextSpec>> {
+        self.text.clone().ok_or_else(|| Error::invalid(format!("model '{}' has no tokenizer", self.name())))
+    }
+}
+
+fn tokens(t: &TextSpec, text: &Bytes, special: bool) -> Result<Vec<Token>> {
+    let text = utf8(text)?;
+    let e = t.tokenizer.encode(text, special).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+    let marks = e.get_special_tokens_mask();
+    Ok(e.get_ids()
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| match marks[i] == 1 {
+            true => Token { id, text: e.get_tokens()[i].clone(), special: true, start: None, stop: None },
+            false => {
+                let (start, stop) = e.get_offsets()[i];
+                let covered = text.get(start..stop).unwrap_or_default().to_string();
+                Token { id, text: covered, special: false, start: Some(start), stop: Some(stop) }
+            }
+        })
+        .collect())
 }
 
 /// An embedding as TEI and OpenAI shape it: cut to `dimensions` (matryoshka models), then scaled

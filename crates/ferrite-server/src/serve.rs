@@ -141,6 +141,7 @@ pub async fn run(
     if let Some(tls) = &cfg.tls {
         grpc_builder = grpc_builder.tls_config(tls.grpc()).expect("a valid TLS configuration");
     }
+    let tei = grpc::tei::services(core.clone(), &cfg.grpc);
     let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
@@ -148,6 +149,11 @@ pub async fn run(
         .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
         .add_service(grpc::service(core.clone(), &cfg.grpc))
+        .add_service(tei.info)
+        .add_service(tei.embed)
+        .add_service(tei.predict)
+        .add_service(tei.rerank)
+        .add_service(tei.tokenize)
         .serve_with_incoming_shutdown(
             grpc_incoming(bound.grpc, cfg.http.max_connections, cfg.http.header_timeout, cfg.http.idle_timeout),
             stopped(stop_rx.clone()),

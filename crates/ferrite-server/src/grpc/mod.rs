@@ -1,10 +1,12 @@
-//! KServe V2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`).
+//! KServe V2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`), and TEI's
+//! gRPC API beside it (`tei`).
 //!
 //! A thin translation: protobuf messages to core requests and back, and the core's errors mapped
 //! once to gRPC codes. Validation, limits and batching are the core's, as for HTTP.
 
 pub mod calls;
 pub mod convert;
+pub mod tei;
 
 use std::{pin::Pin, sync::Arc, time::Duration};
 

@@ -15,7 +15,7 @@ use base64::Engine as _;
 use bytes::Bytes;
 use ferrite_core::{
     engine::spec::Task,
-    texts::{self, TextModel, TEI_MAX_INPUTS},
+    texts::{self, EmbedOptions, TextModel, TEI_MAX_INPUTS},
     Error,
 };
 use serde::Deserialize;
@@ -98,16 +98,6 @@ fn openai_error(e: ApiError) -> Response {
     resp
 }
 
-/// `dimensions` in `1..=width` (`width` when the model's spec fixes it).
-fn dimensions(asked: Option<u64>, width: Option<usize>) -> Result<Option<usize>, String> {
-    match (asked, width) {
-        (None, _) => Ok(None),
-        (Some(d), Some(w)) if d == 0 || d > w as u64 => Err(format!("`dimensions` must be in 1..={w}, not {d}")),
-        (Some(0), None) => Err("`dimensions` must be positive".into()),
-        (Some(d), _) => Ok(Some(d as usize)),
-    }
-}
-
 pub(super) async fn openai(
     State(s): State<AppState>,
     principal: Principal,
@@ -125,18 +115,14 @@ pub(super) async fn openai(
         };
         let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
         let m = TextModel::new(&s.core, &req.model, Some(Task::Embed)).map_err(invalid_as_400)?;
-        // A wrong size is refused before any text is embedded.
-        let cut = dimensions(req.dimensions, m.width()).map_err(ApiError::bad_request)?;
-        let normalized = m.text.as_ref().is_some_and(|t| t.normalized);
-        let rows = bytes(req.input.into_vec()).into_iter().map(|t| (t, None)).collect();
-        let e = m.run(&s.core, rows, texts::MAX_INPUTS, tenant).await?;
+        // OpenAI's vectors are unit vectors.
+        let o = EmbedOptions { normalize: true, dimensions: req.dimensions, ..Default::default() };
+        let e = m.embed(&s.core, bytes(req.input.into_vec()), &o, texts::MAX_INPUTS, tenant).await?;
         let data = e
             .rows
             .into_iter()
             .enumerate()
             .map(|(index, v)| {
-                // OpenAI's vectors are unit vectors.
-                let v = texts::shape_vector(v, cut, cut.is_some() || !normalized);
                 let embedding = if base64 {
                     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                     Embedding::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
@@ -299,22 +285,13 @@ async fn tei_vectors(
     right(&req.truncation_direction)?;
     let tenant = tenant_of(s, principal.map(|p| p.0).as_ref(), headers)?;
     let m = tei_model(s, req.model.as_deref(), Some(Task::Embed))?;
-    let cut = dimensions(req.dimensions, m.width()).map_err(TeiFail::validation)?;
-    let normalized = m.text.as_ref().is_some_and(|t| t.normalized);
-    if normalized && !req.normalize {
-        return Err(TeiFail::validation(format!(
-            "model '{}' answers unit vectors (its pool step normalizes); `normalize: false` needs a pipeline \
-             whose pool step does not",
-            m.name()
-        )));
-    }
-    let rows: Vec<_> = m.prompted(bytes(texts), req.prompt_name.as_deref())?.into_iter().map(|t| (t, None)).collect();
-    if req.truncate == Some(false) {
-        m.check_lengths(&rows)?;
-    }
-    let e = m.run(&s.core, rows, TEI_MAX_INPUTS, tenant).await?;
-    let renormalize = req.normalize && (cut.is_some() || !normalized);
-    Ok(e.rows.into_iter().map(|v| texts::shape_vector(v, cut, renormalize)).collect())
+    let o = EmbedOptions {
+        normalize: req.normalize,
+        truncate: req.truncate,
+        prompt_name: req.prompt_name,
+        dimensions: req.dimensions,
+    };
+    Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, tenant).await?.rows)
 }
 
 pub(super) async fn embed(
@@ -399,27 +376,12 @@ async fn ranked(
     principal: Principal,
     headers: &HeaderMap,
     (model, query, passages): (Option<&str>, &str, &[String]),
-    (truncate, raw): (Option<bool>, bool),
+    options: (Option<bool>, bool),
     max_inputs: usize,
 ) -> Result<(String, Vec<(usize, f32)>, u64), ApiError> {
     let tenant = tenant_of(s, principal.map(|p| p.0).as_ref(), headers)?;
     let m = TextModel::new(&s.core, &texts::pick(&s.core, model, Some(Task::Rerank))?, Some(Task::Rerank))?;
-    let query = Bytes::copy_from_slice(query.as_bytes());
-    let rows: Vec<_> = passages.iter().map(|p| (query.clone(), Some(Bytes::copy_from_slice(p.as_bytes())))).collect();
-    if truncate == Some(false) {
-        m.check_lengths(&rows)?;
-    }
-    let a = m.run(&s.core, rows, max_inputs, tenant).await?;
-    let mut scored: Vec<(usize, f32)> = a
-        .rows
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let score = r.first().copied().unwrap_or(f32::NAN);
-            (i, if raw { score } else { ferrite_core::texts::probabilities(vec![score])[0] })
-        })
-        .collect();
-    scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let (a, scored) = m.rerank(&s.core, query, passages, options, max_inputs, tenant).await?;
     Ok((a.model, scored, a.tokens))
 }
 
@@ -543,22 +505,10 @@ pub(super) async fn predict(
     let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
     let m = tei_model(&s, req.model.as_deref(), Some(Task::Classify))?;
     let rows: Vec<_> = rows.into_iter().map(|(a, b)| (Bytes::from(a), b.map(Bytes::from))).collect();
-    if req.truncate == Some(false) {
-        m.check_lengths(&rows)?;
-    }
-    let text = m.text.clone();
-    let a = m.run(&s.core, rows, TEI_MAX_INPUTS, tenant).await?;
-    let mut answers: Vec<Vec<TeiPrediction>> = a
-        .rows
+    let classes = m.predict(&s.core, rows, (req.truncate, req.raw_scores), TEI_MAX_INPUTS, tenant).await?;
+    let mut answers: Vec<Vec<TeiPrediction>> = classes
         .into_iter()
-        .map(|scores| {
-            let labels = texts::labels(text.as_deref(), scores.len());
-            let scores = if req.raw_scores { scores } else { texts::probabilities(scores) };
-            let mut p: Vec<_> =
-                scores.into_iter().zip(labels).map(|(score, label)| TeiPrediction { score, label }).collect();
-            p.sort_by(|a, b| b.score.total_cmp(&a.score));
-            p
-        })
+        .map(|row| row.into_iter().map(|(label, score)| TeiPrediction { score, label }).collect())
         .collect();
     let body = match single {
         true => TeiPredictResponse::One(answers.pop().unwrap_or_default()),
@@ -566,10 +516,6 @@ pub(super) async fn predict(
     };
     Ok(axum::Json(body).into_response())
 }
-
-/// Text a `/tokenize` call may hand the tokenizer in all (it reads every byte: TEI's tokenize
-/// never cuts), so one call costs milliseconds.
-pub const TOKENIZE_MAX_BYTES: usize = 1 << 20;
 
 #[derive(Deserialize, ToSchema)]
 #[schema(as = TeiTokenizeRequest)]
@@ -583,49 +529,27 @@ pub(super) struct TeiTokenizeRequest {
     model: Option<String>,
 }
 
-pub(super) async fn tokenize(State(s): State<AppState>, body: Bytes) -> TeiResult {
+pub(super) async fn tokenize(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> TeiResult {
     let req: TeiTokenizeRequest = tei_parse(&body)?;
     let texts = req.inputs.into_vec();
     tei_texts(&texts)?;
+    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
     let m = tei_model(&s, req.model.as_deref(), None)?;
-    let texts = m.prompted(bytes(texts), req.prompt_name.as_deref())?;
-    let total: usize = texts.iter().map(Bytes::len).sum();
-    if total > TOKENIZE_MAX_BYTES {
-        return Err(TeiFail::validation(format!("{total} bytes to tokenize; at most {TOKENIZE_MAX_BYTES} a call")));
-    }
-    let text = m.text.clone().ok_or_else(|| TeiFail::validation(format!("model '{}' has no tokenizer", m.name())))?;
-    let special = req.add_special_tokens;
-    let tokens = tokio::task::spawn_blocking(move || -> Result<Vec<Vec<TeiToken>>, TeiFail> {
-        texts
-            .iter()
-            .map(|t| {
-                let t = std::str::from_utf8(t).map_err(|_| TeiFail::validation("the text is not UTF-8"))?;
-                let e = text
-                    .tokenizer
-                    .encode(t, special)
-                    .map_err(|e| TeiFail::validation(format!("cannot tokenize: {e}")))?;
-                let tokens = e.get_ids().iter().enumerate().map(|(i, &id)| {
-                    let is_special = e.get_special_tokens_mask()[i] == 1;
-                    let (start, stop) = e.get_offsets()[i];
-                    match is_special {
-                        true => {
-                            TeiToken { id, text: e.get_tokens()[i].clone(), special: true, start: None, stop: None }
-                        }
-                        false => TeiToken {
-                            id,
-                            text: t.get(start..stop).unwrap_or_default().to_string(),
-                            special: false,
-                            start: Some(start),
-                            stop: Some(stop),
-                        },
-                    }
-                });
-                Ok(tokens.collect())
-            })
-            .collect()
-    })
-    .await
-    .map_err(|e| TeiFail::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizing failed: {e}")))??;
+    let held = m.admit(&s.core, tenant.as_deref())?;
+    let tokens = m.tokenize(bytes(texts), req.add_special_tokens, req.prompt_name.as_deref(), held).await?;
+    let tokens = tokens
+        .into_iter()
+        .map(|row| {
+            row.into_iter()
+                .map(|t| TeiToken { id: t.id, text: t.text, special: t.special, start: t.start, stop: t.stop })
+                .collect()
+        })
+        .collect();
     Ok(axum::Json(TeiTokenizeResponse(tokens)).into_response())
 }
 
@@ -647,7 +571,12 @@ pub(super) struct TeiDecodeRequest {
     model: Option<String>,
 }
 
-pub(super) async fn decode(State(s): State<AppState>, body: Bytes) -> TeiResult {
+pub(super) async fn decode(
+    State(s): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    body: Bytes,
+) -> TeiResult {
     let req: TeiDecodeRequest = tei_parse(&body)?;
     let lists = match req.ids {
         Ids::One(ids) => vec![ids],
@@ -662,16 +591,10 @@ pub(super) async fn decode(State(s): State<AppState>, body: Bytes) -> TeiResult 
             lists.len()
         )));
     }
+    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
     let m = tei_model(&s, req.model.as_deref(), None)?;
-    let text = m.text.clone().ok_or_else(|| TeiFail::validation(format!("model '{}' has no tokenizer", m.name())))?;
-    let texts = lists
-        .iter()
-        .map(|ids| {
-            text.tokenizer
-                .decode(ids, req.skip_special_tokens)
-                .map_err(|e| TeiFail::validation(format!("cannot decode: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let _held = m.admit(&s.core, tenant.as_deref())?;
+    let texts = m.decode(&lists, req.skip_special_tokens)?;
     Ok(axum::Json(TeiDecodeResponse(texts)).into_response())
 }
 
