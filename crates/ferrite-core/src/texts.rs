@@ -168,10 +168,10 @@ impl TextModel {
             (None, None) | (None, Some((_, None))) => return Ok(texts),
             (Some(n), Some((p, _))) | (None, Some((p, Some(n)))) => p.get(n).ok_or_else(|| {
                 let names: Vec<&str> = p.keys().map(String::as_str).collect();
-                Error::invalid(format!("prompt_name '{}' is not one of the model's prompts {names:?}", cut(n)))
+                Error::invalid(format!("prompt_name '{}' is not one of the model's prompts {names:?}", shown(n)))
             })?,
             (Some(n), None) => {
-                return Err(Error::invalid(format!("prompt_name '{}': the model has no prompts", cut(n))))
+                return Err(Error::invalid(format!("prompt_name '{}': the model has no prompts", shown(n))))
             }
         };
         Ok(texts.into_iter().map(|t| Bytes::from([prefix.as_bytes(), &t].concat())).collect())
@@ -476,8 +476,9 @@ fn utf8(b: &Bytes) -> Result<&str> {
     std::str::from_utf8(b).map_err(|_| Error::invalid("the text is not UTF-8"))
 }
 
-/// A client's string as an error shows it: its first 32 characters.
-fn cut(s: &str) -> String {
+/// A client's string as an error shows it: its first 32 characters (a client's megabyte is not
+/// sent back).
+pub fn shown(s: &str) -> String {
     let shown: String = s.chars().take(32).collect();
     if shown.len() < s.len() {
         format!("{shown}...")

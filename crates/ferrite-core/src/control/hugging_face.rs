@@ -185,3 +185,77 @@ pub fn pipeline(dir: &Path, mut config: ModelConfig) -> Result<ModelConfig> {
     config.steps = steps;
     Ok(config)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            let path = d.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+        d
+    }
+
+    const POOL_MEAN: (&str, &str) = ("1_Pooling/config.json", r#"{"pooling_mode_mean_tokens": true}"#);
+
+    fn found(files: &[(&str, &str)]) -> Result<ModelConfig> {
+        let mut all = vec![("tokenizer.json", "{}"), ("onnx/model.onnx", "")];
+        all.extend_from_slice(files);
+        let d = dir(&all);
+        assert!(is_layout(d.path()));
+        pipeline(d.path(), ModelConfig::default())
+    }
+
+    fn max_length(c: &ModelConfig) -> Option<usize> {
+        c.steps.iter().find_map(|s| match s {
+            StepConfig::Tokenize(t) => t.max_length,
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn the_task_and_the_length_follow_teis_rules() {
+        let c =
+            found(&[("config.json", r#"{"architectures": ["BertModel"], "max_position_embeddings": 512}"#), POOL_MEAN])
+                .unwrap();
+        assert_eq!((c.task, max_length(&c)), (Some(Task::Embed), Some(512)));
+        // sentence_bert_config.json first; RoBERTa's positions less its offset otherwise.
+        let st = ("sentence_bert_config.json", r#"{"max_seq_length": 256}"#);
+        assert_eq!(
+            max_length(&found(&[("config.json", r#"{"architectures": ["BertModel"]}"#), POOL_MEAN, st]).unwrap()),
+            Some(256)
+        );
+        let roberta =
+            r#"{"architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta", "max_position_embeddings": 514}"#;
+        assert_eq!(max_length(&found(&[("config.json", roberta), POOL_MEAN]).unwrap()), Some(512));
+        let one = r#"{"architectures": ["BertForSequenceClassification"], "id2label": {"0": "LABEL_0"}}"#;
+        assert_eq!(found(&[("config.json", one)]).unwrap().task, Some(Task::Rerank));
+        let three =
+            r#"{"architectures": ["BertForSequenceClassification"], "id2label": {"2": "c", "0": "a", "1": "b"}}"#;
+        let c = found(&[("config.json", three)]).unwrap();
+        assert_eq!(
+            (c.task, c.labels["logits"].clone()),
+            (Some(Task::Classify), vec!["a".into(), "b".into(), "c".into()])
+        );
+    }
+
+    #[test]
+    fn what_is_not_served_is_refused_by_name() {
+        let splade = found(&[("config.json", r#"{"architectures": ["BertForMaskedLM"]}"#)]).unwrap_err();
+        assert!(splade.to_string().contains("SPLADE"), "{splade}");
+        let no_pool = found(&[("config.json", r#"{"architectures": ["BertModel"]}"#)]).unwrap_err();
+        assert!(no_pool.to_string().contains("1_Pooling/config.json"), "{no_pool}");
+        let weighted = ("1_Pooling/config.json", r#"{"pooling_mode_weightedmean_tokens": true}"#);
+        assert!(found(&[("config.json", r#"{"architectures": ["BertModel"]}"#), weighted]).is_err());
+        let d = dir(&[("config.json", "{}"), ("tokenizer.json", "{}")]);
+        let e = pipeline(d.path(), ModelConfig::default()).unwrap_err();
+        assert!(e.to_string().contains("onnx/model.onnx"), "{e}");
+        // Version directories make it a model repository's model, not a Hugging Face directory.
+        let d = dir(&[("config.json", "{}"), ("tokenizer.json", "{}"), ("1/model.onnx", "")]);
+        assert!(!is_layout(d.path()));
+    }
+}

@@ -1022,20 +1022,15 @@ mod tests {
     fn a_build_names_the_step_that_cannot_be_built() {
         let registry: Arc<dyn Models> = Arc::new(arc_swap::ArcSwap::from_pointee(Registry::default()));
         let dir = std::env::temp_dir();
-        let build = |text: &str| {
-            Pipeline::build(
-                "p",
-                &dir,
-                &steps(text).unwrap(),
-                &[],
-                &[],
-                &Registry::default(),
-                registry.clone(),
-                Default::default(),
-            )
-            .err()
-            .map(|e| e.to_string())
+        // The build's error, with `inputs` declared.
+        let declared = |text: &str, inputs: &[&str]| {
+            let inputs: Vec<String> = inputs.iter().map(|s| s.to_string()).collect();
+            let (none, registry) = (Registry::default(), registry.clone());
+            Pipeline::build("p", &dir, &steps(text).unwrap(), &inputs, &[], &none, registry, Default::default())
+                .err()
+                .map(|e| e.to_string())
         };
+        let build = |text: &str| declared(text, &[]);
         let e = build("[[steps]]\nop = \"resize\"\nsize = [4, 4]\n").unwrap();
         assert!(e.contains("step 'resize' (resize): no earlier step writes the image 'image'"), "{e}");
         let e = build("[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"model\"\nmodel = \"m\"\n").unwrap();
@@ -1056,21 +1051,6 @@ mod tests {
         let e = build(&detector.replace("op = \"resize\"", "op = \"resize\"\ninput = \"imagee\"")).unwrap();
         assert!(e.contains("no earlier step writes the image 'imagee'; did you mean 'image'?"), "{e}");
         // Declared inputs are the only ones: a typo in a tokenizer's input is caught too.
-        let declared = |text: &str, inputs: &[&str]| {
-            let inputs: Vec<String> = inputs.iter().map(|s| s.to_string()).collect();
-            Pipeline::build(
-                "p",
-                &dir,
-                &steps(text).unwrap(),
-                &inputs,
-                &[],
-                &Registry::default(),
-                registry.clone(),
-                Default::default(),
-            )
-            .err()
-            .map(|e| e.to_string())
-        };
         let two = "[[steps]]\nop = \"decode_image\"\n[[steps]]\nop = \"resize\"\nsize = [8, 8]\n\
                    [[steps]]\nop = \"normalize\"\n[[steps]]\nop = \"softmax\"\ninput = \"scores\"\n";
         assert_eq!(declared(two, &["image", "scores"]), None, "a declared input read by a later step");

@@ -15,7 +15,7 @@ use base64::Engine as _;
 use bytes::Bytes;
 use ferrite_core::{
     engine::spec::Task,
-    texts::{self, EmbedOptions, TextModel, TEI_MAX_INPUTS},
+    texts::{self, shown, EmbedOptions, TextModel, TEI_MAX_INPUTS},
     Error,
 };
 use serde::Deserialize;
@@ -56,16 +56,6 @@ fn bytes(texts: Vec<String>) -> Vec<Bytes> {
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
-}
-
-/// A client's string as an error names it: its first 32 characters.
-fn shown(s: &str) -> String {
-    let cut: String = s.chars().take(32).collect();
-    if cut.len() < s.len() {
-        format!("{cut}...")
-    } else {
-        cut
-    }
 }
 
 // ---- OpenAI --------------------------------------------------------------------------------
