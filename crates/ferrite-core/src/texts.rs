@@ -45,15 +45,6 @@ fn embedder_shape(spec: &ModelSpec) -> Option<(String, String, Option<String>)> 
     Some((input.name.clone(), output.name.clone(), count))
 }
 
-/// What TEI calls each task (its `/info` and its errors).
-pub fn tei_name(task: Task) -> &'static str {
-    match task {
-        Task::Embed => "embedding",
-        Task::Rerank => "reranker",
-        Task::Classify => "classifier",
-    }
-}
-
 /// The served models of `task` (any text model when `None`), by name.
 pub fn models(core: &Core, task: Option<Task>) -> Vec<String> {
     let mut names: Vec<String> = core
@@ -442,7 +433,7 @@ fn tokens(t: &TextSpec, text: &Bytes, special: bool) -> Result<Vec<Token>> {
 
 /// An embedding as TEI and OpenAI shape it: cut to `dimensions` (matryoshka models), then scaled
 /// to unit length when `normalize`.
-pub fn shape_vector(mut v: Vec<f32>, dimensions: Option<usize>, normalize: bool) -> Vec<f32> {
+fn shape_vector(mut v: Vec<f32>, dimensions: Option<usize>, normalize: bool) -> Vec<f32> {
     if let Some(d) = dimensions {
         v.truncate(d);
     }
@@ -455,7 +446,7 @@ pub fn shape_vector(mut v: Vec<f32>, dimensions: Option<usize>, normalize: bool)
 
 /// Raw scores to what TEI answers without `raw_scores`: one score through a sigmoid, several
 /// through a softmax.
-pub fn probabilities(mut scores: Vec<f32>) -> Vec<f32> {
+fn probabilities(mut scores: Vec<f32>) -> Vec<f32> {
     match scores.as_mut_slice() {
         [one] => *one = crate::pipeline::sigmoid(*one),
         many => crate::pipeline::softmax(many),
