@@ -243,8 +243,21 @@ def test_the_hand_written_pipeline_and_the_directory_agree_and_check_shows_what_
     shutil.copytree(hf / "hf_embedder", repo / "hf_embedder")
     for m in ("text_encoder", "text_embedder"):
         shutil.copytree(ROOT / "models" / m, repo / m)
+    # A hand-written classifier over the classifier's ONNX file, run as its own model (`file`),
+    # its task declared and its labels from a file.
+    mine = repo / "sentiment"
+    mine.mkdir()
+    shutil.copy(hf / "hf_classifier" / "model.onnx", mine / "classifier.onnx")
+    shutil.copy(hf / "hf_classifier" / "tokenizer.json", mine / "tokenizer.json")
+    (mine / "labels.txt").write_text("sad\nmeh\nglad\n")
+    (mine / "config.toml").write_text('task = "classify"\n[[steps]]\nop = "tokenize"\n[[steps]]\nop = "model"\n'
+                                      'file = "classifier.onnx"\n[[output]]\nname = "logits"\nlabel_filename = "labels.txt"\n')
     s = Server(repo)
     try:
+        status, classes = call(s, "/predict", {"inputs": "i love the sun"})
+        assert status == 200, classes
+        p = softmax(Reference(hf / "hf_classifier", 512).run("i love the sun"))
+        assert [c["label"] for c in classes] == [["sad", "meh", "glad"][i] for i in np.argsort(-p)]
         texts = ["hello world", "the cat eats fast food"]
         status, hand = call(s, "/embed", {"inputs": texts, "model": "text_embedder"})
         assert status == 200
