@@ -360,29 +360,18 @@ pub(super) struct TeiRerankRequest {
     model: Option<String>,
 }
 
-/// `(index, score)` of each passage for `query`, highest first, and the tokens they took.
+/// `(index, score)` of each passage for `query`, highest first, and the tokens they took. The
+/// core's error as it is: each API answers it with its own status.
 async fn ranked(
     s: &AppState,
-    principal: Principal,
-    headers: &HeaderMap,
+    tenant: Option<String>,
     (model, query, passages): (Option<&str>, &str, &[String]),
     options: (Option<bool>, bool),
     max_inputs: usize,
-) -> Result<(String, Vec<(usize, f32)>, u64), ApiError> {
-    let tenant = tenant_of(s, principal.map(|p| p.0).as_ref(), headers)?;
+) -> ferrite_core::Result<(String, Vec<(usize, f32)>, u64)> {
     let m = TextModel::new(&s.core, &texts::pick(&s.core, model, Some(Task::Rerank))?, Some(Task::Rerank))?;
     let (a, scored) = m.rerank(&s.core, query, passages, options, max_inputs, tenant).await?;
     Ok((a.model, scored, a.tokens))
-}
-
-fn tei_api(e: ApiError) -> TeiFail {
-    // The core's errors reach `ranked` as the V2 API's; TEI answers them with its own statuses.
-    let status = match e.status {
-        StatusCode::BAD_REQUEST => StatusCode::UNPROCESSABLE_ENTITY,
-        StatusCode::NOT_IMPLEMENTED | StatusCode::INTERNAL_SERVER_ERROR => StatusCode::FAILED_DEPENDENCY,
-        other => other,
-    };
-    TeiFail(ApiError { status, ..e })
 }
 
 pub(super) async fn rerank(
@@ -397,16 +386,9 @@ pub(super) async fn rerank(
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`texts` cannot be empty"));
     }
     right(&req.truncation_direction)?;
-    let (_, scored, _) = ranked(
-        &s,
-        principal,
-        &headers,
-        (req.model.as_deref(), &req.query, &req.texts),
-        (req.truncate, req.raw_scores),
-        TEI_MAX_INPUTS,
-    )
-    .await
-    .map_err(tei_api)?;
+    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let query = (req.model.as_deref(), req.query.as_str(), req.texts.as_slice());
+    let (_, scored, _) = ranked(&s, tenant, query, (req.truncate, req.raw_scores), TEI_MAX_INPUTS).await?;
     let ranks = scored
         .into_iter()
         .map(|(index, score)| TeiRank { index, score, text: req.return_text.then(|| req.texts[index].clone()) })
@@ -686,19 +668,10 @@ pub(super) async fn cohere_rerank(
                 docs.len()
             )));
         }
-        let (model, mut scored, tokens) = ranked(
-            &s,
-            principal,
-            &headers,
-            (req.model.as_deref(), &req.query, &docs),
-            (None, false),
-            RERANK_MAX_DOCUMENTS,
-        )
-        .await
-        .map_err(|e| match e.status {
-            StatusCode::NOT_IMPLEMENTED => ApiError::bad_request(e.message),
-            _ => e,
-        })?;
+        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+        let query = (req.model.as_deref(), req.query.as_str(), docs.as_slice());
+        let (model, mut scored, tokens) =
+            ranked(&s, tenant, query, (None, false), RERANK_MAX_DOCUMENTS).await.map_err(invalid_as_400)?;
         scored.truncate(req.top_n.unwrap_or(usize::MAX));
         let results = scored
             .into_iter()
