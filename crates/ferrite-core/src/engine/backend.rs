@@ -98,6 +98,11 @@ pub trait Instance: Send {
         self.run(inputs)
     }
 
+    /// Asks that the next run, once done, give back what it grew the engine's memory by: it is
+    /// larger than the model's batches usually are (one exploring the limit), and an arena left
+    /// grown to it would hold that memory for good.
+    fn shrink_after_next(&mut self) {}
+
     /// How long the last `run` spent writing its inputs into the engine's own buffers (Triton's
     /// `compute_input`); the rest of the run counts as inference.
     fn input_time(&self) -> Duration {

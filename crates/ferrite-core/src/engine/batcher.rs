@@ -61,7 +61,7 @@ struct Shared {
     cancelled: std::sync::atomic::AtomicU64,
     /// One batch's recent run time, for refusing requests whose deadline cannot be met.
     batch_time: BatchTime,
-    /// Run time per element by batch size, from which the merge limit follows.
+    /// Run time per element by batch size and size of rows, from which the merge limit follows.
     costs: Mutex<BatchCosts>,
     /// With `preserve_ordering`: batches are numbered as they leave the queue (under its lock),
     /// and each answers only after the one before it has.
@@ -78,17 +78,21 @@ impl Shared {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The merge limit the measured costs allow now (a read: deciding whose turn work is, or
-    /// waking up, changes nothing).
-    fn limit(&self) -> usize {
-        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, Explore::No)
+    /// The merge limit the measured costs allow now for the request at the head of `q` (a read:
+    /// deciding whose turn work is, or waking up, changes nothing).
+    fn limit(&self, q: &Queue) -> usize {
+        let Some(head) = q.head(false) else { return self.spec.batch.merge_limit };
+        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, head.row_elements())
     }
 
-    /// The merge limit for the next batch formed: now and then another size is explored
-    /// (`costs::EXPLORE_EVERY`).
-    fn batch_limit(&self) -> usize {
+    /// The merge limit for the next batch formed from `q`: for its head's size, now and then
+    /// another size explored (`costs::EXPLORE_EVERY`), and a size new to the batcher learned
+    /// from one row up.
+    fn batch_limit(&self, q: &Queue, light_only: bool) -> usize {
+        let Some(head) = q.head(light_only) else { return self.spec.batch.merge_limit };
         let explore = Explore::nth(self.formed.load(Ordering::Relaxed) + 1);
-        self.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(self.spec.batch.merge_limit, explore)
+        let costs = self.costs.lock().unwrap_or_else(|e| e.into_inner());
+        costs.batch_limit(self.spec.batch.merge_limit, head.row_elements(), explore)
     }
 
     fn condvar(&self, role: Role) -> &Condvar {
@@ -108,7 +112,7 @@ impl Shared {
         if !self.has_solo {
             return Some(&self.wake);
         }
-        let limit = self.limit();
+        let limit = self.limit(q);
         if my_turn(self, q, Role::Solo, limit) {
             Some(&self.wake_solo)
         } else if my_turn(self, q, Role::Narrow, limit) {
@@ -328,7 +332,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
             let mut q = shared.lock();
             loop {
                 let flush = shared.closed.load(Ordering::Acquire);
-                if !my_turn(shared, &q, role, shared.limit()) {
+                if !my_turn(shared, &q, role, shared.limit(&q)) {
                     // The other kind of instance takes this work, or is running: wait for a
                     // submit or a finished batch to change that (the timeout only guards).
                     let turn = Duration::from_millis(50);
@@ -337,8 +341,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
                 let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
-                let decision =
-                    q.next_batch_of(Instant::now(), &shared.spec.batch, shared.batch_limit(), flush, light_only);
+                let limit = shared.batch_limit(&q, light_only);
+                let decision = q.next_batch_of(Instant::now(), &shared.spec.batch, limit, flush, light_only);
                 match decision {
                     Decision::Run(batch) => {
                         shared.formed.fetch_add(1, Ordering::Relaxed);
@@ -553,6 +557,11 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
     let inputs = batch_inputs(spec, group, rows)?;
     let elements: usize = inputs.iter().map(|i| i.shape.iter().product::<usize>()).sum();
     crash_context(spec, group, rows, &inputs);
+    let usual =
+        shared.costs.lock().unwrap_or_else(|e| e.into_inner()).limit(spec.batch.merge_limit, elements / rows.max(1));
+    if rows > usual {
+        instance.shrink_after_next();
+    }
     let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
     let live = Live::new(group.iter().map(|p| p.rows), &awaited);
     let result = catch_unwind(AssertUnwindSafe(|| instance.run_live(&inputs, &live))).unwrap_or_else(|_| {

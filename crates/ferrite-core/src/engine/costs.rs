@@ -1,9 +1,10 @@
 //! What batches cost while serving, kept by the batcher from the batches it runs, as two moving
 //! averages (weight 1/8 each):
 //! - [`BatchCosts`]: the run time per input element for each range of batch sizes (1, 2, 3-4,
-//!   5-8, ... rows). From it follows the merge limit: the batcher never forms a batch that its own
-//!   measurements say costs more per element than a smaller one. Per element rather than per row,
-//!   so requests of different sizes (a detector's variable H/W) can be compared.
+//!   5-8, ... rows), for each size class of rows (a detector's 224x224 images apart from its
+//!   640x640 ones). From it follows the merge limit for the sizes actually served: the batcher
+//!   never forms a batch that its own measurements say costs more per element than a smaller one
+//!   of the same class, and learns each class's curve down from the limit it starts at.
 //! - [`BatchTime`]: one batch's run time, lock-free, read at admission to refuse a request whose
 //!   deadline cannot be met (Triton #7512). It can never lock a model out: only batches of real
 //!   traffic feed it (not warm-ups), it goes stale when nothing has run for a while, and the
@@ -63,8 +64,9 @@ impl Explore {
     }
 }
 
+/// Run time per input element by batch-size bucket, for requests of one size class.
 #[derive(Debug, Default, Clone)]
-pub struct BatchCosts {
+struct Curve {
     /// (moving average of ns per element, runs seen), by bucket.
     buckets: [(f64, u32); BUCKETS],
 }
@@ -73,26 +75,20 @@ fn bucket(rows: usize) -> usize {
     (usize::BITS - rows.max(1).saturating_sub(1).leading_zeros()) as usize
 }
 
-impl BatchCosts {
-    /// Records one run of `rows` rows holding `elements` input elements that took `took`.
-    pub fn record(&mut self, rows: usize, elements: usize, took: Duration) {
-        let Some(b) = self.buckets.get_mut(bucket(rows)) else { return };
-        let cost = took.as_nanos() as f64 / elements.max(1) as f64;
-        b.0 = average(b.0, cost, b.1 > 0);
-        b.1 = b.1.saturating_add(1);
-    }
+/// Requests are told apart by their rows' size, in half-octaves of input elements per row (a
+/// detector's 224x224 and 320x320 images fall in different classes, 320x320 and 320x352 in one):
+/// what batch size serves best depends on it (a conv net that gains from batches of small images
+/// loses from batches of large ones). At most `2 x usize::BITS` classes exist, so the table is
+/// bounded whatever sizes clients send.
+fn size_class(row_elements: usize) -> u8 {
+    let e = row_elements.max(1);
+    let octave = usize::BITS - 1 - e.leading_zeros();
+    // The upper half of the octave: at or above 1.5 x 2^octave.
+    let upper = octave > 0 && (e >> (octave - 1)) & 1 == 1;
+    (2 * octave + upper as u32) as u8
+}
 
-    /// The most rows a batch may merge, at most `configured`: below the first measured bucket
-    /// that costs more per element than the best smaller one (beyond the tolerance); `configured`
-    /// itself, or half the measured limit, when exploring.
-    pub fn limit(&self, configured: usize, explore: Explore) -> usize {
-        match explore {
-            Explore::No => self.measured(configured),
-            Explore::Up => configured,
-            Explore::Down => (self.measured(configured) / 2).max(1),
-        }
-    }
-
+impl Curve {
     fn measured(&self, configured: usize) -> usize {
         let mut best = f64::INFINITY;
         for (i, &(cost, n)) in self.buckets.iter().enumerate() {
@@ -106,6 +102,59 @@ impl BatchCosts {
             best = best.min(cost);
         }
         configured
+    }
+
+    /// The next smaller size to learn, if any: half the smallest size measured (at or below
+    /// `limit`), while that smallest size still serves within the tolerance of the best. Batches
+    /// start at the limit (calibration's, measured on other sizes than those served, or the
+    /// config's) and step down a few batches a step until smaller ones cost clearly more per
+    /// element: a conv net served larger than it was calibrated finds its smaller batch within
+    /// tens of batches, not by the occasional exploring one; an MLP stops after a step or two.
+    fn unlearned(&self, limit: usize) -> Option<usize> {
+        let top = bucket(limit).min(BUCKETS - 1);
+        let measured = || self.buckets[..=top].iter().enumerate().filter(|(_, b)| b.1 >= MIN_SAMPLES);
+        let (smallest, &(cost, _)) = measured().next()?;
+        let best = measured().map(|(_, b)| b.0).fold(f64::INFINITY, f64::min);
+        (smallest > 0 && cost <= best * (1.0 + TOLERANCE)).then(|| 1 << (smallest - 1))
+    }
+}
+
+/// What batches cost, by size class of their rows (see [`size_class`]).
+#[derive(Debug, Default, Clone)]
+pub struct BatchCosts {
+    curves: std::collections::BTreeMap<u8, Curve>,
+}
+
+impl BatchCosts {
+    /// Records one run of `rows` rows holding `elements` input elements that took `took`.
+    pub fn record(&mut self, rows: usize, elements: usize, took: Duration) {
+        let class = size_class(elements / rows.max(1));
+        let curve = self.curves.entry(class).or_default();
+        let Some(b) = curve.buckets.get_mut(bucket(rows)) else { return };
+        let cost = took.as_nanos() as f64 / elements.max(1) as f64;
+        b.0 = average(b.0, cost, b.1 > 0);
+        b.1 = b.1.saturating_add(1);
+    }
+
+    /// The most rows a batch of rows of `row_elements` input elements each may merge, at most
+    /// `configured`: below the first measured bucket that costs more per element than the best
+    /// smaller one (beyond the tolerance).
+    pub fn limit(&self, configured: usize, row_elements: usize) -> usize {
+        self.curves.get(&size_class(row_elements)).map_or(configured, |c| c.measured(configured))
+    }
+
+    /// The limit for the next batch formed: as `limit`, but a smaller size not yet measured
+    /// first (see `Curve::unlearned`); `configured` itself, or half the measured limit, when
+    /// exploring.
+    pub fn batch_limit(&self, configured: usize, row_elements: usize, explore: Explore) -> usize {
+        let unseen = Curve::default();
+        let curve = self.curves.get(&size_class(row_elements)).unwrap_or(&unseen);
+        let measured = curve.measured(configured);
+        match explore {
+            Explore::No => curve.unlearned(measured).unwrap_or(measured),
+            Explore::Up => configured,
+            Explore::Down => (measured / 2).max(1),
+        }
     }
 }
 
@@ -171,78 +220,117 @@ mod tests {
     }
 
     #[test]
+    fn size_classes_are_half_octaves_of_a_row() {
+        let got: Vec<u8> = [1, 2, 3, 4, 5, 6, 7, 8, 12].iter().map(|&e| size_class(e)).collect();
+        assert_eq!(got, vec![0, 2, 3, 4, 4, 5, 5, 6, 7]);
+        let image = |side: usize| size_class(3 * side * side);
+        assert_ne!(image(224), image(320));
+        assert_eq!(image(320), size_class(3 * 320 * 352));
+        assert!(size_class(usize::MAX) < 2 * usize::BITS as u8);
+    }
+
+    #[test]
     fn nothing_measured_leaves_the_configured_limit() {
-        assert_eq!(BatchCosts::default().limit(64, Explore::No), 64);
+        let c = BatchCosts::default();
+        assert_eq!(c.limit(64, 512), 64);
+        assert_eq!(c.batch_limit(64, 512, Explore::No), 64);
+    }
+
+    /// Records `MIN_SAMPLES` runs of each size in `sizes`, each taking `took(rows)` microseconds.
+    fn learn(c: &mut BatchCosts, row_elements: usize, sizes: &[usize], took: impl Fn(f64) -> f64) {
+        for &rows in sizes {
+            for _ in 0..MIN_SAMPLES {
+                c.record(rows, rows * row_elements, us(took(rows as f64)));
+            }
+        }
+    }
+
+    /// The batch limits a size class steps through under full load, learning each, and the
+    /// limit it ends with.
+    fn steps(configured: usize, row_elements: usize, took: impl Fn(f64) -> f64) -> (Vec<usize>, usize) {
+        let mut c = BatchCosts::default();
+        let mut steps = Vec::new();
+        for _ in 0..10 {
+            let next = c.batch_limit(configured, row_elements, Explore::No);
+            steps.push(next);
+            learn(&mut c, row_elements, &[next], &took);
+        }
+        (steps, c.limit(configured, row_elements))
+    }
+
+    #[test]
+    fn a_size_steps_down_from_its_limit_while_smaller_batches_serve_as_well() {
+        // A conv net at 320x320: per image, batches up to 4 cost what one does, 8 and 16 more.
+        let detector = |rows: f64| rows * if rows <= 4.0 { 9_500.0 } else { 11_400.0 };
+        assert_eq!(steps(16, 3 * 320 * 320, detector), (vec![16, 8, 4, 2, 1, 4, 4, 4, 4, 4], 4));
+        // An MLP: each halving costs more per row; it stops once that passes the tolerance.
+        let mlp = |rows: f64| 400.0 + 80.0 * rows;
+        assert_eq!(steps(64, 512, mlp), (vec![64, 32, 16, 64, 64, 64, 64, 64, 64, 64], 64));
     }
 
     #[test]
     fn a_conv_net_slower_per_image_in_pairs_is_held_to_single_runs() {
         let mut c = BatchCosts::default();
-        for _ in 0..8 {
-            c.record(1, 150_528, us(17_000.0));
-            c.record(2, 301_056, us(42_000.0));
-        }
-        assert_eq!(c.limit(64, Explore::No), 1);
+        learn(&mut c, 150_528, &[1, 2], |rows| if rows == 1.0 { 17_000.0 } else { 42_000.0 });
+        assert_eq!(c.limit(64, 150_528), 1);
+        assert_eq!(c.batch_limit(64, 150_528, Explore::No), 1);
     }
 
     #[test]
     fn an_mlp_cheaper_per_row_in_batches_keeps_merging() {
         let mut c = BatchCosts::default();
-        for rows in [1usize, 2, 4, 8, 16, 32, 64] {
-            for _ in 0..8 {
-                c.record(rows, rows * 512, us(400.0 + 20.0 * rows as f64));
-            }
-        }
-        assert_eq!(c.limit(64, Explore::No), 64);
+        learn(&mut c, 512, &[1, 2, 4, 8, 16, 32, 64], |rows| 400.0 + 20.0 * rows);
+        assert_eq!(c.limit(64, 512), 64);
+        assert_eq!(c.batch_limit(64, 512, Explore::No), 64);
     }
 
     #[test]
-    fn costs_per_element_compare_requests_of_different_sizes() {
-        // A detector: 640x640 images cost 4x a 320x320 one, per element the same: no penalty.
+    fn a_detector_whose_best_batch_depends_on_its_size_gets_a_limit_per_size() {
+        // Calibrated at 224x224 to a limit of 16: small images gain from batches up to 16; at
+        // 320x320 batches of 4 cost the same per image as one, 8 cost 20% more.
+        let (small, large) = (3 * 224 * 224, 3 * 320 * 320);
         let mut c = BatchCosts::default();
-        for _ in 0..8 {
-            c.record(1, 3 * 320 * 320, us(25_000.0));
-            c.record(2, 2 * 3 * 640 * 640, us(200_000.0));
-        }
-        assert_eq!(c.limit(8, Explore::No), 8);
+        learn(&mut c, small, &[1, 2, 4, 8, 16], |rows| 4_000.0 + 3_000.0 * rows);
+        learn(&mut c, large, &[1, 2, 4, 8, 16], |rows| if rows <= 4.0 { 9_500.0 * rows } else { 11_400.0 * rows });
+        assert_eq!(c.limit(16, small), 16);
+        assert_eq!(c.limit(16, large), 4);
+        assert_eq!(c.batch_limit(16, large, Explore::No), 4);
+        // Requests of another size in between change neither.
+        learn(&mut c, 3 * 640 * 640, &[1, 2], |rows| 40_000.0 * rows * rows);
+        assert_eq!((c.limit(16, small), c.limit(16, large), c.limit(16, 3 * 640 * 640)), (16, 4, 1));
     }
 
     #[test]
     fn the_limit_is_explored_again_now_and_then() {
         let mut c = BatchCosts::default();
-        for _ in 0..8 {
-            c.record(1, 1, us(10.0));
-            c.record(4, 4, us(80.0));
-        }
-        assert_eq!(c.limit(16, Explore::No), 2);
-        assert_eq!(c.limit(16, Explore::Up), 16);
-        assert_eq!(c.limit(16, Explore::Down), 1);
+        learn(&mut c, 1, &[1, 2, 4], |rows| if rows <= 2.0 { 10.0 * rows } else { 20.0 * rows });
+        assert_eq!(c.limit(16, 1), 2);
+        assert_eq!(c.batch_limit(16, 1, Explore::No), 2);
+        assert_eq!(c.batch_limit(16, 1, Explore::Up), 16);
+        assert_eq!(c.batch_limit(16, 1, Explore::Down), 1);
         assert_eq!([0, 1, 16, 32].map(Explore::nth), [Explore::Up, Explore::No, Explore::Down, Explore::Up]);
     }
 
     #[test]
-    fn a_detector_served_larger_than_calibrated_finds_its_smaller_batch_by_exploring_down() {
-        // Calibrated at 224x224 to a limit of 8; at 320x320 a batch of 8 costs 20% more per image
-        // than one of 4, and the load keeps every batch at 8 rows: only the batches formed at half
-        // the limit measure 4.
+    fn a_limit_that_serves_worse_than_a_smaller_one_comes_down() {
+        // The curve was learned while 8 images cost per image what 4 do; then batches of 8 grew
+        // 20% dearer (another process took the cache) while load keeps every batch at 8.
         let per_image = 3 * 320 * 320;
         let mut c = BatchCosts::default();
-        for _ in 0..8 {
+        learn(&mut c, per_image, &[1, 2, 4, 8], |rows| 9_500.0 * rows);
+        for _ in 0..4 {
             c.record(8, 8 * per_image, us(8.0 * 11_500.0));
         }
-        assert_eq!(c.limit(8, Explore::No), 8, "nothing smaller measured yet");
-        assert_eq!(c.limit(8, Explore::Down), 4);
-        for _ in 0..MIN_SAMPLES {
-            c.record(4, 4 * per_image, us(4.0 * 9_500.0));
+        assert_eq!(c.limit(8, per_image), 8, "the moving average is still within the tolerance");
+        assert_eq!(c.batch_limit(8, per_image, Explore::Down), 4);
+        for _ in 0..4 {
+            c.record(8, 8 * per_image, us(8.0 * 11_500.0));
         }
-        assert_eq!(c.limit(8, Explore::No), 4);
-        // An MLP whose batches of 64 stay cheapest loses nothing but the explored batch.
+        assert_eq!(c.limit(8, per_image), 4);
+        // An MLP whose batches of 64 stay cheapest keeps them.
         let mut m = BatchCosts::default();
-        for _ in 0..8 {
-            m.record(64, 64 * 512, us(5_000.0));
-            m.record(32, 32 * 512, us(2_600.0));
-        }
-        assert_eq!(m.limit(64, Explore::No), 64);
+        learn(&mut m, 512, &[1, 2, 4, 8, 16, 32, 64], |rows| 100.0 + 78.0 * rows);
+        assert_eq!(m.limit(64, 512), 64);
     }
 
     #[test]

@@ -419,15 +419,22 @@ impl Backend for OnnxBackend {
             None => open(&self.path, &self.options)?,
         };
         let output_names = self.outputs.iter().map(|o| o.name.clone()).collect();
-        let run_options = if self.options.arena_shrinkage {
+        let shrinking = || -> Result<RunOptions> {
             let mut o = RunOptions::new().map_err(ort_err)?;
             o.set("memory.enable_memory_arena_shrinkage", "cpu:0").map_err(ort_err)?;
-            Some(o)
-        } else {
-            None
+            Ok(o)
         };
-        let zipmaps = self.zipmaps.clone();
-        Ok(Box::new(OnnxInstance { session, output_names, input_time: Duration::ZERO, run_options, zipmaps }))
+        let run_options = if self.options.arena_shrinkage { Some(shrinking()?) } else { None };
+        let (shrink, zipmaps) = (shrinking()?, self.zipmaps.clone());
+        Ok(Box::new(OnnxInstance {
+            session,
+            output_names,
+            input_time: Duration::ZERO,
+            run_options,
+            shrink,
+            shrink_next: false,
+            zipmaps,
+        }))
     }
 }
 
@@ -437,6 +444,9 @@ struct OnnxInstance {
     input_time: Duration,
     /// Set when the arena gives back its growth after each run.
     run_options: Option<RunOptions>,
+    /// Options that give back the arena's growth, for the run after `shrink_after_next`.
+    shrink: RunOptions,
+    shrink_next: bool,
     zipmaps: std::sync::Arc<ZipMaps>,
 }
 
@@ -482,12 +492,18 @@ impl Instance for OnnxInstance {
         self.input_time
     }
 
+    fn shrink_after_next(&mut self) {
+        self.shrink_next = true;
+    }
+
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
         let copying = Instant::now();
         let values: Vec<(String, SessionInputValue<'static>)> =
             inputs.iter().map(|i| Ok((i.name.to_string(), input_value(i)?))).collect::<Result<_>>()?;
         self.input_time = copying.elapsed();
-        let mut outputs = match &self.run_options {
+        let options =
+            if std::mem::take(&mut self.shrink_next) { Some(&self.shrink) } else { self.run_options.as_ref() };
+        let mut outputs = match options {
             Some(o) => self.session.run_with_options(values, o),
             None => self.session.run(values),
         }

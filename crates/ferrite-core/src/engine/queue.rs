@@ -52,6 +52,12 @@ pub struct Pending {
 }
 
 impl Pending {
+    /// Input elements per row (the whole request's when it has one row): what tells a batch of
+    /// small images from one of large ones.
+    pub fn row_elements(&self) -> usize {
+        self.inputs.iter().map(|t| t.shape.iter().product::<usize>()).sum::<usize>() / self.rows.max(1)
+    }
+
     /// Whether `other` may share a batch with `self`: every non-batch dim equal.
     fn compatible(&self, other: &Pending) -> bool {
         // The same inputs (optional ones may be left out) with the same non-batch dims.
@@ -156,6 +162,11 @@ impl Queue {
     }
 
     /// Rows waiting at every level.
+    /// The request the next batch starts with (light ones only, with `light_only`).
+    pub fn head(&self, light_only: bool) -> Option<&Pending> {
+        self.levels.iter().flat_map(Level::iter).find(|p| !(light_only && p.heavy))
+    }
+
     pub fn rows(&self) -> usize {
         self.levels.iter().map(|l| l.rows).sum()
     }
