@@ -11,6 +11,7 @@
 #        bench/run.sh --texts [--duration 10]  (TEI's /rerank and /predict vs FastAPI and the ceiling: bench/texts.py)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
+#        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
 set -euo pipefail
@@ -69,6 +70,10 @@ fi
 if [ "${1:-}" = "--soak" ]; then
     shift
     exec python3 bench/soak.py "$@"
+fi
+if [ "${1:-}" = "--memory" ]; then
+    shift
+    exec python3 bench/memory.py "$@"
 fi
 if [ "${1:-}" = "--hostile" ]; then
     shift

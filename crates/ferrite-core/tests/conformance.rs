@@ -160,3 +160,33 @@ fn onnxruntime_refuses_a_file_that_is_not_onnx() {
     let err = OnnxBackend::load(&path, OnnxOptions { intra_threads: 1, ..Default::default() }).err().unwrap();
     assert!(err.to_string().contains("cannot load"), "{err}");
 }
+
+#[test]
+fn onnxruntime_backend_with_shared_weights_conforms() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
+    suite(|path| {
+        let b = OnnxBackend::load(path, OnnxOptions { intra_threads: 1, ..Default::default() }).unwrap();
+        Box::new(b.sharing_weights().unwrap_or(b))
+    });
+}
+
+#[test]
+fn shared_weights_give_the_answers_of_a_session_of_its_own() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
+    let path = repo("models/mlp/1/model.onnx");
+    let own = OnnxBackend::load(&path, OnnxOptions { intra_threads: 1, ..Default::default() }).unwrap();
+    let shared = own.sharing_weights().expect("an MLP's Gemm weights are shared");
+    assert!(shared.sharing_weights().is_none(), "shared once");
+    let off = OnnxOptions { intra_threads: 1, share_weights: false, ..Default::default() };
+    assert!(OnnxBackend::load(&path, off).unwrap().sharing_weights().is_none(), "share_weights = false");
+    let spec = &own.inputs()[0];
+    let width = spec.dims[1] as usize;
+    let values: Vec<f32> = (0..3 * width).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let data = Tensor::from_le("", DataType::Fp32, vec![3, width], &values).data;
+    let input = [(spec.name.as_str(), DataType::Fp32, vec![3, width], vec![&data])];
+    let expected = run(&own, &input).unwrap();
+    // Several sessions on the shared weights, the first and later ones, answer alike.
+    for _ in 0..3 {
+        assert_eq!(run(&shared, &input).unwrap(), expected);
+    }
+}

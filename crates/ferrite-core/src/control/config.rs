@@ -190,6 +190,8 @@ pub struct OnnxRuntimeConfig {
     pub spinning: Option<bool>,
     /// `session.intra_op_thread_affinities`, e.g. "1;2".
     pub intra_op_thread_affinity: Option<String>,
+    /// false: each session keeps its own copy of the weights.
+    pub share_weights: Option<bool>,
 }
 
 impl OnnxRuntimeConfig {
@@ -219,6 +221,7 @@ impl OnnxRuntimeConfig {
         base.mem_pattern = self.enable_mem_pattern.unwrap_or(base.mem_pattern);
         base.arena_shrinkage = self.enable_memory_arena_shrinkage.unwrap_or(base.arena_shrinkage);
         base.spinning = self.spinning.unwrap_or(base.spinning);
+        base.share_weights = self.share_weights.unwrap_or(base.share_weights);
         if let Some(a) = &self.intra_op_thread_affinity {
             if !a.chars().all(|c| c.is_ascii_digit() || matches!(c, ',' | ';' | '-')) {
                 return Err(Error::invalid(format!("intra_op_thread_affinity '{a}' is not like \"1;2\"")));

@@ -554,6 +554,12 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
             spec.load.calibrated = Some(chosen);
         }
     }
+    if spec.instance_count + usize::from(spec.solo_threads > 0) >= 2 {
+        // Two sessions or more hold one copy of the weights between them rather than one each.
+        if let Some(shared) = backend.sharing_weights() {
+            backend = shared;
+        }
+    }
     let solo = match spec.solo_threads {
         0 => None,
         n => {

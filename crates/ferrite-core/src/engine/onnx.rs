@@ -212,8 +212,8 @@ struct ZipMap {
     int_keys: bool,
 }
 
-/// Just the parts of ONNX's protobuf messages that name a ZipMap's outputs and class labels;
-/// everything else (the weights among it) is skipped by the decoder.
+/// Just the parts of ONNX's protobuf messages that name a ZipMap's outputs and class labels, and
+/// the main graph's initializers (the weights); everything else is skipped by the decoder.
 mod proto {
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Model {
@@ -224,9 +224,28 @@ mod proto {
     pub struct Graph {
         #[prost(message, repeated, tag = "1")]
         pub node: Vec<Node>,
+        #[prost(message, repeated, tag = "5")]
+        pub initializer: Vec<TensorProto>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct TensorProto {
+        #[prost(int64, repeated, tag = "1")]
+        pub dims: Vec<i64>,
+        #[prost(int32, tag = "2")]
+        pub data_type: i32,
+        #[prost(string, tag = "8")]
+        pub name: String,
+        /// Sliced from the file's bytes, not copied.
+        #[prost(bytes = "bytes", tag = "9")]
+        pub raw_data: bytes::Bytes,
+        /// 1: the data lives in another file.
+        #[prost(int32, tag = "14")]
+        pub data_location: i32,
     }
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Node {
+        #[prost(string, repeated, tag = "1")]
+        pub input: Vec<String>,
         #[prost(string, repeated, tag = "2")]
         pub output: Vec<String>,
         #[prost(string, tag = "4")]
@@ -245,14 +264,24 @@ mod proto {
     }
 }
 
-/// The ZipMap nodes of the main graph of the model at `path`, by output name.
-fn zipmaps(path: &Path) -> Result<ZipMaps> {
+/// What Ferrite reads of a model file itself: its ZipMaps, and its weights to share.
+struct FileParts {
+    zipmaps: ZipMaps,
+    weights: Weights,
+    /// Some initializer's data lives in another file.
+    external: bool,
+}
+
+/// Reads the model at `path` once: the ZipMap nodes of its main graph, by output name, and (with
+/// `weights`) its large initializers as tensors.
+fn read_parts(path: &Path, weights: bool) -> Result<FileParts> {
     use prost::Message;
     let bytes = std::fs::read(path).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))?;
-    let model = proto::Model::decode(bytes.as_slice())
+    let model = proto::Model::decode(bytes::Bytes::from(bytes))
         .map_err(|e| Error::invalid(format!("{} is not an ONNX model: {e}", path.display())))?;
-    let mut found = ZipMaps::new();
-    for node in model.graph.into_iter().flat_map(|g| g.node).filter(|n| n.op_type == "ZipMap") {
+    let graph = model.graph.unwrap_or_default();
+    let mut zipmaps = ZipMaps::new();
+    for node in graph.node.iter().filter(|n| n.op_type == "ZipMap") {
         let attr = |name: &str| node.attribute.iter().find(|a| a.name == name);
         let zipmap = if let Some(a) = attr("classlabels_int64s").filter(|a| !a.ints.is_empty()) {
             ZipMap { labels: a.ints.iter().map(i64::to_string).collect(), int_keys: true }
@@ -265,10 +294,94 @@ fn zipmaps(path: &Path) -> Result<ZipMaps> {
             continue;
         };
         if let Some(out) = node.output.first() {
-            found.insert(out.clone(), zipmap);
+            zipmaps.insert(out.clone(), zipmap);
         }
     }
-    Ok(found)
+    let external = graph.initializer.iter().any(|t| t.data_location == 1);
+    let mut values = Vec::new();
+    // Consumers by initializer; shared are the weights whose every consumer is a MatMul, a Gemm or
+    // a Gather (an embedding table): their sessions keep one pre-packed copy between them, or use
+    // ours as it is. A convolution's weights are laid out anew by each session's optimizer, so a
+    // shared copy of those only adds to the copies (tried, 3 sessions: ResNet-style CNN +11 MB, detector +3 MB).
+    let mut consumers: std::collections::HashMap<&str, bool> = std::collections::HashMap::new();
+    for n in &graph.node {
+        let shareable = matches!(n.op_type.as_str(), "MatMul" | "Gemm" | "Gather");
+        for input in &n.input {
+            *consumers.entry(input.as_str()).or_insert(true) &= shareable;
+        }
+    }
+    let shared = graph.initializer.iter().filter(|t| {
+        weights
+            && t.raw_data.len() >= SHARED_WEIGHT_BYTES
+            && t.data_location != 1
+            && consumers.get(t.name.as_str()) == Some(&true)
+    });
+    for t in shared {
+        let Ok(shape) = t.dims.iter().map(|&d| usize::try_from(d)).collect::<std::result::Result<Vec<_>, _>>() else {
+            continue;
+        };
+        let fits = |size: usize| shape.iter().product::<usize>().checked_mul(size) == Some(t.raw_data.len());
+        // Not what its dims say, or a type not shared: left to ONNX Runtime, which loads it itself.
+        let value = match onnx_type(t.data_type) {
+            Some(DataType::Fp32) if fits(4) => owned::<f32>(shape, &t.raw_data)?,
+            Some(DataType::Fp64) if fits(8) => owned::<f64>(shape, &t.raw_data)?,
+            Some(DataType::Int8) if fits(1) => owned::<i8>(shape, &t.raw_data)?,
+            Some(DataType::Uint8) if fits(1) => owned::<u8>(shape, &t.raw_data)?,
+            Some(DataType::Int32) if fits(4) => owned::<i32>(shape, &t.raw_data)?,
+            Some(DataType::Int64) if fits(8) => owned::<i64>(shape, &t.raw_data)?,
+            _ => continue,
+        };
+        values.push((t.name.clone(), std::sync::Arc::new(value)));
+    }
+    Ok(FileParts { zipmaps, weights: Weights::new(values), external })
+}
+
+/// A tensor over a buffer Ferrite owns (ONNX Runtime shares an initializer only on such memory).
+fn owned<T: crate::data::dtype::Element + ort::value::PrimitiveTensorElementType + std::fmt::Debug>(
+    shape: Vec<usize>,
+    raw: &[u8],
+) -> Result<DynValue> {
+    let values: Vec<T> = raw.chunks_exact(std::mem::size_of::<T>()).map(T::read_le).collect();
+    Ok(OrtTensor::from_array((shape, values)).map_err(ort_err)?.into_dyn())
+}
+
+/// ONNX's `TensorProto.DataType` codes.
+fn onnx_type(code: i32) -> Option<DataType> {
+    Some(match code {
+        1 => DataType::Fp32,
+        2 => DataType::Uint8,
+        3 => DataType::Int8,
+        4 => DataType::Uint16,
+        5 => DataType::Int16,
+        6 => DataType::Int32,
+        7 => DataType::Int64,
+        8 => DataType::Bytes,
+        9 => DataType::Bool,
+        10 => DataType::Fp16,
+        11 => DataType::Fp64,
+        12 => DataType::Uint32,
+        13 => DataType::Uint64,
+        16 => DataType::Bf16,
+        _ => return None,
+    })
+}
+
+/// Initializers this large are shared between sessions; smaller ones (shapes, scalars, which
+/// shape inference and constant folding read) stay in each session's graph.
+const SHARED_WEIGHT_BYTES: usize = 1024;
+
+/// A model's weights, read once from its file and given to every session opened on it (its
+/// instances and the solo one), with one container for the forms ONNX Runtime pre-packs them
+/// into: one copy of each in the process instead of one per session.
+struct Weights {
+    values: Vec<(String, std::sync::Arc<DynValue>)>,
+    prepacked: ort::session::builder::PrepackedWeights,
+}
+
+impl Weights {
+    fn new(values: Vec<(String, std::sync::Arc<DynValue>)>) -> Weights {
+        Weights { values, prepacked: ort::session::builder::PrepackedWeights::new() }
+    }
 }
 
 /// A ZipMap's output (one {class: probability} map per row) as FP32[rows, classes], each row's
@@ -315,6 +428,9 @@ pub struct OnnxOptions {
     /// `session.intra_op_thread_affinities`: one group of logical CPUs per intra-op thread but
     /// the caller's, e.g. "1;2" or "1,2;3,4".
     pub intra_thread_affinity: Option<String>,
+    /// A model served by two sessions or more keeps one copy of its matrix and embedding weights
+    /// between them (see `OnnxBackend::sharing_weights`).
+    pub share_weights: bool,
 }
 
 impl Default for OnnxOptions {
@@ -329,6 +445,7 @@ impl Default for OnnxOptions {
             mem_pattern: true,
             arena_shrinkage: false,
             intra_thread_affinity: None,
+            share_weights: true,
         }
     }
 }
@@ -341,22 +458,52 @@ pub struct OnnxBackend {
     /// The session opened to read the model's signature, handed to the first instance.
     first: Mutex<Option<Session>>,
     zipmaps: std::sync::Arc<ZipMaps>,
+    /// Shared by every session opened (empty unless `sharing_weights` made this backend).
+    weights: std::sync::Arc<Weights>,
+    /// Some weight lives in another file: not shared.
+    external: bool,
 }
 
 impl OnnxBackend {
     pub fn load(path: &Path, options: OnnxOptions) -> Result<OnnxBackend> {
-        let session = open(path, &options)?;
-        // The file is read again only for a model with an output that is not a tensor.
-        let zipmaps = if session.outputs().iter().any(|o| !matches!(o.dtype(), ValueType::Tensor { .. })) {
-            zipmaps(path)?
-        } else {
-            ZipMaps::new()
-        };
+        // A file Ferrite cannot read as ONNX is left to ONNX Runtime, whose error says why.
+        let parts = read_parts(path, false).unwrap_or_else(|_| FileParts {
+            zipmaps: ZipMaps::new(),
+            weights: Weights::new(Vec::new()),
+            external: true,
+        });
+        let session = open(path, &options, &parts.weights)?;
         let none = ZipMaps::new();
         let inputs = session.inputs().iter().map(|o| spec(o.name(), o.dtype(), &none)).collect::<Result<_>>()?;
-        let outputs = session.outputs().iter().map(|o| spec(o.name(), o.dtype(), &zipmaps)).collect::<Result<_>>()?;
-        let (path, first, zipmaps) = (path.to_path_buf(), Mutex::new(Some(session)), std::sync::Arc::new(zipmaps));
-        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps })
+        let outputs =
+            session.outputs().iter().map(|o| spec(o.name(), o.dtype(), &parts.zipmaps)).collect::<Result<_>>()?;
+        let (path, first) = (path.to_path_buf(), Mutex::new(Some(session)));
+        let (zipmaps, weights) = (std::sync::Arc::new(parts.zipmaps), std::sync::Arc::new(parts.weights));
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external: parts.external })
+    }
+
+    /// The same model, with one copy of its weights (and of the forms ONNX Runtime pre-packs them
+    /// into) for every session opened from now on, rather than one each (see `read_parts` for
+    /// which). Worth it for two sessions or more; `None` when nothing can be shared (weights in
+    /// external files, or no shareable ones).
+    pub fn sharing_weights(&self) -> Option<OnnxBackend> {
+        if !self.options.share_weights || self.external || !self.weights.values.is_empty() {
+            return None;
+        }
+        let parts = read_parts(&self.path, true).ok().filter(|p| !p.weights.values.is_empty())?;
+        let first = Mutex::new(Some(open(&self.path, &self.options, &parts.weights).ok()?));
+        let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
+        let (path, zipmaps, weights) = (self.path.clone(), self.zipmaps.clone(), std::sync::Arc::new(parts.weights));
+        Some(OnnxBackend {
+            path,
+            options: self.options.clone(),
+            inputs,
+            outputs,
+            first,
+            zipmaps,
+            weights,
+            external: false,
+        })
     }
 
     /// The class labels of outputs that ONNX Runtime gives as a ZipMap, in their columns' order.
@@ -366,12 +513,13 @@ impl OnnxBackend {
 }
 
 impl OnnxBackend {
-    /// The same model file opened with other session options.
+    /// The same model file opened with other session options, sharing the weights.
     pub fn with_options(&self, options: OnnxOptions) -> Result<OnnxBackend> {
-        // The signature and the ZipMaps are the file's, whatever the options: not read again.
-        let first = Mutex::new(Some(open(&self.path, &options)?));
+        // The signature, the ZipMaps and the weights are the file's, whatever the options.
+        let first = Mutex::new(Some(open(&self.path, &options, &self.weights)?));
         let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
-        Ok(OnnxBackend { path: self.path.clone(), options, inputs, outputs, first, zipmaps: self.zipmaps.clone() })
+        let (path, zipmaps, weights) = (self.path.clone(), self.zipmaps.clone(), self.weights.clone());
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external: self.external })
     }
 
     pub fn options(&self) -> &OnnxOptions {
@@ -379,7 +527,8 @@ impl OnnxBackend {
     }
 }
 
-fn open(path: &Path, options: &OnnxOptions) -> Result<Session> {
+/// A session on the model at `path`, with `weights` shared.
+fn open(path: &Path, options: &OnnxOptions, weights: &Weights) -> Result<Session> {
     let level = match options.optimization_level {
         0 => GraphOptimizationLevel::Disable,
         1 => GraphOptimizationLevel::Level1,
@@ -400,6 +549,12 @@ fn open(path: &Path, options: &OnnxOptions) -> Result<Session> {
     if let Some(affinity) = &options.intra_thread_affinity {
         builder = builder.with_config_entry("session.intra_op_thread_affinities", affinity).map_err(ort_err)?;
     }
+    if !weights.values.is_empty() {
+        for (name, value) in &weights.values {
+            builder = builder.with_initializer(name, value.clone()).map_err(ort_err)?;
+        }
+        builder = builder.with_prepacked_weights(&weights.prepacked).map_err(ort_err)?;
+    }
     builder.commit_from_file(path).map_err(|e| Error::invalid(format!("cannot load {}: {e}", path.display())))
 }
 
@@ -416,7 +571,7 @@ impl Backend for OnnxBackend {
         let taken = self.first.lock().map_err(|_| Error::internal("poisoned"))?.take();
         let session = match taken {
             Some(s) => s,
-            None => open(&self.path, &self.options)?,
+            None => open(&self.path, &self.options, &self.weights)?,
         };
         let output_names = self.outputs.iter().map(|o| o.name.clone()).collect();
         let shrinking = || -> Result<RunOptions> {
