@@ -517,9 +517,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     }
     // What the file holds, not where it is: cached answers and remembered calibrations follow it,
     // and processes on other hosts with the same file agree on it.
-    let content = std::fs::read(onnx)
-        .map(|b| xxhash_rust::xxh3::xxh3_64(&b))
-        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", onnx.display())))?;
+    let content = backend.content().ok_or_else(|| Error::invalid(format!("cannot read {}", onnx.display())))?;
     if config.calibrate != Some(false) && options.calibrate {
         // Config values always win: only what the config leaves open is measured.
         let fixed_spinning = ort.spinning.or(options.spinning.then_some(true));

@@ -86,8 +86,8 @@ impl Shared {
     }
 
     /// The merge limit for the next batch formed from `q`: for its head's size, now and then
-    /// another size explored (`costs::EXPLORE_EVERY`), and a size new to the batcher learned
-    /// from one row up.
+    /// another size explored (`costs::EXPLORE_EVERY`), and a smaller size not yet measured
+    /// learned first (`BatchCosts::batch_limit`).
     fn batch_limit(&self, q: &Queue, light_only: bool) -> usize {
         let Some(head) = q.head(light_only) else { return self.spec.batch.merge_limit };
         let explore = Explore::nth(self.formed.load(Ordering::Relaxed) + 1);

@@ -272,11 +272,10 @@ struct FileParts {
     external: bool,
 }
 
-/// Reads the model at `path` once: the ZipMap nodes of its main graph, by output name, and (with
-/// `weights`) its large initializers as tensors.
-fn read_parts(path: &Path, weights: bool) -> Result<FileParts> {
+/// Reads the model file `bytes` (from `path`): the ZipMap nodes of its main graph, by output name,
+/// and (with `weights`) its large initializers as tensors.
+fn read_parts(path: &Path, bytes: Vec<u8>, weights: bool) -> Result<FileParts> {
     use prost::Message;
-    let bytes = std::fs::read(path).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))?;
     let model = proto::Model::decode(bytes::Bytes::from(bytes))
         .map_err(|e| Error::invalid(format!("{} is not an ONNX model: {e}", path.display())))?;
     let graph = model.graph.unwrap_or_default();
@@ -462,12 +461,17 @@ pub struct OnnxBackend {
     weights: std::sync::Arc<Weights>,
     /// Some weight lives in another file: not shared.
     external: bool,
+    /// The file's xxh3 hash, as read at load.
+    content: Option<u64>,
 }
 
 impl OnnxBackend {
     pub fn load(path: &Path, options: OnnxOptions) -> Result<OnnxBackend> {
-        // A file Ferrite cannot read as ONNX is left to ONNX Runtime, whose error says why.
-        let parts = read_parts(path, false).unwrap_or_else(|_| FileParts {
+        // Read once: for the content hash, the ZipMaps and whether weights live elsewhere. A file
+        // Ferrite cannot read as ONNX is left to ONNX Runtime, whose error says why.
+        let bytes = std::fs::read(path).ok();
+        let content = bytes.as_deref().map(xxhash_rust::xxh3::xxh3_64);
+        let parts = bytes.and_then(|b| read_parts(path, b, false).ok()).unwrap_or_else(|| FileParts {
             zipmaps: ZipMaps::new(),
             weights: Weights::new(Vec::new()),
             external: true,
@@ -479,7 +483,7 @@ impl OnnxBackend {
             session.outputs().iter().map(|o| spec(o.name(), o.dtype(), &parts.zipmaps)).collect::<Result<_>>()?;
         let (path, first) = (path.to_path_buf(), Mutex::new(Some(session)));
         let (zipmaps, weights) = (std::sync::Arc::new(parts.zipmaps), std::sync::Arc::new(parts.weights));
-        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external: parts.external })
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external: parts.external, content })
     }
 
     /// The same model, with one copy of its weights (and of the forms ONNX Runtime pre-packs them
@@ -490,7 +494,8 @@ impl OnnxBackend {
         if !self.options.share_weights || self.external || !self.weights.values.is_empty() {
             return None;
         }
-        let parts = read_parts(&self.path, true).ok().filter(|p| !p.weights.values.is_empty())?;
+        let bytes = std::fs::read(&self.path).ok()?;
+        let parts = read_parts(&self.path, bytes, true).ok().filter(|p| !p.weights.values.is_empty())?;
         let first = Mutex::new(Some(open(&self.path, &self.options, &parts.weights).ok()?));
         let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
         let (path, zipmaps, weights) = (self.path.clone(), self.zipmaps.clone(), std::sync::Arc::new(parts.weights));
@@ -503,7 +508,14 @@ impl OnnxBackend {
             zipmaps,
             weights,
             external: false,
+            content: self.content,
         })
+    }
+
+    /// The hash of the model file's bytes (xxh3), read once at load; `None` when Ferrite could not
+    /// read the file that ONNX Runtime loaded.
+    pub fn content(&self) -> Option<u64> {
+        self.content
     }
 
     /// The class labels of outputs that ONNX Runtime gives as a ZipMap, in their columns' order.
@@ -519,7 +531,8 @@ impl OnnxBackend {
         let first = Mutex::new(Some(open(&self.path, &options, &self.weights)?));
         let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
         let (path, zipmaps, weights) = (self.path.clone(), self.zipmaps.clone(), self.weights.clone());
-        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external: self.external })
+        let (external, content) = (self.external, self.content);
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external, content })
     }
 
     pub fn options(&self) -> &OnnxOptions {
