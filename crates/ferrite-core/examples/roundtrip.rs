@@ -16,7 +16,7 @@ fn main() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: roundtrip MODEL_DIR"));
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
-    let options = LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None };
+    let options = LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None, ..Default::default() };
     let model = load_with(&dir, &name, &options, &Default::default(), None).unwrap();
     let spec = model.spec.clone();
     let core =

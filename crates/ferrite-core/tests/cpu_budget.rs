@@ -22,7 +22,7 @@ fn eight_models_of_two_instances_start_no_more_threads_than_instances() {
         std::fs::write(d.join("config.toml"), "instance_count = 2\n").unwrap();
     }
     let before = threads();
-    let options = LoadOptions { threads: 2, spinning: false, calibrate: false, cache: None };
+    let options = LoadOptions { threads: 2, spinning: false, calibrate: false, cache: None, ..Default::default() };
     let core = Core::load(dir.path(), &options, Limits::default()).unwrap();
     assert_eq!(core.models().len(), 8);
     let added = threads() - before;

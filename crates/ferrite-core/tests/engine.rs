@@ -43,8 +43,12 @@ fn repo(models: &[(&str, Option<&str>)]) -> tempfile::TempDir {
 
 fn load(dir: &Path) -> Core {
     runtime();
-    Core::load(dir, &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None }, Limits::default())
-        .unwrap()
+    Core::load(
+        dir,
+        &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None, ..Default::default() },
+        Limits::default(),
+    )
+    .unwrap()
 }
 
 fn mlp_request(value: f32) -> InferRequest {
@@ -169,7 +173,7 @@ async fn invalid_requests_are_refused_with_the_input_named() {
     // Caps on elements apply before anything is queued.
     let small = Core::load(
         dir.path(),
-        &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None },
+        &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None, ..Default::default() },
         Limits { max_elements: 6, ..Default::default() },
     )
     .unwrap();
@@ -536,7 +540,7 @@ fn a_symlink_out_of_the_repository_is_refused() {
 fn calibration_measures_the_model_and_config_values_win() {
     runtime();
     let dir = repo(&[("mlp", None), ("fpn", None), ("mixed", Some("calibrate = false")), ("identity", Some("[onnxruntime]\nspinning = true\nintra_op_thread_count = 2\nexecution_mode = \"parallel\"\nenable_memory_arena_shrinkage = true\n"))]);
-    let options = LoadOptions { threads: 2, spinning: false, calibrate: true, cache: None };
+    let options = LoadOptions { threads: 2, spinning: false, calibrate: true, cache: None, ..Default::default() };
     let core = Core::load(dir.path(), &options, Limits::default()).unwrap();
     let mlp = core.model("mlp", None).unwrap();
     let chosen = mlp.spec.load.calibrated.clone().expect("the mlp was calibrated");
@@ -550,7 +554,7 @@ fn calibration_measures_the_model_and_config_values_win() {
     let identity = core.model("identity", None).unwrap();
     let o = &identity.spec.onnx;
     assert!(o.spinning && o.parallel && o.arena_shrinkage && o.intra_threads == 2, "{o:?}");
-    assert!(identity.spec.parameters().contains(&("spinning", "true".to_string())));
+    assert!(identity.spec.parameters().contains(&("spinning".to_string(), "true".to_string())));
     // A bad setting refuses the model with the reason.
     let bad = repo(&[("mlp", Some("[onnxruntime]\ngraph_optimization_level = \"max\"\n"))]);
     let core = Core::load(bad.path(), &options, Limits::default()).unwrap();

@@ -55,6 +55,9 @@ struct CheckArgs {
     /// Also run the calibration (as `serve` does by default), to see each model's plan.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     calibrate: bool,
+    /// Python interpreter, as for `serve`.
+    #[arg(long, env = "FERRITE_PYTHON", default_value = "python3")]
+    python: PathBuf,
 }
 
 /// `ferrite check`: 0 when every model loads, 1 when one does not, 2 when the repository cannot
@@ -62,7 +65,7 @@ struct CheckArgs {
 fn check(args: CheckArgs) -> i32 {
     // Warnings of the loads (a config.pbtxt setting that has no effect here, say) go to stderr.
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(tracing::Level::WARN).init();
-    let mut options = LoadOptions { calibrate: args.calibrate, ..LoadOptions::default() };
+    let mut options = LoadOptions { calibrate: args.calibrate, python: args.python.clone(), ..LoadOptions::default() };
     if let Some(t) = args.threads {
         options.threads = t.max(1);
     }
@@ -145,6 +148,10 @@ struct ServeArgs {
     /// where its config leaves them open (`calibrate = false` in a config skips one model).
     #[arg(long, env = "FERRITE_CALIBRATE", default_value_t = true, action = clap::ArgAction::Set)]
     calibrate: bool,
+    /// The Python interpreter that runs Python models' workers (`backend: "python"`), unless a
+    /// model names an environment of its own (`EXECUTION_ENV_PATH`); its NumPy is needed.
+    #[arg(long, env = "FERRITE_PYTHON", default_value = "python3")]
+    python: PathBuf,
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
     max_body_bytes: usize,
@@ -388,6 +395,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         spinning: args.spin,
         calibrate: args.calibrate,
         cache: Some(Arc::new(cache)),
+        python: args.python.clone(),
         ..LoadOptions::default()
     };
     if let Some(t) = args.threads {

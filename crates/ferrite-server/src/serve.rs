@@ -192,6 +192,9 @@ pub async fn run(
         }
     })
     .await;
+    // Python models' workers finalize as their channel closes with this process; their shared
+    // files go now.
+    ferrite_core::engine::python::remove_directory();
     tracing::info!("stopped");
     failed
 }

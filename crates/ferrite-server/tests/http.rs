@@ -36,7 +36,7 @@ fn server(max_body_bytes: usize) -> Server {
     let dir = repository();
     let core = Core::load(
         dir.path(),
-        &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None },
+        &LoadOptions { threads: 1, spinning: false, calibrate: false, cache: None, ..Default::default() },
         Limits::default(),
     )
     .unwrap();

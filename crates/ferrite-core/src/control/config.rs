@@ -16,8 +16,10 @@ use crate::{
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    /// Only `onnxruntime` exists today.
+    /// `onnxruntime` (the default) or `python` (Triton's Python backend: `<version>/model.py`).
     pub backend: Option<String>,
+    /// How a Python model's worker processes run.
+    pub python: Option<PythonConfig>,
     /// 0 disables batching; dim 0 of every input and output is then part of `dims`.
     pub max_batch_size: Option<usize>,
     /// Model instances (one backend session and one OS thread each).
@@ -63,6 +65,23 @@ pub struct ModelConfig {
     /// when the model loads, not each time the file is read.
     #[serde(skip)]
     pub notes: Vec<String>,
+}
+
+/// `[python]`: a Python model's workers (Triton's `parameters` of a `backend: "python"` model).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PythonConfig {
+    /// A Python environment's directory (a venv) whose `bin/python3` runs the workers (Triton's
+    /// `EXECUTION_ENV_PATH`; `$$TRITON_MODEL_DIRECTORY` is the model's directory). Default: the
+    /// server's `--python` interpreter.
+    pub env_path: Option<String>,
+    /// One `execute` call returns within this or its worker is killed and restarted (60000).
+    pub execute_timeout_ms: Option<u64>,
+    /// A worker whose resident memory grows past this is killed and restarted (no limit).
+    pub memory_limit_mb: Option<u64>,
+    /// The config's `parameters`, given to the model in its `model_config`.
+    #[serde(default)]
+    pub parameters: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -259,6 +278,23 @@ pub struct TensorConfig {
     pub optional: bool,
 }
 
+impl ModelConfig {
+    /// Whether this is a Python model (`backend = "python"`).
+    pub fn is_python(&self) -> bool {
+        self.backend.as_deref() == Some("python")
+    }
+
+    /// The file each version directory holds the model in: `default_model_filename`, else
+    /// `model.onnx` (`model.py` for a Python model).
+    pub fn model_filename(&self) -> &str {
+        match &self.default_model_filename {
+            Some(f) => f,
+            None if self.is_python() => "model.py",
+            None => crate::control::repository::DEFAULT_MODEL_FILENAME,
+        }
+    }
+}
+
 impl ModelSpec {
     /// Resolves `config` against the tensors the model file declares (`io_*`: full shapes, -1 variable).
     pub fn resolve(
@@ -270,7 +306,7 @@ impl ModelSpec {
         default_threads: usize,
     ) -> Result<ModelSpec> {
         match config.backend.as_deref() {
-            None | Some("onnxruntime") => {}
+            None | Some("onnxruntime") | Some("python") => {}
             Some(other) => return Err(Error::Unsupported(format!("backend '{other}' is not available"))),
         }
         let all_io = || io_inputs.iter().chain(io_outputs);
@@ -362,10 +398,7 @@ impl ModelSpec {
             cache: config.cache.as_ref().is_some_and(|c| c.enabled),
             cache_across_tenants: config.cache.as_ref().is_some_and(|c| c.across_tenants),
             load: LoadRecord {
-                model_filename: config
-                    .default_model_filename
-                    .clone()
-                    .unwrap_or_else(|| crate::control::repository::DEFAULT_MODEL_FILENAME.into()),
+                model_filename: config.model_filename().to_string(),
                 label_files: config
                     .output
                     .iter()
@@ -396,6 +429,7 @@ impl ModelSpec {
                         _ => None,
                     })
                     .collect(),
+                parameters: Default::default(),
             },
             text: None,
         })

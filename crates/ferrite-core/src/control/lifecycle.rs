@@ -48,10 +48,10 @@ impl Sources {
             None => repo.config_file(name),
         };
         let config = file.as_ref().map_err(Clone::clone).and_then(|f| repo.config(name, f));
-        let filename = config.as_ref().ok().and_then(|c| c.default_model_filename.as_deref());
         let disk = match &config {
             Ok(c) if !c.steps.is_empty() => repo.pipeline_versions(name),
-            _ => repo.versions(name, filename.unwrap_or(DEFAULT_MODEL_FILENAME)),
+            Ok(c) => repo.versions(name, c.model_filename()),
+            Err(_) => repo.versions(name, DEFAULT_MODEL_FILENAME),
         };
         Sources { text: file.map(|f| f.text), config, disk }
     }
@@ -102,7 +102,7 @@ pub(crate) fn build(
         let config = sources.config?;
         let disk = sources.disk?;
         if disk.is_empty() {
-            let file = config.default_model_filename.as_deref().unwrap_or(DEFAULT_MODEL_FILENAME);
+            let file = config.model_filename();
             return Err(Error::invalid(format!("no version directory (a positive integer) holds a {file}")));
         }
         Ok((config, text, disk))
@@ -153,7 +153,8 @@ pub(crate) fn build(
             continue;
         }
         let loaded = if config.steps.is_empty() {
-            repo.load_version(name, d, &config, fingerprint)
+            let models: Arc<dyn crate::pipeline::Models> = registry.clone();
+            repo.load_version(name, d, &config, fingerprint, Some(Arc::downgrade(&models)))
         } else {
             repo.load_pipeline(name, v, &config, fingerprint, models, registry.clone())
         };
@@ -221,7 +222,10 @@ fn validate(model: Model, old: Option<&Model>) -> Result<Model> {
     // whose feature maps must line up, say) may refuse any size made up here, though it serves
     // real inputs.
     // (A pipeline takes images and texts, which made-up data is not.)
-    let known = model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)) && !model.spec.is_pipeline();
+    // (Nor is user code run on made-up data: a Python model's may act on what it is given.)
+    let known = model.spec.inputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0))
+        && !model.spec.is_pipeline()
+        && model.spec.backend != "python";
     if model.warmups.is_empty() && known {
         let inputs = crate::engine::model::synthetic_inputs(&model.spec, 1);
         if let Err(e) = model.warm_up(inputs) {

@@ -8,7 +8,7 @@ use std::{
 use crate::{
     cache::ResponseCache,
     control::config::ModelConfig,
-    engine::spec::ModelSpec,
+    engine::spec::{ModelSpec, TensorSpec},
     engine::{
         onnx::{OnnxBackend, OnnxOptions},
         tuning,
@@ -30,6 +30,8 @@ pub struct LoadOptions {
     pub calibrate: bool,
     /// The process's response cache, used by models whose config enables it.
     pub cache: Option<Arc<ResponseCache>>,
+    /// The interpreter Python models' workers run under (unless a model names its own environment).
+    pub python: PathBuf,
 }
 
 impl Default for LoadOptions {
@@ -39,6 +41,7 @@ impl Default for LoadOptions {
             spinning: false,
             calibrate: false,
             cache: None,
+            python: PathBuf::from("python3"),
         }
     }
 }
@@ -323,8 +326,20 @@ impl Repository {
     }
 
     /// Loads one version with `config`, as `name`, and starts its batcher.
-    pub fn load_version(&self, name: &str, disk: &OnDisk, config: &ModelConfig, fingerprint: u64) -> Result<Model> {
-        let mut model = load_version(&disk.onnx, name, disk.version, config, &self.options)?;
+    /// `models`: where a Python model's BLS calls find the other models.
+    pub fn load_version(
+        &self,
+        name: &str,
+        disk: &OnDisk,
+        config: &ModelConfig,
+        fingerprint: u64,
+        models: Option<std::sync::Weak<dyn crate::pipeline::Models>>,
+    ) -> Result<Model> {
+        let mut model = if config.is_python() {
+            load_python(&disk.onnx, name, disk.version, config, &self.options, models)?
+        } else {
+            load_version(&disk.onnx, name, disk.version, config, &self.options)?
+        };
         model.fingerprint = fingerprint;
         Ok(model)
     }
@@ -478,7 +493,7 @@ pub fn load_with(
         let repo = Repository::open(parent, options.clone())?;
         let dir_name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         let config = repo.config_file(dir_name)?.parse(dir_name)?;
-        let filename = config.default_model_filename.as_deref().unwrap_or(DEFAULT_MODEL_FILENAME);
+        let filename = config.model_filename();
         let latest =
             repo.versions(dir_name, filename)?.into_iter().next().ok_or_else(|| {
                 Error::invalid(format!("no version directory (a positive integer) holds a {filename}"))
@@ -494,7 +509,166 @@ pub fn load_with(
         let db = config.dynamic_batching.get_or_insert_with(Default::default);
         db.max_queue_delay_microseconds = Some(delay);
     }
+    if config.is_python() {
+        return load_python(&onnx, name, version, &config, options, None);
+    }
     load_version(&onnx, name, version, &config, options)
+}
+
+/// Loads a Python model (`model_py`, Triton's `model.py`) and starts its workers: its tensors
+/// are the config's (after the model's `auto_complete_config`, when it has one).
+fn load_python(
+    model_py: &Path,
+    name: &str,
+    version: u64,
+    config: &ModelConfig,
+    options: &LoadOptions,
+    models: Option<std::sync::Weak<dyn crate::pipeline::Models>>,
+) -> Result<Model> {
+    use crate::engine::python::{PythonBackend, PythonOptions};
+    let py = config.python.clone().unwrap_or_default();
+    let model_dir = model_py.parent().and_then(Path::parent).unwrap_or(Path::new("."));
+    let mut python = PythonOptions { interpreter: options.python.clone(), ..Default::default() };
+    if let Some(env) = &py.env_path {
+        let env = env.replace("$$TRITON_MODEL_DIRECTORY", &model_dir.display().to_string());
+        if env.ends_with(".tar.gz") || env.ends_with(".tgz") {
+            return Err(Error::Unsupported(format!(
+                "EXECUTION_ENV_PATH '{env}': packed environments are not unpacked; give the directory of an \
+                 environment (a venv or an unpacked conda-pack) instead"
+            )));
+        }
+        let interpreter = Path::new(&env).join("bin").join("python3");
+        if !interpreter.is_file() {
+            return Err(Error::invalid(format!("EXECUTION_ENV_PATH '{env}' has no bin/python3")));
+        }
+        python.interpreter = interpreter;
+    }
+    if let Some(ms) = py.execute_timeout_ms {
+        python.execute_timeout = std::time::Duration::from_millis(ms.max(1));
+    }
+    python.memory_limit = py.memory_limit_mb.map(|mb| mb << 20);
+    let mut config = config.clone();
+    let completed = PythonBackend::auto_complete(model_py, &stated_json(name, &config), &python)?;
+    complete(&mut config, &completed)?;
+    // Triton's Python models batch only when the config says so.
+    let max_batch_size = config.max_batch_size.unwrap_or(0);
+    config.max_batch_size = Some(max_batch_size);
+    let tensors = |what: &str, list: &[crate::control::config::TensorConfig]| -> Result<Vec<TensorSpec>> {
+        list.iter()
+            .map(|t| {
+                let datatype = t.datatype.as_deref().and_then(crate::DataType::parse);
+                let (Some(datatype), Some(dims)) = (datatype, &t.dims) else {
+                    return Err(Error::invalid(format!(
+                        "{what} '{}': a Python model's config states each tensor's data_type and dims",
+                        t.name
+                    )));
+                };
+                let batch = (max_batch_size > 0).then_some(-1);
+                Ok(TensorSpec {
+                    name: t.name.clone(),
+                    datatype,
+                    dims: batch.into_iter().chain(dims.iter().copied()).collect(),
+                })
+            })
+            .collect()
+    };
+    let io = (tensors("input", &config.input)?, tensors("output", &config.output)?);
+    if io.0.is_empty() || io.1.is_empty() {
+        return Err(Error::invalid("a Python model's config states its inputs and outputs"));
+    }
+    let mut spec = ModelSpec::resolve(name, version, &config, &io.0, &io.1, 1)?;
+    spec.platform = "";
+    spec.backend = "python";
+    spec.load.parameters = py.parameters.clone();
+    let model_config = crate::control::triton::json(&crate::control::triton::resolved(&spec));
+    let content = std::fs::read(model_py)
+        .map(|b| xxhash_rust::xxh3::xxh3_64(&b))
+        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", model_py.display())))?;
+    let backend = PythonBackend::new(name, version, model_py, &model_config, io, python, models);
+    let cache = options.cache.clone().filter(|_| spec.cache);
+    let warmups = warmup_samples(&spec, model_py)?;
+    let mut model = Model::start(spec, &backend, None)?;
+    model.cache = cache;
+    model.warmups = warmups;
+    model.content = content;
+    Ok(model)
+}
+
+/// What a Python model's config states, in Triton's JSON (what `auto_complete_config` is given).
+fn stated_json(name: &str, config: &ModelConfig) -> serde_json::Value {
+    use serde_json::json;
+    let tensors = |list: &[crate::control::config::TensorConfig]| -> Vec<serde_json::Value> {
+        list.iter()
+            .map(|t| {
+                json!({"name": t.name, "data_type": t.datatype.clone().unwrap_or_else(|| "TYPE_INVALID".into()),
+                "dims": t.dims.clone().unwrap_or_default()})
+            })
+            .collect()
+    };
+    let parameters: serde_json::Map<String, serde_json::Value> = config
+        .python
+        .iter()
+        .flat_map(|p| &p.parameters)
+        .map(|(k, v)| (k.clone(), json!({"string_value": v})))
+        .collect();
+    let mut c = json!({"name": name, "backend": "python", "max_batch_size": config.max_batch_size.unwrap_or(0),
+        "input": tensors(&config.input), "output": tensors(&config.output), "parameters": parameters});
+    if config.dynamic_batching.as_ref().is_some_and(|d| d.enabled) {
+        c["dynamic_batching"] = json!({});
+    }
+    c
+}
+
+/// `config` with what `auto_complete_config` added or changed (`completed`, Triton's JSON):
+/// tensors, `max_batch_size` and dynamic batching.
+fn complete(config: &mut ModelConfig, completed: &serde_json::Value) -> Result<()> {
+    use crate::control::config::TensorConfig;
+    let bad =
+        |what: &str| Error::invalid(format!("auto_complete_config returned a config whose {what} is not Triton's"));
+    let tensors = |key: &str| -> Result<Vec<TensorConfig>> {
+        let Some(list) = completed.get(key).and_then(|v| v.as_array()) else { return Ok(Vec::new()) };
+        list.iter()
+            .map(|t| {
+                let name = t.get("name").and_then(|n| n.as_str()).ok_or_else(|| bad(key))?;
+                let datatype = t.get("data_type").and_then(|d| d.as_str()).filter(|d| *d != "TYPE_INVALID");
+                let dims = match t.get("dims").and_then(|d| d.as_array()) {
+                    Some(d) => {
+                        Some(d.iter().map(|x| x.as_i64().ok_or_else(|| bad("dims"))).collect::<Result<Vec<_>>>()?)
+                    }
+                    None => None,
+                };
+                Ok(TensorConfig {
+                    name: name.to_string(),
+                    datatype: datatype.map(str::to_string),
+                    dims,
+                    label_filename: None,
+                    reshape: None,
+                    optional: t.get("optional").and_then(|o| o.as_bool()).unwrap_or(false),
+                })
+            })
+            .collect()
+    };
+    let merge = |stated: &mut Vec<TensorConfig>, given: Vec<TensorConfig>| {
+        for g in given {
+            match stated.iter_mut().find(|s| s.name == g.name) {
+                Some(s) => {
+                    s.datatype = s.datatype.take().or(g.datatype);
+                    s.dims = s.dims.take().filter(|d| !d.is_empty()).or(g.dims);
+                }
+                None => stated.push(g),
+            }
+        }
+    };
+    merge(&mut config.input, tensors("input")?);
+    merge(&mut config.output, tensors("output")?);
+    if let Some(n) = completed.get("max_batch_size").and_then(|n| n.as_u64()) {
+        config.max_batch_size = Some(n as usize);
+    }
+    if completed.get("dynamic_batching").is_some() && config.dynamic_batching.as_ref().is_none_or(|d| !d.enabled) {
+        config.dynamic_batching =
+            Some(crate::control::config::DynamicBatchingConfig { enabled: true, ..Default::default() });
+    }
+    Ok(())
 }
 
 fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, options: &LoadOptions) -> Result<Model> {

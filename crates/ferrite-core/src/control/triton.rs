@@ -8,8 +8,8 @@ use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
 use crate::{
     control::config::{
-        CacheConfig, DynamicBatchingConfig, ModelConfig, OnnxRuntimeConfig, QueuePolicyConfig, TensorConfig,
-        VersionPolicy, VersionPolicyConfig, WarmupConfig, WarmupInputConfig,
+        CacheConfig, DynamicBatchingConfig, ModelConfig, OnnxRuntimeConfig, PythonConfig, QueuePolicyConfig,
+        TensorConfig, VersionPolicy, VersionPolicyConfig, WarmupConfig, WarmupInputConfig,
     },
     engine::spec::{BatchPolicy, ModelSpec, QueuePolicy, StepRecord, TensorSpec, TimeoutAction},
     pipeline::{ModelStepConfig, StepConfig},
@@ -112,8 +112,11 @@ fn refusals(c: &pb::ModelConfig, dir: &str) -> Result<()> {
     if !matches!(c.platform.as_str(), "" | "onnxruntime_onnx" | "ensemble") {
         return Err(refuse("platform", &format!("'{}': Ferrite runs ONNX models (onnxruntime_onnx)", c.platform)));
     }
-    if !matches!(c.backend.as_str(), "" | "onnxruntime") {
-        return Err(refuse("backend", &format!("'{}': Ferrite's backend is onnxruntime", c.backend)));
+    if !matches!(c.backend.as_str(), "" | "onnxruntime" | "python") {
+        return Err(refuse("backend", &format!("'{}': Ferrite's backends are onnxruntime and python", c.backend)));
+    }
+    if c.backend == "python" && !c.platform.is_empty() {
+        return Err(refuse("platform", "a Python model (backend: \"python\") has none"));
     }
     if !c.runtime.is_empty() {
         return Err(refuse("runtime", "backend libraries are not loaded"));
@@ -277,15 +280,34 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
     };
     let mut notes: Vec<String> =
         inert(c).into_iter().map(|what| format!("config.pbtxt: {what} has no effect on a CPU-only server")).collect();
-    let mut onnxruntime = onnxruntime_parameters(&c.parameters, &mut notes)?;
+    let python = c.backend == "python";
+    let mut onnxruntime = if python { Default::default() } else { onnxruntime_parameters(&c.parameters, &mut notes)? };
     if let Some(g) = c.optimization.as_ref().and_then(|o| o.graph.as_ref()) {
         onnxruntime.graph_optimization_level = Some(graph_level(g.level).to_string());
     }
+    // A Python model's parameters are its own (given to it in `model_config`), beside the
+    // environment (Triton's key) and Ferrite's limits for its workers.
+    let python = python.then(|| {
+        let parameters: BTreeMap<String, String> =
+            c.parameters.iter().map(|(k, v)| (k.clone(), v.string_value.clone())).collect();
+        let number = |key: &str| parameters.get(key).and_then(|v| v.trim().parse::<u64>().ok());
+        PythonConfig {
+            env_path: parameters.get("EXECUTION_ENV_PATH").cloned(),
+            execute_timeout_ms: number("FERRITE_EXECUTE_TIMEOUT_MS"),
+            memory_limit_mb: number("FERRITE_MEMORY_LIMIT_MB"),
+            parameters,
+        }
+    });
     Ok(ModelConfig {
         task: None,
         labels: Default::default(),
         steps,
-        backend: None,
+        backend: python.is_some().then(|| "python".to_string()),
+        default_model_filename: (!c.default_model_filename.is_empty())
+            .then(|| c.default_model_filename.clone())
+            .or_else(|| python.is_some().then(|| "model.py".to_string())),
+        onnxruntime: python.is_none().then_some(onnxruntime),
+        python,
         max_batch_size,
         // Triton's default count is 1 per group.
         instance_count: (!c.instance_group.is_empty())
@@ -295,10 +317,8 @@ pub fn to_config(c: &pb::ModelConfig, dir: &str) -> Result<ModelConfig> {
         cache: c.response_cache.as_ref().map(|r| CacheConfig { enabled: r.enable, across_tenants: false }),
         version_policy: c.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()).map(version_policy),
         canary: None,
-        onnxruntime: Some(onnxruntime),
         calibrate: None,
         solo_instance: None,
-        default_model_filename: (!c.default_model_filename.is_empty()).then(|| c.default_model_filename.clone()),
         input,
         output,
         warmup: c.model_warmup.iter().map(warmup).collect::<Result<_>>()?,
@@ -359,14 +379,78 @@ pub fn resolved(spec: &ModelSpec) -> pb::ModelConfig {
             ..Default::default()
         }),
         default_model_filename: spec.load.model_filename.clone(),
-        parameters: spec
-            .parameters()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), pb::ModelParameter { string_value: v }))
-            .collect(),
+        parameters: spec.parameters().into_iter().map(|(k, v)| (k, pb::ModelParameter { string_value: v })).collect(),
         model_warmup: spec.load.warmup.iter().map(pb_warmup).collect(),
         response_cache: Some(pb::ModelResponseCache { enable: spec.cache }),
         ..Default::default()
+    }
+}
+
+/// A model config in Triton's JSON shape: protobuf's JSON with the proto's field names, every
+/// scalar, list and map printed (defaults too), messages and oneof members only when set, enums
+/// by name, and 64-bit integers as numbers (as Triton prints them, not as protobuf's strings).
+/// The config endpoints answer it, and a Python model's `initialize` gets it.
+pub fn json(config: &pb::ModelConfig) -> serde_json::Value {
+    use prost::Message;
+    let message = DynamicMessage::decode(descriptor(), config.encode_to_vec().as_slice())
+        .expect("a config encoded from its own type decodes");
+    message_json(&message)
+}
+
+fn message_json(m: &DynamicMessage) -> serde_json::Value {
+    use prost_reflect::{Kind, ReflectMessage};
+    let mut out = serde_json::Map::new();
+    for f in m.descriptor().fields() {
+        let singular_message = matches!(f.kind(), Kind::Message(_)) && !f.is_list() && !f.is_map();
+        if (singular_message || f.containing_oneof().is_some()) && !m.has_field(&f) {
+            continue;
+        }
+        out.insert(f.name().to_string(), value_json(&m.get_field(&f), &f.kind()));
+    }
+    serde_json::Value::Object(out)
+}
+
+fn value_json(v: &prost_reflect::Value, kind: &prost_reflect::Kind) -> serde_json::Value {
+    use prost_reflect::{Kind, MapKey, Value as V};
+    use serde_json::json;
+    match v {
+        V::Bool(b) => json!(b),
+        V::I32(n) => json!(n),
+        V::I64(n) => json!(n),
+        V::U32(n) => json!(n),
+        V::U64(n) => json!(n),
+        V::F32(n) => json!(n),
+        V::F64(n) => json!(n),
+        V::String(s) => json!(s),
+        V::Bytes(b) => json!(String::from_utf8_lossy(b)),
+        V::EnumNumber(n) => match kind {
+            Kind::Enum(e) => e.get_value(*n).map_or(json!(n), |v| json!(v.name())),
+            _ => json!(n),
+        },
+        V::Message(m) => message_json(m),
+        V::List(items) => serde_json::Value::Array(items.iter().map(|i| value_json(i, kind)).collect()),
+        V::Map(entries) => {
+            let value_kind = match kind {
+                Kind::Message(entry) => entry.map_entry_value_field().kind(),
+                other => other.clone(),
+            };
+            let mut keyed: Vec<(String, serde_json::Value)> = entries
+                .iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        MapKey::Bool(b) => b.to_string(),
+                        MapKey::I32(n) => n.to_string(),
+                        MapKey::I64(n) => n.to_string(),
+                        MapKey::U32(n) => n.to_string(),
+                        MapKey::U64(n) => n.to_string(),
+                        MapKey::String(s) => s.clone(),
+                    };
+                    (key, value_json(v, &value_kind))
+                })
+                .collect();
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(keyed.into_iter().collect())
+        }
     }
 }
 
@@ -691,7 +775,8 @@ model_warmup [ { name: "w" batch_size: 2 inputs { key: "images" value: { data_ty
         assert!(refused("platform: \"ensemble\"").contains("'platform'"));
         assert!(refused("instance_group [ { kind: KIND_GPU } ]").contains("KIND_GPU"));
         assert!(refused("platform: \"tensorrt_plan\"").contains("'platform'"));
-        assert!(refused("backend: \"python\"").contains("'backend'"));
+        assert!(refused("backend: \"pytorch\"").contains("'backend'"));
+        assert!(refused("backend: \"python\"\nplatform: \"onnxruntime_onnx\"").contains("'platform'"));
         assert!(refused("batch_input [ { kind: BATCH_ELEMENT_COUNT } ]").contains("'batch_input'"));
         assert!(refused("model_transaction_policy { decoupled: true }").contains("decoupled"));
         assert!(refused("input [ { name: \"x\" allow_ragged_batch: true } ]").contains("allow_ragged_batch"));
@@ -699,6 +784,25 @@ model_warmup [ { name: "w" batch_size: 2 inputs { key: "images" value: { data_ty
         // A field Triton's schema does not have is a parse error that names it.
         let e = parse("name: \"m\"\nmax_batch: 4").unwrap_err().to_string();
         assert!(e.contains("max_batch"), "{e}");
+    }
+
+    #[test]
+    fn a_python_model_keeps_its_parameters_and_names_its_file() {
+        let text = "backend: \"python\"\nmax_batch_size: 4\n\
+                    input [ { name: \"x\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
+                    parameters { key: \"labels\" value: { string_value: \"a,b\" } }\n\
+                    parameters { key: \"EXECUTION_ENV_PATH\" value: { string_value: \"/envs/m\" } }\n\
+                    parameters { key: \"FERRITE_EXECUTE_TIMEOUT_MS\" value: { string_value: \"1500\" } }";
+        let c = to_config(&parse(text).unwrap(), "m").unwrap();
+        assert!(c.is_python() && c.onnxruntime.is_none());
+        assert_eq!(c.model_filename(), "model.py");
+        // Its parameters are its own, not ONNX Runtime settings to warn about.
+        assert!(c.notes.is_empty(), "{:?}", c.notes);
+        let p = c.python.unwrap();
+        assert_eq!(p.parameters["labels"], "a,b");
+        assert_eq!(p.env_path.as_deref(), Some("/envs/m"));
+        assert_eq!(p.execute_timeout_ms, Some(1500));
+        assert_eq!(p.memory_limit_mb, None);
     }
 
     #[test]

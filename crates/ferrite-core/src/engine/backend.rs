@@ -32,6 +32,12 @@ pub trait Backend: Send + Sync {
     fn cost(&self) -> Option<Cost> {
         None
     }
+
+    /// Whether its instances answer each request of a batch apart (`Instance::run_each`), as a
+    /// Python model's `execute` does, rather than with outputs for the whole batch.
+    fn answers_each(&self) -> bool {
+        false
+    }
 }
 
 /// A backend's estimate of a request's cost, in its own unit (see `Backend::cost`), and the
@@ -52,12 +58,13 @@ pub struct Live<'a> {
     starts: Vec<usize>,
     /// Whether the client of request `i` (in batch order) still waits.
     awaited: &'a dyn Fn(usize) -> bool,
+    ids: Vec<&'a str>,
 }
 
 impl<'a> Live<'a> {
     /// A batch of one request whose caller always waits (warm-ups, calibration, tests).
     pub fn everyone() -> Live<'static> {
-        Live { starts: Vec::new(), awaited: &|_| true }
+        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new() }
     }
 
     /// Requests of `rows` rows each, in batch order; `awaited(i)` tells whether request i's
@@ -72,12 +79,28 @@ impl<'a> Live<'a> {
                 first
             })
             .collect();
-        Live { starts, awaited }
+        Live { starts, awaited, ids: Vec::new() }
     }
 
     /// The index of the request row `row` belongs to.
     pub fn request_of(&self, row: usize) -> usize {
         self.starts.partition_point(|&first| first <= row).saturating_sub(1)
+    }
+
+    /// The requests' ids (in batch order), given to a backend that shows them to its code.
+    pub fn with_ids(mut self, ids: Vec<&'a str>) -> Live<'a> {
+        self.ids = ids;
+        self
+    }
+
+    /// Request `i`'s id ("" when it has none).
+    pub fn id(&self, i: usize) -> &str {
+        self.ids.get(i).copied().unwrap_or_default()
+    }
+
+    /// Whether the client of request `i` (in batch order) still waits.
+    pub fn request_awaited(&self, i: usize) -> bool {
+        self.starts.is_empty() || (self.awaited)(i)
     }
 
     /// Whether the client of row `row` still waits for it.
@@ -96,6 +119,14 @@ pub trait Instance: Send {
     fn run_live(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Tensor>> {
         let _ = live;
         self.run(inputs)
+    }
+
+    /// For a backend that `answers_each`: runs the batch and gives each request (in batch order)
+    /// its outputs, any of those `Backend::outputs` names, or an error of its own. An `Err` fails
+    /// every request of the run; they are not run again.
+    fn run_each(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Result<Vec<Tensor>>>> {
+        let _ = (inputs, live);
+        Err(crate::Error::internal("this backend answers batches as a whole"))
     }
 
     /// Asks that the next run, once done, give back what it grew the engine's memory by: it is

@@ -52,6 +52,8 @@ struct Shared {
     solo_running: std::sync::atomic::AtomicBool,
     /// The model has a solo instance: workers take turns as the module says.
     has_solo: bool,
+    /// The backend answers each request apart (`Backend::answers_each`).
+    each: bool,
     /// Batches formed so far (for exploring past the measured merge limit now and then).
     formed: std::sync::atomic::AtomicU64,
     /// Batches of heavy requests running now: at most all instances but one, so light work
@@ -159,6 +161,7 @@ impl Batcher {
             running: AtomicUsize::new(0),
             solo_running: Default::default(),
             has_solo: solo.is_some(),
+            each: backend.answers_each(),
             spec: spec.clone(),
             stats,
             metrics,
@@ -493,13 +496,15 @@ fn run_isolated(
         return replies;
     }
     let result = run(shared, instance, &batch);
-    let rows = if result.is_err() { instance.failed_rows() } else { Vec::new() };
+    let rows = if result.is_err() && !shared.each { instance.failed_rows() } else { Vec::new() };
     if !rows.is_empty() {
         return run_without(shared, instance, batch, rows);
     }
     match result {
-        Ok(outputs) => batch.into_iter().zip(outputs.into_iter().map(Ok)).collect(),
-        Err(e) if batch.len() == 1 => {
+        Ok(outputs) => batch.into_iter().zip(outputs).collect(),
+        // A backend answering each request apart fails the whole call (a Python model's
+        // `execute` raised): it is not run again in parts, as user code may not be repeatable.
+        Err(e) if batch.len() == 1 || shared.each => {
             tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
@@ -549,8 +554,9 @@ fn run_without(
 }
 
 /// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;
-/// returns each request's outputs (those it asked for), in order.
-fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Result<Vec<Vec<Tensor>>> {
+/// returns each request's outputs (those it asked for), in order, or (a backend that answers each
+/// request apart) its own error.
+fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Result<Vec<Result<Vec<Tensor>>>> {
     let start = Instant::now();
     let spec = &shared.spec;
     let rows: usize = group.iter().map(|p| p.rows).sum();
@@ -563,8 +569,18 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
         instance.shrink_after_next();
     }
     let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
-    let live = Live::new(group.iter().map(|p| p.rows), &awaited);
-    let result = catch_unwind(AssertUnwindSafe(|| instance.run_live(&inputs, &live))).unwrap_or_else(|_| {
+    let mut live = Live::new(group.iter().map(|p| p.rows), &awaited);
+    if shared.each {
+        live = live.with_ids(group.iter().map(|p| p.id.as_deref().unwrap_or_default()).collect());
+    }
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        if shared.each {
+            instance.run_each(&inputs, &live).map(Answer::Each)
+        } else {
+            instance.run_live(&inputs, &live).map(Answer::Batch)
+        }
+    }))
+    .unwrap_or_else(|_| {
         // The batch fails (and is run apart); the instance and the server go on.
         tracing::error!(model = %spec.name, requests = group.len(), "the backend panicked while running a batch");
         shared.metrics.panics.inc();
@@ -573,7 +589,17 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
     crate::crash::idle();
     drop(inputs);
     let done = Instant::now();
-    let outputs = result.and_then(|o| check_outputs(o, spec.batched(), rows)).and_then(|o| split(spec, group, o));
+    let outputs = result.and_then(|answer| match answer {
+        Answer::Batch(o) => check_outputs(o, spec.batched(), rows)
+            .and_then(|o| split(spec, group, o))
+            .map(|each| each.into_iter().map(Ok).collect()),
+        Answer::Each(each) => {
+            if each.len() != group.len() {
+                return Err(Error::internal(format!("{} answers for {} requests", each.len(), group.len())));
+            }
+            Ok(each.into_iter().zip(group).map(|(r, p)| r.and_then(|o| own_outputs(spec, p, o))).collect())
+        }
+    });
     // Warm-ups are not traffic: they neither count nor seed the estimates.
     if !group.iter().all(|p| p.warmup) {
         shared.batch_time.record(done - start);
@@ -592,6 +618,51 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
         m.compute.observe(start.elapsed().as_secs_f64());
     }
     outputs
+}
+
+/// What a run gave back: outputs for the whole batch, or each request's own.
+enum Answer {
+    Batch(Vec<Tensor>),
+    Each(Vec<Result<Vec<Tensor>>>),
+}
+
+/// A request's own answer (from a backend that answers each apart) as the request asked for it:
+/// outputs of the model's, of its datatypes, those it asked for in its order (all, in the model's
+/// order, when it named none).
+fn own_outputs(spec: &ModelSpec, p: &Pending, mut outputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    for t in &outputs {
+        match spec.outputs.iter().find(|s| s.name == t.name) {
+            None => {
+                return Err(Error::internal(format!(
+                    "the model answered output '{}', which its config does not have",
+                    t.name
+                )))
+            }
+            Some(s) if s.datatype != t.datatype => {
+                return Err(Error::internal(format!(
+                    "the model answered output '{}' as {}, its config says {}",
+                    t.name, t.datatype, s.datatype
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    match &p.outputs {
+        None => {
+            outputs.sort_by_key(|t| spec.outputs.iter().position(|s| s.name == t.name));
+            Ok(outputs)
+        }
+        Some(asked) => asked
+            .iter()
+            .map(|&i| {
+                let name = &spec.outputs[i].name;
+                let at = outputs.iter().position(|t| &t.name == name).ok_or_else(|| {
+                    Error::internal(format!("the model's response has no output '{name}', which the request asked for"))
+                })?;
+                Ok(outputs.swap_remove(at))
+            })
+            .collect(),
+    }
 }
 
 /// The group's inputs as the backend takes them: the requests of a group give the same inputs

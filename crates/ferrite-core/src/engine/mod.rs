@@ -8,6 +8,7 @@ pub mod classify;
 pub mod costs;
 pub mod model;
 pub mod onnx;
+pub mod python;
 pub mod queue;
 pub mod spec;
 pub mod tuning;

@@ -110,6 +110,7 @@ impl Model {
         let now = Instant::now();
         let span = tracing::Span::none();
         let p = Pending {
+            id: None,
             inputs,
             rows,
             outputs: None,
@@ -183,6 +184,7 @@ impl Model {
         let queued = if traced { tracing::debug_span!("queue", rows) } else { tracing::Span::none() };
         let span = queued.clone();
         self.batcher.submit(Pending {
+            id: req.id.clone(),
             inputs,
             rows,
             outputs,
@@ -265,8 +267,10 @@ impl Model {
                 .filter(|&n| n <= max_elements)
                 .ok_or_else(|| Error::invalid(format!("request has more than {max_elements} elements")))?;
             // ONNX Runtime's strings are UTF-8: a BYTES element that is not would fail the whole
-            // batch it joined, so it is refused here, before it can share one.
-            if let (false, TensorData::Strings(items)) = (spec.is_pipeline(), &t.data) {
+            // batch it joined, so it is refused here, before it can share one. (Pipelines and
+            // Python models take any bytes: encoded images.)
+            let any_bytes = spec.is_pipeline() || spec.backend == "python";
+            if let (false, TensorData::Strings(items)) = (any_bytes, &t.data) {
                 if let Some(n) = items.iter().position(|b| std::str::from_utf8(b).is_err()) {
                     return Err(Error::invalid(format!("input '{}': BYTES element {n} is not UTF-8", t.name)));
                 }

@@ -30,6 +30,8 @@ impl std::fmt::Debug for Hold {
 /// One admitted request waiting for an instance.
 #[derive(Debug)]
 pub struct Pending {
+    /// The client's request id (a Python model's `request_id()`).
+    pub id: Option<String>,
     /// In model input order, validated.
     pub inputs: Vec<Tensor>,
     /// Dim-0 size when the model batches, else 1.
@@ -381,6 +383,7 @@ mod tests {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
         q.push(Pending {
+            id: None,
             inputs: vec![x],
             rows,
             outputs: None,
@@ -494,6 +497,7 @@ mod tests {
         let _a = push(&mut q, t, 1, 4, 0);
         let (tx, _rx) = oneshot::channel();
         let extra = Pending {
+            id: None,
             inputs: vec![],
             rows: 1,
             outputs: None,
@@ -516,6 +520,7 @@ mod tests {
         let mut q = queue(1, 10);
         let (tx, mut rx) = oneshot::channel();
         q.push(Pending {
+            id: None,
             inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
             rows: 1,
             outputs: None,
@@ -560,6 +565,7 @@ mod tests {
     fn timed(q: &mut Queue, at: Instant, level: usize, timeout_us: u64) -> oneshot::Receiver<Result<Vec<Tensor>>> {
         let (tx, rx) = oneshot::channel();
         q.push(Pending {
+            id: None,
             inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
             rows: 1,
             outputs: None,
@@ -606,6 +612,7 @@ mod tests {
         let _a = push(&mut q, t, 1, 4, 1);
         let (tx, _rx) = oneshot::channel();
         let extra = Pending {
+            id: None,
             inputs: vec![],
             rows: 1,
             outputs: None,

@@ -216,6 +216,8 @@ pub struct LoadRecord {
     pub calibrated: Option<String>,
     /// A pipeline's model steps as its config states them (a Triton ensemble's `step`s).
     pub steps: Vec<StepRecord>,
+    /// A Python model's `parameters`, as its config states them.
+    pub parameters: std::collections::BTreeMap<String, String>,
 }
 
 /// One model step of a pipeline: the model it calls and how tensors are named on each side.
@@ -242,7 +244,10 @@ impl ModelSpec {
 
     /// The settings chosen for this model that Triton's config shows as `parameters` (the
     /// onnxruntime backend's names), for the config endpoints of every front-end.
-    pub fn parameters(&self) -> Vec<(&'static str, String)> {
+    pub fn parameters(&self) -> Vec<(String, String)> {
+        if self.backend == "python" {
+            return self.load.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        }
         let o = &self.onnx;
         let mut p = vec![
             ("threads", o.intra_threads.to_string()),
@@ -266,7 +271,7 @@ impl ModelSpec {
         if self.solo_threads > 0 {
             p.push(("solo_instance_threads", self.solo_threads.to_string()));
         }
-        p
+        p.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
 
     /// `t`'s shape as clients see it: with a leading -1 for the batch dim when the model batches.

@@ -33,6 +33,7 @@ pub struct Metrics {
     pub tenant_refusals: IntCounterVec,
     pub model_load_failures: IntCounterVec,
     pub canary_rollbacks: IntCounterVec,
+    pub python_restarts: IntCounterVec,
     pub pipeline_step_duration: HistogramVec,
 }
 
@@ -90,6 +91,11 @@ impl Metrics {
             canary_rollbacks: counter(
                 "ferrite_canary_rollbacks_total",
                 "Canary candidates withdrawn automatically for doing worse than the stable version.",
+                &["model"],
+            )?,
+            python_restarts: counter(
+                "ferrite_python_restarts_total",
+                "Python model workers killed and started again (crashed, hung past the execute timeout, or over their memory limit).",
                 &["model"],
             )?,
             tenant_refusals: counter(

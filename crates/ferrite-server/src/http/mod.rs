@@ -454,7 +454,7 @@ async fn model_metadata(
 
 async fn model_config(State(s): State<AppState>, Path(p): Path<ModelPath>) -> Result<Json<Value>, ApiError> {
     let m = s.model(&p)?;
-    Ok(Json(json::config(&ferrite_core::control::triton::resolved(&m.spec))))
+    Ok(Json(ferrite_core::control::triton::json(&ferrite_core::control::triton::resolved(&m.spec))))
 }
 
 async fn model_stats(

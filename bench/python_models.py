@@ -1,0 +1,185 @@
+"""What a Python model costs per request: a `model.py` that returns its input (Triton's Python
+backend, served by Ferrite in a worker process) against Ferrite's own ONNX identity model, the
+same function called in-process, and a FastAPI service wrapping it. Tiny (64-byte) and 1 MB
+tensors; 1, 8 and 128 clients; perf_analyzer over gRPC and HTTP (binary tensors), oha for V2 JSON.
+Writes bench/results/python_models.md.
+
+Run: bench/run.sh --python-models [--duration 5]
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.run import (RESULTS, ROOT, WORK, free_port, measure, oha_load,  # noqa: E402
+                       perf_analyzer_load)
+
+HERE = WORK / "python"
+SIZES = {"64 B": 16, "1 MB": 262144}
+
+MODEL_PY = '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests]
+'''
+
+CONFIG = '''name: "{name}"
+{backend}
+max_batch_size: 0
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+'''
+
+
+def repository():
+    import onnx
+    from onnx import TensorProto, helper
+
+    repo = HERE / "repo"
+    (repo / "identity_py" / "1").mkdir(parents=True, exist_ok=True)
+    (repo / "identity_py" / "config.pbtxt").write_text(CONFIG.format(name="identity_py", backend='backend: "python"'))
+    (repo / "identity_py" / "1" / "model.py").write_text(MODEL_PY)
+    (repo / "identity_onnx" / "1").mkdir(parents=True, exist_ok=True)
+    (repo / "identity_onnx" / "config.pbtxt").write_text(
+        CONFIG.format(name="identity_onnx", backend='platform: "onnxruntime_onnx"'))
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "identity",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["N"])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["N"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, repo / "identity_onnx" / "1" / "model.onnx")
+    return repo
+
+
+def in_process(n, secs=2.0):
+    """µs per call of the model's execute with one request, in this process."""
+    sys.path.insert(0, str(ROOT / "crates" / "ferrite-core" / "python"))
+    import triton_python_backend_utils as pb_utils
+
+    spec = importlib.util.spec_from_file_location("identity_model", HERE / "repo" / "identity_py" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    x = np.ones(n, np.float32)
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < secs:
+        model.execute([pb_utils.InferenceRequest("m", [], [pb_utils.Tensor("INPUT0", x)])])
+        calls += 1
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--duration", type=int, default=5)
+    p.add_argument("--clients", default="1,8,128")
+    args = p.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    repo = repository()
+    started = time.time()
+    rows = []
+    for size, n in SIZES.items():
+        for protocol in ("grpc", "http"):
+            for c in clients:
+                for model in ("identity_onnx", "identity_py"):
+                    shape = ["--shape", f"INPUT0:{n}"]
+
+                    def load_for(base, grpc, protocol=protocol, c=c, model=model, shape=shape):
+                        url = grpc if protocol == "grpc" else base.removeprefix("http://")
+                        return perf_analyzer_load(protocol, url, c, model=model, extra=shape, fatal=False)
+
+                    port, grpc_port = free_port(), free_port()
+                    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo),
+                           "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", "0",
+                           "--log", "warn", "--python", sys.executable]
+                    base = f"http://127.0.0.1:{port}"
+                    row = measure(f"{model}-{protocol}-{c}-{n}", cmd, f"{base}/v2/health/ready",
+                                  load_for(base, f"127.0.0.1:{grpc_port}"), args)
+                    row.update(size=size, protocol=protocol, clients=c, model=model)
+                    rows.append(row)
+    # V2 JSON, tiny tensor: Ferrite's Python model against FastAPI wrapping the same model.py.
+    body = HERE / "body.json"
+    body.write_text(json.dumps({"inputs": [{"name": "INPUT0", "shape": [16], "datatype": "FP32", "data": [1.0] * 16}]}))
+    for c in clients:
+        port, grpc_port = free_port(), free_port()
+        cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
+               "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "warn", "--python", sys.executable]
+        base = f"http://127.0.0.1:{port}"
+        row = measure(f"ferrite-json-{c}", cmd, f"{base}/v2/health/ready",
+                      oha_load(f"{base}/v2/models/identity_py/infer", body, c), args)
+        row.update(size="64 B", protocol="json", clients=c, model="identity_py")
+        rows.append(row)
+        port = free_port()
+        cmd = [sys.executable, "-m", "uvicorn", "bench.baseline.python_model:app", "--port", str(port), "--log-level",
+               "warning", "--workers", "2"]
+        env = dict(os.environ, MODEL_PY=str(repo / "identity_py" / "1" / "model.py"))
+        base = f"http://127.0.0.1:{port}"
+        row = measure(f"fastapi-json-{c}", cmd, f"{base}/docs", oha_load(f"{base}/v2/models/identity_py/infer", body, c),
+                      args, env=env)
+        row.update(size="64 B", protocol="json", clients=c, model="fastapi")
+        rows.append(row)
+    calls = {size: in_process(n) for size, n in SIZES.items()}
+    write(rows, calls, args, time.time() - started)
+
+
+def write(rows, calls, args, took):
+    def cpu_us(r):
+        return r["cpu_cores"] / r["rps"] * 1e6 if r["rps"] == r["rps"] and r["rps"] > 0 else float("nan")
+
+    lines = [
+        "# Python models: per-request cost against the ONNX identity",
+        "",
+        f"`bench/run.sh --python-models --duration {args.duration}`, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {took / 60:.0f} minutes. A `model.py` returning its input (one worker process) "
+        "against Ferrite's ONNX identity model (one instance), both `max_batch_size: 0`, no dynamic batching; "
+        "server CPU counts the worker. perf_analyzer for gRPC and HTTP (binary tensors), oha for V2 JSON.",
+        "",
+        "| tensor | protocol | clients | ONNX req/s | Python req/s | ratio | ONNX p50 ms | Python p50 ms | p50 + µs | "
+        "ONNX CPU µs/req | Python CPU µs/req | CPU + µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in SIZES:
+        for protocol in ("grpc", "http"):
+            for c in sorted({r["clients"] for r in rows}):
+                pick = {r["model"]: r for r in rows if (r["size"], r["protocol"], r["clients"]) == (size, protocol, c)}
+                o, py = pick.get("identity_onnx"), pick.get("identity_py")
+                if not o or not py:
+                    continue
+                lines.append(
+                    f"| {size} | {protocol} | {c} | {o['rps']:,.0f} | {py['rps']:,.0f} | {py['rps'] / o['rps']:.2f} | "
+                    f"{o['p50_ms']:.3f} | {py['p50_ms']:.3f} | {(py['p50_ms'] - o['p50_ms']) * 1000:+.0f} | "
+                    f"{cpu_us(o):.0f} | {cpu_us(py):.0f} | {cpu_us(py) - cpu_us(o):+.0f} |")
+    lines += [
+        "",
+        "V2 JSON, 64-byte tensor: Ferrite's Python model against FastAPI + uvicorn (2 workers) wrapping the same `model.py`.",
+        "",
+        "| clients | Ferrite req/s | FastAPI req/s | ratio | Ferrite p99 ms | FastAPI p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in sorted({r["clients"] for r in rows if r["protocol"] == "json"}):
+        f = next(r for r in rows if r["protocol"] == "json" and r["clients"] == c and r["model"] == "identity_py")
+        b = next(r for r in rows if r["protocol"] == "json" and r["clients"] == c and r["model"] == "fastapi")
+        lines.append(f"| {c} | {f['rps']:,.0f} | {b['rps']:,.0f} | {f['rps'] / max(b['rps'], 1e-9):.1f} | "
+                     f"{f['p99_ms']:.2f} | {b['p99_ms']:.2f} |")
+    lines += ["", "The same `execute` called in this process with one request: "
+              + ", ".join(f"{size} {us:.1f} µs" for size, us in calls.items()) + ".", ""]
+    (RESULTS / "python_models.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

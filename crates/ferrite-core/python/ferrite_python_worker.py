@@ -1,0 +1,337 @@
+"""Ferrite's worker process for one instance of a Python model (Triton's `model.py`).
+
+The server starts it with the control channel, a Unix socket, as standard input. Messages both
+ways are a 4-byte little-endian length and a JSON object. Tensors never travel on the socket:
+the server writes a batch's inputs into a shared-memory file this process maps (the requests'
+arrays are views of it), and this process writes the responses' outputs into a file of its own
+that the server reads back. BYTES elements are laid out as in Triton's binary form: a 4-byte
+little-endian length, then the bytes.
+"""
+
+import importlib.util
+import inspect
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+import traceback
+
+import numpy as np
+
+ALIGN = 64
+
+
+def _dtype(datatype):
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils.triton_string_to_numpy(datatype)
+
+
+class Inputs:
+    """The server's current input file, mapped; arrays made from it keep their mapping alive."""
+
+    def __init__(self):
+        self.path = None
+        self.map = None
+
+    def view(self, path, end):
+        if path != self.path or self.map is None or end > len(self.map):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+            finally:
+                os.close(fd)
+            self.path = path
+        return self.map
+
+    def array(self, path, t):
+        shape = tuple(t["shape"])
+        offset, size = t["offset"], t["size"]
+        buf = self.view(path, offset + size)
+        if t["datatype"] == "BYTES":
+            items, at, end = [], offset, offset + size
+            while at < end:
+                (n,) = struct.unpack_from("<I", buf, at)
+                items.append(bytes(buf[at + 4:at + 4 + n]))
+                at += 4 + n
+            out = np.empty(len(items), dtype=np.object_)
+            out[:] = items
+            return out.reshape(shape)
+        dtype = np.dtype(_dtype(t["datatype"]))
+        count = size // dtype.itemsize
+        if buf is None:
+            return np.empty(shape, dtype=dtype)
+        return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+class Outputs:
+    """This process's output file: written from 0 for each reply, replaced by a larger one when
+    a reply does not fit (and by a smaller one after a burst)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.path = None
+        self.map = None
+        self.serial = 0
+
+    def _replace(self, size):
+        self.serial += 1
+        path = os.path.join(self.directory, f"out-{os.getpid()}-{self.serial}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        self.path = path
+
+    def write(self, arrays):
+        """Lays `arrays` (NumPy arrays) out from offset 0; returns [(offset, size)] and the path."""
+        blobs, total = [], 0
+        for a in arrays:
+            if a.dtype == np.object_:
+                parts = []
+                for x in a.reshape(-1):
+                    b = x if isinstance(x, bytes) else _to_bytes(x)
+                    parts.append(struct.pack("<I", len(b)))
+                    parts.append(b)
+                data = b"".join(parts)
+                size = len(data)
+            else:
+                data = np.ascontiguousarray(a)
+                size = data.nbytes
+            offset = (total + ALIGN - 1) // ALIGN * ALIGN
+            blobs.append((offset, size, data))
+            total = offset + size
+        capacity = len(self.map) if self.map is not None else 0
+        if total > capacity or (capacity > (64 << 20) and total < capacity // 4):
+            self._replace(max(total, 1 << 16) if total <= capacity else max(total, 2 * capacity, 1 << 16))
+        placed = []
+        for offset, size, data in blobs:
+            if isinstance(data, bytes):
+                self.map[offset:offset + size] = data
+            elif size:
+                dst = np.frombuffer(self.map, dtype=np.uint8, count=size, offset=offset)
+                dst[:] = data.reshape(-1).view(np.uint8)
+            placed.append((offset, size))
+        return placed, self.path
+
+    def close(self):
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
+
+
+def _to_bytes(x):
+    if isinstance(x, str):
+        return x.encode("utf-8")
+    if isinstance(x, (bytearray, memoryview, np.bytes_)):
+        return bytes(x)
+    return str(x).encode("utf-8")
+
+
+class Worker:
+    def __init__(self, chan):
+        self.chan = chan
+        self.inputs = Inputs()
+        self.outputs = None
+        self.model = None
+        self.in_execute = False
+        self.flags = None
+        self.output_names = []
+
+    # The channel.
+    def send(self, message):
+        data = json.dumps(message).encode("utf-8")
+        self.chan.sendall(struct.pack("<I", len(data)) + data)
+
+    def recv(self):
+        head = self._exact(4)
+        if head is None:
+            return None
+        (n,) = struct.unpack("<I", head)
+        body = self._exact(n)
+        return None if body is None else json.loads(body)
+
+    def _exact(self, n):
+        chunks, got = [], 0
+        while got < n:
+            chunk = self.chan.recv(min(n - got, 1 << 20))
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    # What pb_utils asks of the worker.
+    def log(self, level, message):
+        self.send({"op": "log", "level": level, "message": message})
+
+    def bls(self, request):
+        import triton_python_backend_utils as pb_utils
+
+        if not self.in_execute:
+            raise pb_utils.TritonModelException("BLS calls work only inside execute()")
+        arrays = [t.as_numpy() for t in request.inputs()]
+        placed, path = self.outputs.write(arrays)
+        inputs = []
+        for t, a, (offset, size) in zip(request.inputs(), arrays, placed):
+            inputs.append({"name": t.name(), "datatype": pb_utils._v2_name(a.dtype), "shape": list(a.shape),
+                           "offset": offset, "size": size})
+        version = request._model_version
+        self.send({"op": "infer", "file": path, "model": request.model_name(),
+                   "version": "" if version in (None, -1, "") else str(version), "inputs": inputs,
+                   "outputs": request.requested_output_names(), "id": request.request_id(),
+                   "timeout_us": int(request.timeout() or 0), "parameters": request.parameters()})
+        while True:
+            reply = self.recv()
+            if reply is None:
+                sys.exit(0)
+            if reply.get("op") == "infer_result":
+                break
+        if reply.get("error") is not None:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(reply["error"], reply.get("code", 1)))
+        tensors = [pb_utils.Tensor(t["name"], self.inputs.array(reply["file"], t)) for t in reply["outputs"]]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    # The model's life.
+    def initialize(self, message):
+        import triton_python_backend_utils as pb_utils
+
+        self.outputs = Outputs(message["dir"])
+        path = message["model_py"]
+        sys.path.insert(0, os.path.dirname(path))
+        spec = importlib.util.spec_from_file_location("model", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["model"] = module
+        spec.loader.exec_module(module)
+        cls = getattr(module, "TritonPythonModel", None)
+        if cls is None:
+            raise RuntimeError(f"{path} defines no class TritonPythonModel")
+        if message.get("auto_complete"):
+            config = pb_utils.ModelConfig(message["args"]["model_config"])
+            if hasattr(cls, "auto_complete_config"):
+                config = cls.auto_complete_config(config)
+            return {"op": "config", "config": config.as_dict()}
+        config = json.loads(message["args"]["model_config"])
+        self.output_names = [o["name"] for o in config.get("output", [])]
+        self.model = cls()
+        if hasattr(self.model, "initialize"):
+            self.model.initialize(message["args"])
+        return {"op": "ready"}
+
+    def execute(self, message):
+        import triton_python_backend_utils as pb_utils
+
+        path = message["file"]
+        flags = message["flags"]
+        requests = []
+        for i, r in enumerate(message["requests"]):
+            tensors = [pb_utils.Tensor(t["name"], self.inputs.array(path, t)) for t in r["inputs"]]
+            req = pb_utils.InferenceRequest(message.get("model", ""), r["outputs"] or self.output_names, tensors,
+                                            request_id=r["id"],
+                                            parameters=r["parameters"])
+            buf = self.inputs.view(path, flags + len(message["requests"]))
+            req._cancelled = (lambda b=buf, at=flags + i: b[at] != 0)
+            requests.append(req)
+        self.in_execute = True
+        try:
+            responses = self.model.execute(requests)
+            if inspect.isawaitable(responses):
+                import asyncio
+
+                responses = asyncio.get_event_loop().run_until_complete(responses)
+        except Exception as e:  # noqa: BLE001 -- the model's error answers its requests
+            return {"op": "failed", "message": f"{type(e).__name__}: {e}"}
+        finally:
+            self.in_execute = False
+        if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
+            n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
+            return {"op": "failed",
+                    "message": f"execute returned {n} responses for {len(requests)} requests (one each is needed)"}
+        arrays, shapes, answers = [], [], []
+        for r in responses:
+            if r is None or not isinstance(r, pb_utils.InferenceResponse):
+                answers.append({"error": "execute returned no InferenceResponse for this request", "code": 1})
+                continue
+            if r.has_error() and not r.output_tensors():
+                answers.append({"error": r.error().message(), "code": r.error().code()})
+                continue
+            names = []
+            for t in r.output_tensors():
+                a = t.as_numpy()
+                names.append((t.name(), pb_utils._v2_name(a.dtype), list(a.shape)))
+                arrays.append(a)
+            answers.append({"outputs": names})
+        placed, out_path = self.outputs.write(arrays)
+        k = 0
+        for a in answers:
+            if "outputs" in a:
+                outs = []
+                for name, datatype, shape in a["outputs"]:
+                    offset, size = placed[k]
+                    k += 1
+                    outs.append({"name": name, "datatype": datatype, "shape": shape, "offset": offset,
+                                 "size": size})
+                a["outputs"] = outs
+        return {"op": "done", "file": out_path, "responses": answers}
+
+    def finalize(self):
+        try:
+            if self.model is not None and hasattr(self.model, "finalize"):
+                self.model.finalize()
+        finally:
+            if self.outputs is not None:
+                self.outputs.close()
+
+    def serve(self):
+        import triton_python_backend_utils as pb_utils
+
+        pb_utils._worker = self
+        while True:
+            message = self.recv()
+            if message is None:
+                # The server is gone (exited or killed): the model still gets its finalize.
+                self.finalize()
+                return
+            op = message.get("op")
+            if op == "init":
+                try:
+                    self.send(self.initialize(message))
+                except Exception as e:  # noqa: BLE001
+                    self.send({"op": "error", "message": f"{type(e).__name__}: {e}",
+                               "traceback": traceback.format_exc()})
+                    return
+            elif op == "execute":
+                self.send(self.execute(message))
+            elif op == "finalize":
+                try:
+                    self.finalize()
+                finally:
+                    self.send({"op": "finalized"})
+                return
+
+
+def main():
+    # The channel is standard input; the model's own reads of stdin get nothing.
+    chan = socket.socket(fileno=os.dup(0))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    Worker(chan).serve()
+
+
+if __name__ == "__main__":
+    main()

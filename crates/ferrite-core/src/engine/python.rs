@@ -1,0 +1,819 @@
+//! Python models: Triton's Python-backend `model.py`, each instance a worker process.
+//!
+//! User code never runs in the server: an instance is a child process (`ferrite_python_worker.py`
+//! under the configured interpreter) that imports the model, and Ferrite's own
+//! `triton_python_backend_utils` gives it the API Triton documents. The control channel is a Unix
+//! socket (the child's standard input) carrying small JSON messages; tensors go through files in
+//! shared memory: the server writes a batch's inputs into one the worker maps (its arrays are
+//! views of it), the worker writes its outputs into one of its own that the server reads back.
+//!
+//! `execute` gets the batch's requests apart, as Triton gives them, and answers each; an
+//! exception fails every request of the call. A worker that dies, hangs past the execute timeout
+//! or grows past its memory limit is killed; the requests it held fail with an error naming the
+//! model, and a new worker takes its place (counted in `ferrite_python_restarts_total`).
+
+use std::{
+    io::{Read, Write},
+    os::unix::{
+        fs::{DirBuilderExt, FileExt, OpenOptionsExt},
+        net::UnixStream,
+    },
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{atomic::AtomicUsize, Arc, OnceLock, Weak},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+use crate::{
+    engine::{
+        backend::{Backend, BatchInput, Instance, Live},
+        spec::TensorSpec,
+    },
+    pipeline::Models,
+    DataType, Error, InferRequest, Result, Tensor, TensorData,
+};
+
+const WORKER: &str = include_str!("../../python/ferrite_python_worker.py");
+const UTILS: &str = include_str!("../../python/triton_python_backend_utils.py");
+
+/// Tensors start at multiples of this in the shared files (any element type reads in place).
+const ALIGN: u64 = 64;
+/// How often a waiting instance looks at its worker (alive, in time, in memory, clients there).
+const TICK: Duration = Duration::from_millis(20);
+/// The largest control message either side accepts.
+const MAX_MESSAGE: usize = 64 << 20;
+/// The most bytes of outputs one reply (or BLS call) may bring back.
+const MAX_REPLY_BYTES: u64 = 4 << 30;
+
+/// How a Python model's workers run (its config's `[python]`, Triton's `EXECUTION_ENV_PATH`).
+#[derive(Debug, Clone)]
+pub struct PythonOptions {
+    /// The interpreter the workers run under.
+    pub interpreter: PathBuf,
+    /// `initialize` (and `auto_complete_config`) must return within this.
+    pub init_timeout: Duration,
+    /// One `execute` call must return within this, or the worker is killed.
+    pub execute_timeout: Duration,
+    /// A worker whose resident memory grows past this is killed (and restarted); `None`: no limit.
+    pub memory_limit: Option<u64>,
+    /// `finalize` is waited for this long on unload before the worker is killed.
+    pub finalize_timeout: Duration,
+}
+
+impl Default for PythonOptions {
+    fn default() -> Self {
+        PythonOptions {
+            interpreter: PathBuf::from("python3"),
+            init_timeout: Duration::from_secs(120),
+            execute_timeout: Duration::from_secs(60),
+            memory_limit: None,
+            finalize_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What every instance of one Python model shares.
+struct Shared {
+    name: String,
+    model_py: PathBuf,
+    /// Triton's `args` for `initialize`, less the instance's own name.
+    args: serde_json::Map<String, Value>,
+    options: PythonOptions,
+    /// Where BLS calls find the other models (none for a model loaded on its own).
+    models: Option<Weak<dyn Models>>,
+    next_instance: AtomicUsize,
+}
+
+/// A Python model as a backend: the tensors its config states, and how to start its workers.
+pub struct PythonBackend {
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+    shared: Arc<Shared>,
+}
+
+impl PythonBackend {
+    /// The backend of `model_py` (in `<model>/<version>/`), whose tensors are `inputs` and
+    /// `outputs` (full shapes); `model_config` is the config as Triton's JSON.
+    pub fn new(
+        name: &str,
+        version: u64,
+        model_py: &Path,
+        model_config: &Value,
+        (inputs, outputs): (Vec<TensorSpec>, Vec<TensorSpec>),
+        options: PythonOptions,
+        models: Option<Weak<dyn Models>>,
+    ) -> PythonBackend {
+        let model_dir = model_py.parent().and_then(Path::parent).unwrap_or(Path::new("."));
+        let mut args = serde_json::Map::new();
+        args.insert("model_config".into(), Value::String(model_config.to_string()));
+        args.insert("model_instance_kind".into(), "CPU".into());
+        args.insert("model_instance_device_id".into(), "0".into());
+        args.insert("model_repository".into(), model_dir.display().to_string().into());
+        args.insert("model_version".into(), version.to_string().into());
+        args.insert("model_name".into(), name.into());
+        let shared = Arc::new(Shared {
+            name: name.to_string(),
+            model_py: model_py.to_path_buf(),
+            args,
+            options,
+            models,
+            next_instance: AtomicUsize::new(0),
+        });
+        PythonBackend { inputs, outputs, shared }
+    }
+
+    /// Runs the model class's `auto_complete_config` (when `model.py` defines one) on `config`
+    /// (Triton's JSON) in a worker of its own, and returns the config it gives back.
+    pub fn auto_complete(model_py: &Path, config: &Value, options: &PythonOptions) -> Result<Value> {
+        let source = std::fs::read_to_string(model_py)
+            .map_err(|e| Error::invalid(format!("cannot read {}: {e}", model_py.display())))?;
+        if !source.contains("auto_complete_config") {
+            return Ok(config.clone());
+        }
+        let mut worker = Worker::spawn(model_py, options)?;
+        let args = json!({"model_config": config.to_string()});
+        let reply = worker.init(model_py, &args, true, options.init_timeout, ("", ""));
+        worker.kill();
+        let reply = reply?;
+        Ok(reply.get("config").cloned().unwrap_or_else(|| config.clone()))
+    }
+}
+
+impl Backend for PythonBackend {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    fn instance(&self) -> Result<Box<dyn Instance>> {
+        let n = self.shared.next_instance.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{}_0_{n}", self.shared.name);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| Error::internal(format!("cannot start a Python instance's runtime: {e}")))?;
+        let mut instance = PythonInstance { shared: self.shared.clone(), name, worker: None, runtime };
+        instance.worker = Some(instance.start()?);
+        Ok(Box::new(instance))
+    }
+
+    fn answers_each(&self) -> bool {
+        true
+    }
+}
+
+struct PythonInstance {
+    shared: Arc<Shared>,
+    /// Triton's instance name (`<model>_0_<n>`), which its errors and logs carry.
+    name: String,
+    /// `None` after the worker failed, until one starts again.
+    worker: Option<Worker>,
+    /// Where BLS calls wait for the models they call.
+    runtime: tokio::runtime::Runtime,
+}
+
+impl PythonInstance {
+    fn start(&self) -> Result<Worker> {
+        let mut worker = Worker::spawn(&self.shared.model_py, &self.shared.options)?;
+        let mut args = self.shared.args.clone();
+        args.insert("model_instance_name".into(), self.name.clone().into());
+        let who = (self.shared.name.as_str(), self.name.as_str());
+        match worker.init(&self.shared.model_py, &Value::Object(args), false, self.shared.options.init_timeout, who) {
+            Ok(_) => Ok(worker),
+            Err(e) => {
+                worker.kill();
+                Err(Error::invalid(format!("model '{}': initialize failed: {e}", self.shared.name)))
+            }
+        }
+    }
+
+    /// A worker ended badly (`why`): it is killed, counted and logged, and a new one started.
+    fn replace(&mut self, why: &str) {
+        if let Some(mut w) = self.worker.take() {
+            w.kill();
+        }
+        tracing::error!(model = %self.shared.name, instance = %self.name, "Python worker {why}; restarting it");
+        crate::telemetry::metrics::global().python_restarts.with_label_values(&[&self.shared.name]).inc();
+        match self.start() {
+            Ok(w) => self.worker = Some(w),
+            Err(e) => tracing::error!(model = %self.shared.name, instance = %self.name, error = %e,
+                "the Python worker could not be restarted; the next batch tries again"),
+        }
+    }
+
+    fn execute(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Result<Vec<Tensor>>>> {
+        if self.worker.is_none() {
+            self.worker = Some(self.start().map_err(|e| {
+                Error::unavailable(format!("the Python worker of '{}' is not running: {e}", self.name), None)
+            })?);
+        }
+        let worker = self.worker.as_mut().expect("started above");
+        let requests = inputs.first().map_or(1, |i| i.parts.len());
+        // The requests' tensors, each its own part of the batch.
+        let mut blobs: Vec<Bytes> = Vec::new();
+        let mut described = Vec::with_capacity(requests);
+        for r in 0..requests {
+            let mut tensors = Vec::with_capacity(inputs.len());
+            for i in inputs {
+                let part = i.parts[r];
+                let shape = part_shape(i, part);
+                tensors.push(json!({"name": i.name, "datatype": i.datatype.as_str(), "shape": shape}));
+                blobs.push(part.to_wire());
+            }
+            described.push(tensors);
+        }
+        let (file, places) = worker.input.write(requests, &blobs)?;
+        let mut k = 0;
+        let requests_json: Vec<Value> = described
+            .into_iter()
+            .enumerate()
+            .map(|(r, tensors)| {
+                let tensors: Vec<Value> = tensors
+                    .into_iter()
+                    .map(|mut t| {
+                        let (offset, size) = places[k];
+                        k += 1;
+                        t["offset"] = offset.into();
+                        t["size"] = size.into();
+                        t
+                    })
+                    .collect();
+                json!({"id": live.id(r), "parameters": "{}", "inputs": tensors, "outputs": []})
+            })
+            .collect();
+        let sent = worker.send(&json!({"op": "execute", "model": self.shared.name, "file": file, "flags": 0,
+            "requests": requests_json}));
+        let deadline = Instant::now() + self.shared.options.execute_timeout;
+        let mut told = vec![false; requests];
+        let reply = sent.and_then(|()| loop {
+            match self.wait(deadline, live, &mut told) {
+                Ok(m) if m["op"] == "infer" => {
+                    let answer = self.bls(&m, deadline);
+                    let worker = self.worker.as_mut().expect("running");
+                    if let Err(e) = worker.answer_bls(answer) {
+                        break Err(e);
+                    }
+                }
+                other => break other,
+            }
+        });
+        let reply = match reply {
+            Ok(r) => r,
+            Err(Fatal(why)) => {
+                let e = Error::internal(format!("the Python worker of '{}' {why}; it is being restarted", self.name));
+                self.replace(&why);
+                return Err(e);
+            }
+        };
+        match reply["op"].as_str() {
+            Some("failed") => Err(Error::internal(format!(
+                "Failed to process the request(s) for model '{}', message: {}",
+                self.name,
+                reply["message"].as_str().unwrap_or_default()
+            ))),
+            Some("done") => {
+                let worker = self.worker.as_mut().expect("running");
+                let file = reply["file"].as_str().unwrap_or_default().to_string();
+                let responses = reply["responses"].as_array().cloned().unwrap_or_default();
+                if responses.len() != requests {
+                    return Err(Error::internal(format!(
+                        "'{}' answered {} of {requests} requests",
+                        self.name,
+                        responses.len()
+                    )));
+                }
+                let mut budget = MAX_REPLY_BYTES;
+                Ok(responses
+                    .iter()
+                    .map(|r| match r.get("error") {
+                        Some(e) => Err(model_error(e.as_str().unwrap_or_default(), r["code"].as_i64().unwrap_or(1))),
+                        None => worker.read_tensors(&file, &r["outputs"], &mut budget),
+                    })
+                    .collect())
+            }
+            _ => Err(Error::internal(format!("'{}' sent an unexpected message", self.name))),
+        }
+    }
+
+    /// The worker's next message other than a log line, watching it meanwhile: dead, late past
+    /// `deadline` or over its memory limit is fatal. Requests whose clients left are told so
+    /// (`is_cancelled()`).
+    fn wait(&mut self, deadline: Instant, live: &Live<'_>, told: &mut [bool]) -> std::result::Result<Value, Fatal> {
+        let limit = self.shared.options.memory_limit;
+        let timeout = self.shared.options.execute_timeout;
+        let worker = self.worker.as_mut().expect("running");
+        loop {
+            match worker.poll(TICK)? {
+                Some(m) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
+                Some(m) => return Ok(m),
+                None => {}
+            }
+            if Instant::now() > deadline {
+                return Err(Fatal(format!("did not return from execute within {timeout:?}")));
+            }
+            if let Some(limit) = limit {
+                let rss = worker.rss();
+                if rss > limit {
+                    return Err(Fatal(format!("used {} MiB, over its limit of {} MiB", rss >> 20, limit >> 20)));
+                }
+            }
+            for (i, t) in told.iter_mut().enumerate() {
+                if !*t && !live.request_awaited(i) {
+                    *t = true;
+                    worker.input.cancel(i);
+                }
+            }
+        }
+    }
+
+    /// A BLS call of the worker's: the model it names, through that model's batcher.
+    fn bls(&mut self, m: &Value, deadline: Instant) -> Result<Vec<Tensor>> {
+        let worker = self.worker.as_mut().expect("running");
+        let file = m["file"].as_str().unwrap_or_default().to_string();
+        let mut budget = MAX_REPLY_BYTES;
+        let inputs = worker.read_tensors(&file, &m["inputs"], &mut budget)?;
+        let model_name = m["model"].as_str().unwrap_or_default().to_string();
+        let version = m["version"].as_str().filter(|v| !v.is_empty()).map(str::to_string);
+        let outputs: Option<Vec<String>> = m["outputs"]
+            .as_array()
+            .filter(|o| !o.is_empty())
+            .map(|o| o.iter().filter_map(|n| n.as_str().map(str::to_string)).collect());
+        let models =
+            self.shared.models.as_ref().and_then(Weak::upgrade).ok_or_else(|| {
+                Error::unavailable("BLS calls need a repository: this model was loaded on its own", None)
+            })?;
+        let model = models.model(&model_name, version.as_deref());
+        drop(models);
+        let model = model?;
+        let timeout_us = m["timeout_us"].as_u64().filter(|&t| t > 0);
+        let req =
+            InferRequest { model_name, model_version: version, inputs, outputs, timeout_us, ..Default::default() };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let answer = self.runtime.block_on(async {
+            match tokio::time::timeout(left, model.infer(req, crate::wire::DEFAULT_MAX_ELEMENTS)).await {
+                Ok(a) => a,
+                Err(_) => Err(Error::DeadlineExceeded("the BLS call outlasted its caller's execute timeout".into())),
+            }
+        });
+        crate::engine::model::release(model);
+        answer.map(|r| r.outputs)
+    }
+}
+
+impl Instance for PythonInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
+        let _ = inputs;
+        Err(Error::internal("a Python model answers each request apart"))
+    }
+
+    fn run_each(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Result<Vec<Tensor>>>> {
+        self.execute(inputs, live)
+    }
+}
+
+impl Drop for PythonInstance {
+    fn drop(&mut self) {
+        if let Some(mut w) = self.worker.take() {
+            // `finalize` runs on unload; a worker that does not finish it in time is killed.
+            if w.send(&json!({"op": "finalize"})).is_ok() {
+                let deadline = Instant::now() + self.shared.options.finalize_timeout;
+                while Instant::now() < deadline {
+                    match w.poll(TICK) {
+                        Ok(Some(m)) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
+                        Ok(Some(_)) | Err(_) => break,
+                        Ok(None) => {}
+                    }
+                }
+            }
+            w.kill();
+        }
+    }
+}
+
+/// Why a worker cannot go on (it is then killed and replaced).
+struct Fatal(String);
+
+/// The shape of request part `part` of batch input `input`.
+fn part_shape(input: &BatchInput<'_>, part: &TensorData) -> Vec<usize> {
+    if input.parts.len() == 1 {
+        return input.shape.clone();
+    }
+    let per_row: usize = input.shape[1..].iter().product();
+    let elements = match part {
+        TensorData::Fixed(b) => b.len() / input.datatype.size().unwrap_or(1).max(1),
+        TensorData::Strings(s) => s.len(),
+    };
+    std::iter::once(elements / per_row.max(1)).chain(input.shape[1..].iter().copied()).collect()
+}
+
+/// A model's error for one request (`TritonError`), by Triton's codes.
+fn model_error(message: &str, code: i64) -> Error {
+    let message = message.to_string();
+    match code {
+        2 => Error::NotFound(message),
+        3 => Error::InvalidInput(message),
+        4 => Error::unavailable(message, None),
+        5 => Error::Unsupported(message),
+        _ => Error::Internal(message),
+    }
+}
+
+fn log(model: &str, instance: &str, m: &Value) {
+    let text = m["message"].as_str().unwrap_or_default();
+    match m["level"].as_i64() {
+        Some(1) => tracing::warn!(model, instance, "{text}"),
+        Some(2) => tracing::error!(model, instance, "{text}"),
+        Some(3) => tracing::debug!(model, instance, "{text}"),
+        _ => tracing::info!(model, instance, "{text}"),
+    }
+}
+
+static DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+
+/// This process's directory for the workers' script and shared files (in `/dev/shm` where it
+/// exists), private to its user; those of processes that ended without removing theirs go.
+fn directory() -> Result<&'static Path> {
+    let made = DIR.get_or_init(|| {
+        let shm = Path::new("/dev/shm");
+        let base = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+        for e in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let pid = name.strip_prefix("ferrite-").and_then(|n| n.strip_suffix("-python"));
+            if pid.is_some_and(|p| p.parse::<u32>().is_ok() && !Path::new("/proc").join(p).exists()) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        let dir = base.join(format!("ferrite-{}-python", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        for (file, text) in [("ferrite_python_worker.py", WORKER), ("triton_python_backend_utils.py", UTILS)] {
+            std::fs::write(dir.join(file), text).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        Ok(dir)
+    });
+    made.as_deref().map_err(|e| Error::internal(format!("cannot make the Python workers' directory {e}")))
+}
+
+/// Removes this process's directory of shared files, if it made one (at exit: workers still
+/// running keep what they mapped).
+pub fn remove_directory() {
+    if let Some(Ok(dir)) = DIR.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// One worker process and its end of the channel and of the shared files.
+struct Worker {
+    child: Child,
+    chan: UnixStream,
+    /// Bytes read from the channel and not yet a whole message.
+    pending: Vec<u8>,
+    input: InputFile,
+    /// The worker's current output file, opened.
+    output: Option<(String, std::fs::File)>,
+}
+
+impl Worker {
+    fn spawn(model_py: &Path, options: &PythonOptions) -> Result<Worker> {
+        let dir = directory()?;
+        let (ours, theirs) = UnixStream::pair().map_err(|e| Error::internal(format!("socketpair: {e}")))?;
+        let stdout = std::os::fd::AsFd::as_fd(&std::io::stderr())
+            .try_clone_to_owned()
+            .map_err(|e| Error::internal(format!("cannot give the worker an output: {e}")))?;
+        let mut command = Command::new(&options.interpreter);
+        command
+            .arg("-u")
+            .arg(dir.join("ferrite_python_worker.py"))
+            .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::inherit())
+            .env("PYTHONUNBUFFERED", "1")
+            .env("PYTHONDONTWRITEBYTECODE", "1");
+        if let Some(venv) =
+            options.interpreter.parent().and_then(Path::parent).filter(|v| v.join("pyvenv.cfg").is_file())
+        {
+            // A model's own environment: its packages, and its `bin/` first on PATH.
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            let mut paths = vec![venv.join("bin")];
+            paths.extend(std::env::split_paths(&path));
+            command.env("VIRTUAL_ENV", venv).env("PATH", std::env::join_paths(paths).unwrap_or(path));
+        }
+        let child = command.spawn().map_err(|e| {
+            Error::invalid(format!(
+                "cannot start the Python interpreter '{}' for {}: {e}",
+                options.interpreter.display(),
+                model_py.display()
+            ))
+        })?;
+        let input = InputFile::new(dir)?;
+        Ok(Worker { child, chan: ours, pending: Vec::new(), input, output: None })
+    }
+
+    /// Imports the model and runs its `initialize` (or, `auto_complete`, its class's
+    /// `auto_complete_config`); `who` names the model and instance in its log lines.
+    fn init(
+        &mut self,
+        model_py: &Path,
+        args: &Value,
+        auto_complete: bool,
+        timeout: Duration,
+        who: (&str, &str),
+    ) -> Result<Value> {
+        let dir = directory()?;
+        self.send(
+            &json!({"op": "init", "model_py": model_py, "args": args, "dir": dir, "auto_complete": auto_complete}),
+        )
+        .map_err(|Fatal(w)| Error::invalid(w))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.poll(TICK) {
+                Ok(Some(m)) if m["op"] == "log" => log(who.0, who.1, &m),
+                Ok(Some(m)) if m["op"] == "error" => {
+                    let tb = m["traceback"].as_str().unwrap_or_default();
+                    tracing::error!(model = %model_py.display(), "{tb}");
+                    return Err(Error::invalid(m["message"].as_str().unwrap_or_default().to_string()));
+                }
+                Ok(Some(m)) => return Ok(m),
+                Ok(None) if Instant::now() > deadline => {
+                    return Err(Error::invalid(format!("it did not return within {timeout:?}")))
+                }
+                Ok(None) => {}
+                Err(Fatal(why)) => return Err(Error::invalid(why)),
+            }
+        }
+    }
+
+    fn send(&mut self, m: &Value) -> std::result::Result<(), Fatal> {
+        let body = serde_json::to_vec(m).map_err(|e| Fatal(format!("message not encoded: {e}")))?;
+        let mut framed = Vec::with_capacity(body.len() + 4);
+        framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        framed.extend_from_slice(&body);
+        self.chan.set_write_timeout(Some(Duration::from_secs(10))).ok();
+        self.chan.write_all(&framed).map_err(|e| Fatal(format!("cannot be written to ({e})")))
+    }
+
+    /// The next whole message, or `None` after waiting up to `tick`; a worker that exited or
+    /// closed its end, or sends what is not a message, is fatal.
+    fn poll(&mut self, tick: Duration) -> std::result::Result<Option<Value>, Fatal> {
+        loop {
+            if self.pending.len() >= 4 {
+                let n = u32::from_le_bytes(self.pending[..4].try_into().expect("4 bytes")) as usize;
+                if n > MAX_MESSAGE {
+                    return Err(Fatal(format!("sent a message of {n} bytes")));
+                }
+                if self.pending.len() >= 4 + n {
+                    let m = serde_json::from_slice(&self.pending[4..4 + n])
+                        .map_err(|e| Fatal(format!("sent a message that is not JSON ({e})")));
+                    self.pending.drain(..4 + n);
+                    return m.map(Some);
+                }
+            }
+            self.chan.set_read_timeout(Some(tick)).ok();
+            let mut buf = [0u8; 64 << 10];
+            match self.chan.read(&mut buf) {
+                Ok(0) => {
+                    let status = self.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+                    return Err(Fatal(format!("exited ({status})")));
+                }
+                Ok(n) => self.pending.extend_from_slice(&buf[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    return Ok(None)
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Fatal(format!("cannot be read from ({e})"))),
+            }
+        }
+    }
+
+    /// Resident memory of the worker, in bytes.
+    fn rss(&self) -> u64 {
+        let statm = std::fs::read_to_string(format!("/proc/{}/statm", self.child.id())).unwrap_or_default();
+        let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        pages * page
+    }
+
+    /// The tensors `described` (name, datatype, shape, offset, size) of the worker's file `file`,
+    /// each counted against `budget` bytes before it is read.
+    fn read_tensors(&mut self, file: &str, described: &Value, budget: &mut u64) -> Result<Vec<Tensor>> {
+        let bad = |what: &str| Error::internal(format!("the Python worker described a tensor badly: {what}"));
+        let Some(list) = described.as_array() else { return Ok(Vec::new()) };
+        if list.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dir = directory()?;
+        let path = Path::new(file);
+        if path.parent() != Some(dir) {
+            return Err(bad("its file is not in the workers' directory"));
+        }
+        if self.output.as_ref().is_none_or(|(p, _)| p != file) {
+            let f = std::fs::File::open(path).map_err(|e| bad(&format!("{file}: {e}")))?;
+            self.output = Some((file.to_string(), f));
+        }
+        let (_, f) = self.output.as_ref().expect("opened above");
+        let length = f.metadata().map(|m| m.len()).unwrap_or(0);
+        list.iter()
+            .map(|t| {
+                let name = t["name"].as_str().ok_or_else(|| bad("no name"))?;
+                let datatype = t["datatype"]
+                    .as_str()
+                    .and_then(DataType::parse)
+                    .ok_or_else(|| Error::internal(format!("output '{name}': its NumPy type has no Triton type")))?;
+                let shape: Vec<usize> = t["shape"]
+                    .as_array()
+                    .ok_or_else(|| bad("no shape"))?
+                    .iter()
+                    .map(|d| d.as_u64().map(|d| d as usize).ok_or_else(|| bad("a dim")))
+                    .collect::<Result<_>>()?;
+                let (offset, size) = (
+                    t["offset"].as_u64().ok_or_else(|| bad("offset"))?,
+                    t["size"].as_u64().ok_or_else(|| bad("size"))?,
+                );
+                if offset.checked_add(size).is_none_or(|end| end > length) || size > *budget {
+                    return Err(bad(&format!(
+                        "'{name}' of {size} bytes at {offset} is outside its file or over the reply limit"
+                    )));
+                }
+                *budget -= size;
+                let count = crate::data::tensor::element_count(&shape, usize::MAX)?;
+                let mut raw = vec![0u8; size as usize];
+                f.read_exact_at(&mut raw, offset).map_err(|e| bad(&format!("{file}: {e}")))?;
+                let data = TensorData::from_wire(name, datatype, count, Bytes::from(raw))
+                    .map_err(|e| Error::internal(format!("the Python model's output: {e}")))?;
+                Ok(Tensor::new(name, datatype, shape, data))
+            })
+            .collect()
+    }
+
+    /// Gives a BLS call its answer: the outputs written after the batch's inputs.
+    fn answer_bls(&mut self, answer: Result<Vec<Tensor>>) -> std::result::Result<(), Fatal> {
+        let m = match answer {
+            Err(e) => json!({"op": "infer_result", "error": e.to_string(), "code": code_of(&e)}),
+            Ok(tensors) => {
+                let blobs: Vec<Bytes> = tensors.iter().map(|t| t.data.to_wire()).collect();
+                match self.input.append(&blobs) {
+                    Err(e) => json!({"op": "infer_result", "error": e.to_string(), "code": 1}),
+                    Ok((file, places)) => {
+                        let outputs: Vec<Value> = tensors
+                            .iter()
+                            .zip(places)
+                            .map(|(t, (offset, size))| {
+                                json!({"name": t.name, "datatype": t.datatype.as_str(),
+                                "shape": t.shape, "offset": offset, "size": size})
+                            })
+                            .collect();
+                        json!({"op": "infer_result", "file": file, "outputs": outputs})
+                    }
+                }
+            }
+        };
+        self.send(&m)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some((path, _)) = self.output.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Triton's error code of `e`, for a BLS response's error.
+fn code_of(e: &Error) -> i64 {
+    match e {
+        Error::NotFound(_) => 2,
+        Error::InvalidInput(_) => 3,
+        Error::Unavailable { .. } | Error::Overloaded { .. } => 4,
+        Error::Unsupported(_) => 5,
+        _ => 1,
+    }
+}
+
+/// The server's file of a worker's inputs: each execute writes its flags (a byte per request,
+/// set when its client leaves) and tensors from the start; BLS answers follow them. A file too
+/// small (or far too large after a burst) is replaced by a new one; the worker's mappings of the
+/// old one stay valid until it lets them go.
+struct InputFile {
+    dir: PathBuf,
+    path: PathBuf,
+    file: std::fs::File,
+    capacity: u64,
+    /// The end of what the current execute has written.
+    end: u64,
+    serial: u64,
+    /// The file holding the current execute's flags.
+    flags: Option<std::fs::File>,
+}
+
+impl InputFile {
+    fn new(dir: &Path) -> Result<InputFile> {
+        let (path, file) = Self::create(dir, 0, 1 << 16)?;
+        Ok(InputFile { dir: dir.to_path_buf(), path, file, capacity: 1 << 16, end: 0, serial: 0, flags: None })
+    }
+
+    fn create(dir: &Path, serial: u64, size: u64) -> Result<(PathBuf, std::fs::File)> {
+        static FILES: AtomicUsize = AtomicUsize::new(0);
+        let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("in-{n}-{serial}"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|f| f.set_len(size).map(|_| f))
+            .map_err(|e| Error::internal(format!("cannot make a shared file {}: {e}", path.display())))?;
+        Ok((path, file))
+    }
+
+    /// Room for `need` more bytes from `end` (a new file when there is none).
+    fn room(&mut self, need: u64, fresh: bool) -> Result<()> {
+        let too_small = self.end + need > self.capacity;
+        let too_large = fresh && self.capacity > (64 << 20) && need < self.capacity / 4;
+        if too_small || too_large {
+            let size = if too_small { (need + need / 2).max(self.capacity) } else { need.max(1 << 16) };
+            self.serial += 1;
+            let (path, file) = Self::create(&self.dir, self.serial, size)?;
+            let _ = std::fs::remove_file(&self.path);
+            self.path = path;
+            self.file = file;
+            self.capacity = size;
+            self.end = 0;
+        }
+        Ok(())
+    }
+
+    fn layout(start: u64, blobs: &[Bytes]) -> (Vec<(u64, u64)>, u64) {
+        let mut at = start;
+        let places = blobs
+            .iter()
+            .map(|b| {
+                let offset = at.div_ceil(ALIGN) * ALIGN;
+                at = offset + b.len() as u64;
+                (offset, b.len() as u64)
+            })
+            .collect();
+        (places, at)
+    }
+
+    fn put(&self, blobs: &[Bytes], places: &[(u64, u64)]) -> Result<()> {
+        for (b, (offset, _)) in blobs.iter().zip(places) {
+            self.file
+                .write_all_at(b, *offset)
+                .map_err(|e| Error::internal(format!("cannot write the shared file {}: {e}", self.path.display())))?;
+        }
+        Ok(())
+    }
+
+    /// One execute's `requests` flags (from offset 0) and tensors: its path and each blob's place.
+    fn write(&mut self, requests: usize, blobs: &[Bytes]) -> Result<(String, Vec<(u64, u64)>)> {
+        self.end = 0;
+        let (_, need) = Self::layout(requests as u64, blobs);
+        self.room(need, true)?;
+        let (places, end) = Self::layout(requests as u64, blobs);
+        self.file
+            .write_all_at(&vec![0u8; requests], 0)
+            .map_err(|e| Error::internal(format!("cannot write the shared file: {e}")))?;
+        self.put(blobs, &places)?;
+        self.end = end;
+        self.flags = self.file.try_clone().ok();
+        Ok((self.path.display().to_string(), places))
+    }
+
+    /// Tensors after what the current execute wrote (a BLS answer): its path and their places.
+    fn append(&mut self, blobs: &[Bytes]) -> Result<(String, Vec<(u64, u64)>)> {
+        let (_, need) = Self::layout(0, blobs);
+        self.room(need + ALIGN, false)?;
+        let (places, end) = Self::layout(self.end, blobs);
+        self.put(blobs, &places)?;
+        self.end = end;
+        Ok((self.path.display().to_string(), places))
+    }
+
+    /// Marks request `i` of the current execute as cancelled.
+    fn cancel(&self, i: usize) {
+        if let Some(f) = &self.flags {
+            let _ = f.write_all_at(&[1], i as u64);
+        }
+    }
+}
+
+impl Drop for InputFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

@@ -1,0 +1,329 @@
+"""Triton Python-backend models (tests/triton_python: `model.py` files written as Triton's
+python_backend examples write them) served unchanged, each instance a worker process: answers
+checked through tritonclient over HTTP and gRPC against the same code run in plain Python; an
+ensemble python -> onnx -> python; BLS calls; a worker's exception, crash, hang and memory
+growth each contained (the others keep serving); cancellation; finalize on unload and shutdown."""
+
+import io
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from PIL import Image
+from tritonclient.utils import InferenceServerException
+
+from conftest import ROOT, Server
+
+CLIENTS = [httpclient, grpcclient]
+
+
+def repository(dest: Path, python=None):
+    for d in (ROOT / "tests" / "triton_python").iterdir():
+        if d.is_dir():
+            shutil.copytree(d, dest / d.name)
+    for name in ("mlp", "tiny_cnn"):
+        shutil.copytree(ROOT / "models" / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def marks(tmp_path_factory):
+    return tmp_path_factory.mktemp("marks")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, marks):
+    repo = repository(tmp_path_factory.mktemp("python") / "repo")
+    env = dict(os.environ, FAULTY_MARKS=str(marks))
+    s = Server(repo, "--python", sys.executable, env=env)
+    yield s
+    s.stop()
+
+
+def client_of(s, client, **kw):
+    return client.InferenceServerClient(s.url if client is httpclient else s.grpc_url, **kw)
+
+
+def tensor(client, name, value, datatype):
+    t = client.InferInput(name, list(value.shape), datatype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def action(client, what):
+    return tensor(client, "ACTION", np.array([what.encode()], dtype=np.object_), "BYTES")
+
+
+def metric(s, name):
+    text = urllib.request.urlopen(s.metrics_url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_add_sub_as_triton_example(served, client):
+    c = client_of(served, client)
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.full((2, 4), 0.5, np.float32)
+    r = c.infer("add_sub", [tensor(client, "INPUT0", a, "FP32"), tensor(client, "INPUT1", b, "FP32")])
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - b)
+    # One output asked for: that one only.
+    out = client.InferRequestedOutput("OUTPUT1")
+    r = c.infer("add_sub", [tensor(client, "INPUT0", a, "FP32"), tensor(client, "INPUT1", b, "FP32")], outputs=[out])
+    assert r.as_numpy("OUTPUT0") is None
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - b)
+
+
+def test_config_and_metadata_say_python(served):
+    c = httpclient.InferenceServerClient(served.url)
+    config = c.get_model_config("add_sub")
+    assert config["backend"] == "python"
+    assert config["max_batch_size"] == 8
+    assert config["parameters"]["greeting"] == {"string_value": "hello"}
+    assert [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"]
+    meta = c.get_model_metadata("add_sub")
+    assert [o["name"] for o in meta["outputs"]] == ["OUTPUT0", "OUTPUT1"]
+    assert meta["inputs"][0]["shape"] == [-1, 4]
+    # auto_complete_config stated the tensors of a config that names only its backend.
+    auto = c.get_model_config("auto")
+    assert [i["name"] for i in auto["input"]] == ["X"] and auto["max_batch_size"] == 4
+    r = c.infer("auto", [tensor(httpclient, "X", np.array([[1, 2]], np.int32), "INT32")])
+    np.testing.assert_array_equal(r.as_numpy("Y"), [[3, 6]])
+    assert "initialized as add_sub_0_0" in served.logs()
+
+
+def test_concurrent_requests_keep_their_own_rows(served):
+    """The batcher gives execute several requests at once, each with its own first dimension, and
+    each gets its own answer."""
+    errors, done = [], []
+
+    def one(i):
+        try:
+            c = httpclient.InferenceServerClient(served.url)
+            rows = 1 + i % 3
+            a = np.full((rows, 4), i, np.float32)
+            b = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+            r = c.infer("add_sub", [tensor(httpclient, "INPUT0", a, "FP32"), tensor(httpclient, "INPUT1", b, "FP32")])
+            np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + b)
+            done.append(i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(done) == 24
+    stats = httpclient.InferenceServerClient(served.url).get_inference_statistics("add_sub")["model_stats"][0]
+    # Requests were merged into fewer executions than requests (dynamic batching).
+    assert stats["execution_count"] < stats["inference_count"]
+
+
+def reference_classify(encoded):
+    """The ensemble's steps in plain Python: preprocess's code, tiny_cnn in onnxruntime, argmax."""
+    img = Image.open(io.BytesIO(encoded)).convert("RGB").resize((32, 32), Image.BILINEAR)
+    x = (np.asarray(img, dtype=np.float32) / 255.0).transpose(2, 0, 1)[None]
+    session = ort.InferenceSession(str(ROOT / "models" / "tiny_cnn" / "1" / "model.onnx"))
+    logits = session.run(None, {"pixels": x})[0]
+    labels = "airplane,automobile,bird,cat,deer,dog,frog,horse,ship,truck".split(",")
+    best = int(np.argmax(logits[0]))
+    return best, labels[best]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_ensemble_python_onnx_python_equals_plain_python(served, client):
+    c = client_of(served, client)
+    rng = np.random.default_rng(7)
+    for size, fmt in [((40, 50), "PNG"), ((64, 48), "JPEG"), ((20, 20), "PNG")]:
+        buf = io.BytesIO()
+        Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8)).save(buf, fmt)
+        encoded = buf.getvalue()
+        r = c.infer("classify", [tensor(client, "IMAGE", np.array([[encoded]], dtype=np.object_), "BYTES")])
+        best, label = reference_classify(encoded)
+        assert r.as_numpy("CLASS").tolist() == [[best]]
+        assert r.as_numpy("LABEL").tolist() == [[label.encode()]]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_bls_calls_an_onnx_model(served, client):
+    c = client_of(served, client)
+    x = np.random.default_rng(1).random((3, 512), dtype=np.float32)
+    r = c.infer("bls", [tensor(client, "INPUT", x, "FP32")])
+    session = ort.InferenceSession(str(ROOT / "models" / "mlp" / "1" / "model.onnx"))
+    expected = session.run(None, {"input": x})[0] * 2.0
+    np.testing.assert_allclose(r.as_numpy("OUTPUT"), expected, rtol=1e-5, atol=1e-5)
+    # A BLS call to a model that does not exist returns a response with the error, naming it.
+    assert b"no_such_model" in r.as_numpy("MISSING_ERROR")[0]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_errors_of_the_model_answer_with_triton_codes(served, client):
+    c = client_of(served, client)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("faulty", [action(client, "raise")])
+    assert "Failed to process the request(s) for model 'faulty_0_0', message: ValueError: asked to raise" in str(e.value)
+    assert e.value.status() in ("500", "StatusCode.INTERNAL")
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("faulty", [action(client, "invalid")])
+    assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT") and "not valid" in str(e.value)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("faulty", [action(client, "error")])
+    assert e.value.status() in ("500", "StatusCode.INTERNAL")
+    # The request's id reaches the model.
+    r = c.infer("faulty", [action(client, "whoami")], request_id="req-17")
+    assert r.as_numpy("ECHO")[0] == b"req-17 ECHO"
+    # The worker is the same one throughout: errors are answers, not failures.
+    first = c.infer("faulty", [action(client, "echo")]).as_numpy("ECHO")[0]
+    assert c.infer("faulty", [action(client, "echo")]).as_numpy("ECHO")[0] == first
+
+
+def echo_pid(c, client):
+    return c.infer("faulty", [action(client, "echo")]).as_numpy("ECHO")[0].decode().split()[-1]
+
+
+def test_crash_hang_and_memory_are_contained_and_restarted(served):
+    client = httpclient
+    c = client_of(served, client, network_timeout=60)
+    before = metric(served, "ferrite_python_restarts_total")
+    pid = echo_pid(c, client)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("faulty", [action(client, "crash")])
+    assert "faulty_0_0" in str(e.value) and "exited" in str(e.value) and e.value.status() == "500"
+    after_crash = echo_pid(c, client)
+    assert after_crash != pid
+
+    # A hang: killed at the model's execute timeout (2 s); other models serve meanwhile.
+    hung = {}
+
+    def hang():
+        t = time.time()
+        try:
+            c2 = client_of(served, client, network_timeout=60)
+            c2.infer("faulty", [action(client, "hang")])
+        except InferenceServerException as e:
+            hung["error"] = str(e)
+        hung["seconds"] = time.time() - t
+
+    t = threading.Thread(target=hang)
+    t.start()
+    time.sleep(0.5)
+    a = np.ones((1, 4), np.float32)
+    r = c.infer("add_sub", [tensor(client, "INPUT0", a, "FP32"), tensor(client, "INPUT1", a, "FP32")])
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), 2 * a)
+    t.join()
+    assert "did not return from execute within 2s" in hung["error"]
+    assert 1.5 < hung["seconds"] < 10
+    assert echo_pid(c, client) != after_crash
+
+    # Memory past the model's limit (400 MiB): killed as it grows.
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("faulty", [action(client, "hoard")])
+    assert "over its limit of 400 MiB" in str(e.value)
+    echo_pid(c, client)
+    assert metric(served, "ferrite_python_restarts_total") - before == 3
+    logs = served.logs()
+    assert "Python worker exited (exit status: 3); restarting it" in logs and "faulty_0_0" in logs
+
+
+def test_a_client_that_leaves_is_cancelled_in_the_model(served, marks):
+    c = httpclient.InferenceServerClient(served.url, network_timeout=1.0)
+    with pytest.raises(Exception):
+        c.infer("faulty", [action(httpclient, "wait_cancel")])
+    deadline = time.time() + 10
+    while time.time() < deadline and not list(marks.glob("cancelled-*")):
+        time.sleep(0.1)
+    assert list(marks.glob("cancelled-*")), "request.is_cancelled() never turned true"
+    assert not list(marks.glob("not-cancelled-*"))
+
+
+def test_finalize_runs_on_unload_and_on_shutdown(tmp_path):
+    repo = repository(tmp_path / "repo")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = dict(os.environ, FAULTY_MARKS=str(marks))
+    s = Server(repo, "--python", sys.executable, "--model-control-mode", "explicit", "--load-model", "faulty",
+               env=env)
+    try:
+        c = httpclient.InferenceServerClient(s.url)
+        assert c.is_model_ready("faulty")
+        assert len(list(marks.glob("initialize-*"))) == 1
+        c.unload_model("faulty")
+        deadline = time.time() + 15
+        while time.time() < deadline and not list(marks.glob("finalize-*")):
+            time.sleep(0.1)
+        assert len(list(marks.glob("finalize-*"))) == 1
+        c.load_model("faulty")
+        assert c.is_model_ready("faulty")
+    finally:
+        s.stop(signal.SIGTERM)
+    deadline = time.time() + 15
+    while time.time() < deadline and len(list(marks.glob("finalize-*"))) < 2:
+        time.sleep(0.1)
+    assert len(list(marks.glob("finalize-*"))) == 2
+    # No shared files are left behind.
+    assert not list(Path("/dev/shm").glob(f"ferrite-{s.proc.pid}-python"))
+
+
+def test_environment_and_refusals(tmp_path):
+    repo = repository(tmp_path / "repo")
+    # EXECUTION_ENV_PATH: the model runs in that environment (here the test's own venv).
+    env_model = repo / "in_env"
+    shutil.copytree(repo / "add_sub", env_model)
+    text = (env_model / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "in_env"')
+    text += f'parameters: {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{sys.prefix}" }} }}\n'
+    (env_model / "config.pbtxt").write_text(text)
+    packed = repo / "packed"
+    shutil.copytree(repo / "add_sub", packed)
+    text = (packed / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "packed"')
+    text += 'parameters: { key: "EXECUTION_ENV_PATH", value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }\n'
+    (packed / "config.pbtxt").write_text(text)
+    decoupled = repo / "decoupled"
+    shutil.copytree(repo / "add_sub", decoupled)
+    text = (decoupled / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "decoupled"')
+    (decoupled / "config.pbtxt").write_text(text + "model_transaction_policy { decoupled: true }\n")
+    broken = repo / "broken"
+    shutil.copytree(repo / "add_sub", broken)
+    (broken / "config.pbtxt").write_text((broken / "config.pbtxt").read_text().replace('"add_sub"', '"broken"'))
+    (broken / "1" / "model.py").write_text("import no_such_module_here\n")
+    # The server's default interpreter is python3 on PATH, which need not have NumPy: the models
+    # name the test's through the flag.
+    s = Server(repo, "--python", "/nonexistent/python3")
+    try:
+        index = {m["name"]: m for m in httpclient.InferenceServerClient(s.url).get_model_repository_index()}
+        assert index["in_env"]["state"] == "READY"
+        assert index["add_sub"]["state"] == "UNAVAILABLE" and "/nonexistent/python3" in index["add_sub"]["reason"]
+        assert "packed environments are not unpacked" in index["packed"]["reason"]
+        assert "decoupled" in index["decoupled"]["reason"]
+        assert "ModuleNotFoundError" in index["broken"]["reason"] or "nonexistent" in index["broken"]["reason"]
+        c = httpclient.InferenceServerClient(s.url)
+        a = np.ones((1, 4), np.float32)
+        r = c.infer("in_env", [tensor(httpclient, "INPUT0", a, "FP32"), tensor(httpclient, "INPUT1", a, "FP32")])
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), 2 * a)
+    finally:
+        s.stop()
+
+
+def test_broken_model_py_says_why(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(ROOT / "tests" / "triton_python" / "add_sub", repo / "add_sub")
+    (repo / "add_sub" / "1" / "model.py").write_text("import no_such_module_here\n")
+    s = Server(repo, "--python", sys.executable)
+    try:
+        index = httpclient.InferenceServerClient(s.url).get_model_repository_index()
+        reason = [m for m in index if m["name"] == "add_sub"][0]["reason"]
+        assert "initialize failed" in reason and "ModuleNotFoundError" in reason
+    finally:
+        s.stop()
