@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,17 +24,25 @@ import tritonclient.http as httpclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
-from conftest import ROOT, Server
+from conftest import BIN, ROOT, Server
 
 CLIENTS = [httpclient, grpcclient]
 
 
-def repository(dest: Path, python=None):
+def repository(dest: Path):
     for d in (ROOT / "tests" / "triton_python").iterdir():
         if d.is_dir():
             shutil.copytree(d, dest / d.name)
-    for name in ("mlp", "tiny_cnn"):
+    for name in ("mlp", "tiny_cnn", "image_classifier"):
         shutil.copytree(ROOT / "models" / name, dest / name)
+    # A native pipeline whose last step is the Python post-processor: the bundled image
+    # classifier's steps up to its model, then `postprocess` in place of softmax and top-k.
+    native = (ROOT / "models" / "image_classifier" / "config.toml").read_text().split('op = "softmax"')[0]
+    native = native.rsplit("[[steps]]", 1)[0] + (
+        '[[steps]]\nop = "model"\nmodel = "postprocess"\ninputs = { LOGITS = "logits" }\n'
+        '\n[[output]]\nname = "CLASS"\n\n[[output]]\nname = "LABEL"\n')
+    (dest / "native_then_python").mkdir()
+    (dest / "native_then_python" / "config.toml").write_text(native)
     return dest
 
 
@@ -131,6 +140,31 @@ def test_concurrent_requests_keep_their_own_rows(served):
     assert stats["execution_count"] < stats["inference_count"]
 
 
+def test_a_request_that_raises_fails_alone(served):
+    """One client's request that makes execute raise does not fail the requests batched with it:
+    the call's requests run again in halves, and only the one that raises gets the error."""
+    results = {}
+
+    def one(i):
+        c = httpclient.InferenceServerClient(served.url)
+        x = np.full((1, 2), -1.0 if i == 3 else float(i), np.float32)
+        try:
+            results[i] = c.infer("strict", [tensor(httpclient, "X", x, "FP32")]).as_numpy("Y")
+        except InferenceServerException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(results[3], InferenceServerException) and "negative input" in str(results[3])
+    for i in (0, 1, 2, 4, 5):
+        np.testing.assert_allclose(results[i], np.sqrt(np.full((1, 2), float(i), np.float32)))
+    stats = httpclient.InferenceServerClient(served.url).get_inference_statistics("strict")["model_stats"][0]
+    assert stats["execution_count"] > 1  # the first call held several requests, then its halves ran
+
+
 def reference_classify(encoded):
     """The ensemble's steps in plain Python: preprocess's code, tiny_cnn in onnxruntime, argmax."""
     img = Image.open(io.BytesIO(encoded)).convert("RGB").resize((32, 32), Image.BILINEAR)
@@ -154,6 +188,21 @@ def test_ensemble_python_onnx_python_equals_plain_python(served, client):
         best, label = reference_classify(encoded)
         assert r.as_numpy("CLASS").tolist() == [[best]]
         assert r.as_numpy("LABEL").tolist() == [[label.encode()]]
+
+
+def test_a_native_pipeline_calls_a_python_model(served):
+    """Native steps (decode, resize, crop, normalize, the ONNX model) then a Python step: its
+    class is the bundled image classifier's top class for the same image."""
+    c = httpclient.InferenceServerClient(served.url)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        buf = io.BytesIO()
+        Image.fromarray((rng.random((48, 40, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+        image = tensor(httpclient, "image", np.array([buf.getvalue()], dtype=np.object_), "BYTES")
+        r = c.infer("native_then_python", [image])
+        top = c.infer("image_classifier", [image]).as_numpy("classes")[0][0].decode().split(":")
+        assert r.as_numpy("CLASS").tolist() == [[int(top[1])]]
+        assert r.as_numpy("LABEL").tolist() == [[top[2].encode()]]
 
 
 @pytest.mark.parametrize("client", CLIENTS)
@@ -313,6 +362,15 @@ def test_environment_and_refusals(tmp_path):
         np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), 2 * a)
     finally:
         s.stop()
+
+
+def test_check_lists_python_models(tmp_path):
+    repo = repository(tmp_path / "repo")
+    out = subprocess.run([BIN, "check", "--model-repository", str(repo), "--python", sys.executable],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("add_sub "))
+    assert "READY" in row and "1 x Python worker" in row and "INPUT0:FP32[-1,4]" in row
 
 
 def test_broken_model_py_says_why(tmp_path):

@@ -150,6 +150,7 @@ class Worker:
         self.in_execute = False
         self.flags = None
         self.output_names = []
+        self.loop = None
 
     # The channel.
     def send(self, message):
@@ -249,9 +250,12 @@ class Worker:
         try:
             responses = self.model.execute(requests)
             if inspect.isawaitable(responses):
-                import asyncio
+                # `async def execute` (BLS with async_exec): run on this worker's own loop.
+                if self.loop is None:
+                    import asyncio
 
-                responses = asyncio.get_event_loop().run_until_complete(responses)
+                    self.loop = asyncio.new_event_loop()
+                responses = self.loop.run_until_complete(responses)
         except Exception as e:  # noqa: BLE001 -- the model's error answers its requests
             return {"op": "failed", "message": f"{type(e).__name__}: {e}"}
         finally:

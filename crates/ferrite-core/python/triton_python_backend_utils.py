@@ -237,7 +237,11 @@ class InferenceRequest:
         import asyncio
 
         response = self.exec(decoupled)
-        future = asyncio.get_event_loop().create_future()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise TritonModelException("async_exec() is awaited inside an `async def execute`") from None
+        future = loop.create_future()
         future.set_result(response)
         return future
 

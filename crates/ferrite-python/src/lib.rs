@@ -178,7 +178,9 @@ impl Engine {
 }
 
 fn load_options(threads: Option<usize>) -> LoadOptions {
-    let mut options = LoadOptions::default();
+    // Python models' workers run under this process's own interpreter.
+    let python = std::env::current_exe().unwrap_or_else(|_| "python3".into());
+    let mut options = LoadOptions { python, ..LoadOptions::default() };
     if let Some(t) = threads {
         options.threads = t.max(1);
     }

@@ -31,7 +31,10 @@ pub fn report(core: &Core) -> (String, bool) {
                         format!("max {}, dynamic, merge <= {}", s.batch.max_batch_size, s.batch.merge_limit)
                     }
                 };
-                let mut instances = format!("{} x {} threads", s.instance_count, s.onnx.intra_threads);
+                let mut instances = match s.backend {
+                    "python" => format!("{} x Python worker", s.instance_count),
+                    _ => format!("{} x {} threads", s.instance_count, s.onnx.intra_threads),
+                };
                 if s.solo_threads > 0 {
                     instances.push_str(&format!(" + solo x {}", s.solo_threads));
                 }

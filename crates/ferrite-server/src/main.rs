@@ -73,6 +73,8 @@ fn check(args: CheckArgs) -> i32 {
         Ok(core) => {
             let (text, ok) = ferrite_server::check::report(&core);
             print!("{text}");
+            // Python models' workers finalize as their server goes; its shared files go now.
+            ferrite_core::engine::python::remove_directory();
             if ok {
                 0
             } else {

@@ -153,7 +153,7 @@ pub(crate) fn build(
             continue;
         }
         let loaded = if config.steps.is_empty() {
-            let models: Arc<dyn crate::pipeline::Models> = registry.clone();
+            let models: Arc<dyn crate::engine::model::Models> = registry.clone();
             repo.load_version(name, d, &config, fingerprint, Some(Arc::downgrade(&models)))
         } else {
             repo.load_pipeline(name, v, &config, fingerprint, models, registry.clone())

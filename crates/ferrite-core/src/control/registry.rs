@@ -194,7 +194,7 @@ impl Registry {
 }
 
 /// What serves, as a pipeline's model steps see it while the pipeline is built.
-impl crate::pipeline::Models for Registry {
+impl crate::engine::model::Models for Registry {
     fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
         Registry::model(self, name, version)
     }
@@ -203,7 +203,7 @@ impl crate::pipeline::Models for Registry {
 /// What serves now, as a pipeline's model steps see it when they run: the registry of the moment,
 /// let go off the caller's thread (freeing a replaced one joins its models' threads, which may
 /// include the caller's).
-impl crate::pipeline::Models for arc_swap::ArcSwap<Registry> {
+impl crate::engine::model::Models for arc_swap::ArcSwap<Registry> {
     fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>> {
         let served = self.load_full();
         let model = served.model(name, version);

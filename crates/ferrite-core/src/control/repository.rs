@@ -333,7 +333,7 @@ impl Repository {
         disk: &OnDisk,
         config: &ModelConfig,
         fingerprint: u64,
-        models: Option<std::sync::Weak<dyn crate::pipeline::Models>>,
+        models: Option<std::sync::Weak<dyn crate::engine::model::Models>>,
     ) -> Result<Model> {
         let mut model = if config.is_python() {
             load_python(&disk.onnx, name, disk.version, config, &self.options, models)?
@@ -523,7 +523,7 @@ fn load_python(
     version: u64,
     config: &ModelConfig,
     options: &LoadOptions,
-    models: Option<std::sync::Weak<dyn crate::pipeline::Models>>,
+    models: Option<std::sync::Weak<dyn crate::engine::model::Models>>,
 ) -> Result<Model> {
     use crate::engine::python::{PythonBackend, PythonOptions};
     let py = config.python.clone().unwrap_or_default();

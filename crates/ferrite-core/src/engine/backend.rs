@@ -122,8 +122,9 @@ pub trait Instance: Send {
     }
 
     /// For a backend that `answers_each`: runs the batch and gives each request (in batch order)
-    /// its outputs, any of those `Backend::outputs` names, or an error of its own. An `Err` fails
-    /// every request of the run; they are not run again.
+    /// its outputs, any of those `Backend::outputs` names, or an error of its own. An `Err` is a
+    /// failed run, as `run`'s: its requests are run again apart (in halves), so that one
+    /// client's request cannot fail another's.
     fn run_each(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Result<Vec<Tensor>>>> {
         let _ = (inputs, live);
         Err(crate::Error::internal("this backend answers batches as a whole"))

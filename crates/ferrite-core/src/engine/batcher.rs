@@ -502,9 +502,7 @@ fn run_isolated(
     }
     match result {
         Ok(outputs) => batch.into_iter().zip(outputs).collect(),
-        // A backend answering each request apart fails the whole call (a Python model's
-        // `execute` raised): it is not run again in parts, as user code may not be repeatable.
-        Err(e) if batch.len() == 1 || shared.each => {
+        Err(e) if batch.len() == 1 => {
             tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }

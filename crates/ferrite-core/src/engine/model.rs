@@ -38,6 +38,13 @@ impl Drop for Outcome<'_> {
     }
 }
 
+/// Where the models that call others (a pipeline's model steps, a Python model's BLS calls)
+/// find them: what will serve beside them while they are built, and what serves now when they
+/// run (the control plane's registry).
+pub trait Models: Send + Sync {
+    fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<Model>>;
+}
+
 pub struct Model {
     pub spec: ModelSpec,
     pub stats: Arc<ModelStats>,

@@ -8,7 +8,8 @@
 //! views of it), the worker writes its outputs into one of its own that the server reads back.
 //!
 //! `execute` gets the batch's requests apart, as Triton gives them, and answers each; an
-//! exception fails every request of the call. A worker that dies, hangs past the execute timeout
+//! exception fails the call, whose requests the batcher then runs again in halves (as for any
+//! backend), so that only the requests that raise get the error. A worker that dies, hangs past the execute timeout
 //! or grows past its memory limit is killed; the requests it held fail with an error naming the
 //! model, and a new worker takes its place (counted in `ferrite_python_restarts_total`).
 
@@ -30,9 +31,9 @@ use serde_json::{json, Value};
 use crate::{
     engine::{
         backend::{Backend, BatchInput, Instance, Live},
+        model::Models,
         spec::TensorSpec,
     },
-    pipeline::Models,
     DataType, Error, InferRequest, Result, Tensor, TensorData,
 };
 
@@ -504,6 +505,7 @@ impl Worker {
             paths.extend(std::env::split_paths(&path));
             command.env("VIRTUAL_ENV", venv).env("PATH", std::env::join_paths(paths).unwrap_or(path));
         }
+        let input = InputFile::new(dir)?;
         let child = command.spawn().map_err(|e| {
             Error::invalid(format!(
                 "cannot start the Python interpreter '{}' for {}: {e}",
@@ -511,7 +513,6 @@ impl Worker {
                 model_py.display()
             ))
         })?;
-        let input = InputFile::new(dir)?;
         Ok(Worker { child, chan: ours, pending: Vec::new(), input, output: None })
     }
 

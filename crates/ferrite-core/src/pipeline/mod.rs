@@ -182,11 +182,7 @@ enum Op {
     Post(post::Post),
 }
 
-/// Where a pipeline's model steps find the models they call: what will serve beside it while it
-/// is built, and what serves now when it runs (the control plane's registry).
-pub trait Models: Send + Sync {
-    fn model(&self, name: &str, version: Option<&str>) -> Result<Arc<crate::Model>>;
-}
+pub use crate::engine::model::Models;
 
 /// A pipeline as a backend: its inputs and outputs as clients see them (dims without the batch
 /// dim), and its built steps, shared by its worker instances.

@@ -12,6 +12,14 @@ class TritonPythonModel:
         auto_complete_model_config.set_dynamic_batching()
         return auto_complete_model_config
 
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 3)]) for r in requests]
+    async def execute(self, requests):
+        # An async execute (Triton's way to await BLS calls): awaited by the worker.
+        responses = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            mlp = await pb_utils.InferenceRequest(
+                model_name="mlp", requested_output_names=["output"],
+                inputs=[pb_utils.Tensor("input", np.zeros((1, 512), np.float32))]).async_exec()
+            assert pb_utils.get_output_tensor_by_name(mlp, "output").as_numpy().shape == (1, 10)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("Y", x * 3)]))
+        return responses
