@@ -231,8 +231,8 @@ def test_errors_of_the_model_answer_with_triton_codes(served, client):
         c.infer("faulty", [action(client, "error")])
     assert e.value.status() in ("500", "StatusCode.INTERNAL")
     # The request's id reaches the model.
-    r = c.infer("faulty", [action(client, "whoami")], request_id="req-17")
-    assert r.as_numpy("ECHO")[0] == b"req-17 ECHO"
+    r = c.infer("faulty", [action(client, "whoami")], request_id="req-17", parameters={"flavour": "mint"})
+    assert r.as_numpy("ECHO")[0] == b"req-17 ECHO mint"
     # The worker is the same one throughout: errors are answers, not failures.
     first = c.infer("faulty", [action(client, "echo")]).as_numpy("ECHO")[0]
     assert c.infer("faulty", [action(client, "echo")]).as_numpy("ECHO")[0] == first

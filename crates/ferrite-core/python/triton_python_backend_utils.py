@@ -58,19 +58,26 @@ def triton_to_numpy_type(data_type):
     return entry[1] if entry else None
 
 
+# By NumPy dtype (native byte order), for the per-tensor lookups.
+_BY_DTYPE = {np.dtype(np_type): (name, number) for name, (np_type, number) in _V2.items() if np_type is not np.object_}
+
+
 def numpy_to_triton_type(data_type):
     """A NumPy type -> TRITONSERVER_DataType (bytes and strings are BYTES)."""
-    dtype = np.dtype(data_type)
+    dtype = data_type if isinstance(data_type, np.dtype) else np.dtype(data_type)
+    entry = _BY_DTYPE.get(dtype)
+    if entry is not None:
+        return entry[1]
     if dtype.kind in ("O", "S", "U"):
         return TRITONSERVER_TYPE_BYTES
-    for np_type, number in _V2.values():
-        if np_type is not np.object_ and np.dtype(np_type) == dtype:
-            return number
     return None
 
 
 def _v2_name(dtype):
     """The V2 datatype name of a NumPy dtype, or None."""
+    entry = _BY_DTYPE.get(dtype)
+    if entry is not None:
+        return entry[0]
     number = numpy_to_triton_type(dtype)
     return _BY_NUMBER[number][0] if number is not None else None
 
@@ -109,13 +116,17 @@ class Tensor:
     def __init__(self, name, array, *_):
         if not isinstance(array, np.ndarray):
             raise TritonModelException(f"tensor '{name}': expected a numpy.ndarray, got {type(array).__name__}")
-        if array.dtype.kind in ("S", "U"):
-            array = np.array([_as_bytes(x) for x in array.reshape(-1)], dtype=np.object_).reshape(array.shape)
-        if _v2_name(array.dtype) is None:
-            raise TritonModelException(f"tensor '{name}': numpy dtype {array.dtype} has no Triton type")
-        # Non-contiguous arrays are copied, as Triton does.
+        dtype = array.dtype
+        if dtype not in _BY_DTYPE:
+            if dtype.kind in ("S", "U"):
+                array = np.array([_as_bytes(x) for x in array.reshape(-1)], dtype=np.object_).reshape(array.shape)
+            elif dtype.kind != "O":
+                raise TritonModelException(f"tensor '{name}': numpy dtype {dtype} has no Triton type")
+        elif not array.flags.c_contiguous:
+            # Non-contiguous arrays are copied, as Triton does.
+            array = np.ascontiguousarray(array)
         self._name = name
-        self._array = np.ascontiguousarray(array) if array.dtype != np.object_ else array
+        self._array = array
 
     def name(self):
         return self._name
@@ -163,7 +174,11 @@ class InferenceResponse:
         if error is not None and not isinstance(error, TritonError):
             error = TritonError(str(error))
         self._error = error
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._parameters = parameters
+
+    def parameters(self):
+        p = self._parameters
+        return p if isinstance(p, str) else json.dumps(p or {})
 
     def output_tensors(self):
         return self._outputs
@@ -173,9 +188,6 @@ class InferenceResponse:
 
     def error(self):
         return self._error
-
-    def parameters(self):
-        return self._parameters
 
 
 class InferenceRequest:

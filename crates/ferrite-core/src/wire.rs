@@ -63,6 +63,25 @@ impl RequestParams {
     }
 }
 
+/// Request parameters as one JSON object (what a Python model's `request.parameters()` gives).
+/// `None` when there are none.
+pub fn parameters_json<'a>(params: impl IntoIterator<Item = (&'a str, Param<'a>)>) -> Option<String> {
+    let object: serde_json::Map<String, serde_json::Value> = params
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Param::Bool(b) => serde_json::Value::from(b),
+                Param::Int(n) => serde_json::Value::from(n),
+                Param::Uint(n) => serde_json::Value::from(n),
+                Param::Double(x) => serde_json::Value::from(x),
+                Param::Str(s) => serde_json::Value::from(s),
+            };
+            (k.to_string(), v)
+        })
+        .collect();
+    (!object.is_empty()).then(|| serde_json::Value::Object(object).to_string())
+}
+
 /// An output's `classification` parameter (Triton's classification extension): the number of
 /// classes to answer it with, when asked.
 pub fn classification<'a>(get: impl Fn(&str) -> Option<Param<'a>>) -> Result<Option<usize>> {

@@ -24,6 +24,8 @@ pub struct InferRequest {
     pub tenant: Option<String>,
     /// The `x-ferrite-canary` header: how an unversioned request may be routed to a canary.
     pub canary: CanaryRoute,
+    /// The request's parameters as a JSON object (a Python model's `parameters()`); `None`: none.
+    pub parameters: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -58,7 +58,7 @@ pub struct Live<'a> {
     starts: Vec<usize>,
     /// Whether the client of request `i` (in batch order) still waits.
     awaited: &'a dyn Fn(usize) -> bool,
-    ids: Vec<&'a str>,
+    ids: Vec<(&'a str, &'a str)>,
 }
 
 impl<'a> Live<'a> {
@@ -87,15 +87,21 @@ impl<'a> Live<'a> {
         self.starts.partition_point(|&first| first <= row).saturating_sub(1)
     }
 
-    /// The requests' ids (in batch order), given to a backend that shows them to its code.
-    pub fn with_ids(mut self, ids: Vec<&'a str>) -> Live<'a> {
+    /// The requests' ids and parameters (in batch order), given to a backend that shows them to
+    /// its code.
+    pub fn with_ids(mut self, ids: Vec<(&'a str, &'a str)>) -> Live<'a> {
         self.ids = ids;
         self
     }
 
     /// Request `i`'s id ("" when it has none).
     pub fn id(&self, i: usize) -> &str {
-        self.ids.get(i).copied().unwrap_or_default()
+        self.ids.get(i).map_or("", |r| r.0)
+    }
+
+    /// Request `i`'s parameters as a JSON object ("{}" when it has none).
+    pub fn parameters(&self, i: usize) -> &str {
+        self.ids.get(i).map_or("{}", |r| r.1)
     }
 
     /// Whether the client of request `i` (in batch order) still waits.

@@ -569,7 +569,12 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
     let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
     let mut live = Live::new(group.iter().map(|p| p.rows), &awaited);
     if shared.each {
-        live = live.with_ids(group.iter().map(|p| p.id.as_deref().unwrap_or_default()).collect());
+        live = live.with_ids(
+            group
+                .iter()
+                .map(|p| (p.id.as_deref().unwrap_or_default(), p.parameters.as_deref().unwrap_or("{}")))
+                .collect(),
+        );
     }
     let result = catch_unwind(AssertUnwindSafe(|| {
         if shared.each {

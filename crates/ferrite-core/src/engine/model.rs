@@ -118,6 +118,7 @@ impl Model {
         let span = tracing::Span::none();
         let p = Pending {
             id: None,
+            parameters: None,
             inputs,
             rows,
             outputs: None,
@@ -192,6 +193,7 @@ impl Model {
         let span = queued.clone();
         self.batcher.submit(Pending {
             id: req.id.clone(),
+            parameters: req.parameters,
             inputs,
             rows,
             outputs,

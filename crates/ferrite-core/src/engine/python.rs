@@ -44,6 +44,9 @@ const UTILS: &str = include_str!("../../python/triton_python_backend_utils.py");
 const ALIGN: u64 = 64;
 /// How often a waiting instance looks at its worker (alive, in time, in memory, clients there).
 const TICK: Duration = Duration::from_millis(20);
+/// The longest a batcher thread polls for a worker's reply before it sleeps (only for models
+/// whose replies come sooner than this).
+const SPIN: Duration = Duration::from_micros(200);
 /// The largest control message either side accepts.
 const MAX_MESSAGE: usize = 64 << 20;
 /// The most bytes of outputs one reply (or BLS call) may bring back.
@@ -159,7 +162,8 @@ impl Backend for PythonBackend {
             .enable_time()
             .build()
             .map_err(|e| Error::internal(format!("cannot start a Python instance's runtime: {e}")))?;
-        let mut instance = PythonInstance { shared: self.shared.clone(), name, worker: None, runtime };
+        let mut instance =
+            PythonInstance { shared: self.shared.clone(), name, worker: None, runtime, reply_time: SPIN / 2 };
         instance.worker = Some(instance.start()?);
         Ok(Box::new(instance))
     }
@@ -177,6 +181,8 @@ struct PythonInstance {
     worker: Option<Worker>,
     /// Where BLS calls wait for the models they call.
     runtime: tokio::runtime::Runtime,
+    /// How long the worker's replies have taken lately (a moving average).
+    reply_time: Duration,
 }
 
 impl PythonInstance {
@@ -245,7 +251,7 @@ impl PythonInstance {
                         t
                     })
                     .collect();
-                json!({"id": live.id(r), "parameters": "{}", "inputs": tensors, "outputs": []})
+                json!({"id": live.id(r), "parameters": live.parameters(r), "inputs": tensors, "outputs": []})
             })
             .collect();
         let sent = worker.send(&json!({"op": "execute", "model": self.shared.name, "file": file, "flags": 0,
@@ -309,10 +315,19 @@ impl PythonInstance {
         let limit = self.shared.options.memory_limit;
         let timeout = self.shared.options.execute_timeout;
         let worker = self.worker.as_mut().expect("running");
-        loop {
-            match worker.poll(TICK)? {
+        // A reply expected soon (this model's recent ones were quick) is polled for, as the
+        // batcher's threads poll for work: sleeping and being woken would add tens of µs.
+        let started = Instant::now();
+        let spin = if self.reply_time < SPIN { (2 * self.reply_time).min(SPIN) } else { Duration::ZERO };
+        let reply = loop {
+            let tick = if started.elapsed() < spin { Duration::ZERO } else { TICK };
+            match worker.poll(tick)? {
                 Some(m) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
-                Some(m) => return Ok(m),
+                Some(m) => break m,
+                None if tick.is_zero() => {
+                    std::hint::spin_loop();
+                    continue;
+                }
                 None => {}
             }
             if Instant::now() > deadline {
@@ -330,7 +345,9 @@ impl PythonInstance {
                     worker.input.cancel(i);
                 }
             }
-        }
+        };
+        self.reply_time = (self.reply_time * 7 + started.elapsed()) / 8;
+        Ok(reply)
     }
 
     /// A BLS call of the worker's: the model it names, through that model's batcher.
@@ -559,8 +576,8 @@ impl Worker {
         self.chan.write_all(&framed).map_err(|e| Fatal(format!("cannot be written to ({e})")))
     }
 
-    /// The next whole message, or `None` after waiting up to `tick`; a worker that exited or
-    /// closed its end, or sends what is not a message, is fatal.
+    /// The next whole message, or `None` after waiting up to `tick` (zero: not at all); a worker
+    /// that exited or closed its end, or sends what is not a message, is fatal.
     fn poll(&mut self, tick: Duration) -> std::result::Result<Option<Value>, Fatal> {
         loop {
             if self.pending.len() >= 4 {
@@ -575,9 +592,23 @@ impl Worker {
                     return m.map(Some);
                 }
             }
-            self.chan.set_read_timeout(Some(tick)).ok();
-            let mut buf = [0u8; 64 << 10];
-            match self.chan.read(&mut buf) {
+            let mut buf = [0u8; 16 << 10];
+            let read = if tick.is_zero() {
+                use std::os::fd::AsRawFd;
+                // SAFETY: `buf` is valid for writes of its length; the descriptor is ours.
+                let n = unsafe {
+                    libc::recv(self.chan.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+                };
+                if n < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            } else {
+                self.chan.set_read_timeout(Some(tick)).ok();
+                self.chan.read(&mut buf)
+            };
+            match read {
                 Ok(0) => {
                     let status = self.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
                     return Err(Fatal(format!("exited ({status})")));

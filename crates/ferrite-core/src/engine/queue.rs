@@ -30,8 +30,10 @@ impl std::fmt::Debug for Hold {
 /// One admitted request waiting for an instance.
 #[derive(Debug)]
 pub struct Pending {
-    /// The client's request id (a Python model's `request_id()`).
+    /// The client's request id and parameters (a JSON object), for a backend that shows them
+    /// to its code (a Python model's `request_id()` and `parameters()`).
     pub id: Option<String>,
+    pub parameters: Option<String>,
     /// In model input order, validated.
     pub inputs: Vec<Tensor>,
     /// Dim-0 size when the model batches, else 1.
@@ -384,6 +386,7 @@ mod tests {
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
         q.push(Pending {
             id: None,
+            parameters: None,
             inputs: vec![x],
             rows,
             outputs: None,
@@ -498,6 +501,7 @@ mod tests {
         let (tx, _rx) = oneshot::channel();
         let extra = Pending {
             id: None,
+            parameters: None,
             inputs: vec![],
             rows: 1,
             outputs: None,
@@ -521,6 +525,7 @@ mod tests {
         let (tx, mut rx) = oneshot::channel();
         q.push(Pending {
             id: None,
+            parameters: None,
             inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
             rows: 1,
             outputs: None,
@@ -566,6 +571,7 @@ mod tests {
         let (tx, rx) = oneshot::channel();
         q.push(Pending {
             id: None,
+            parameters: None,
             inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
             rows: 1,
             outputs: None,
@@ -613,6 +619,7 @@ mod tests {
         let (tx, _rx) = oneshot::channel();
         let extra = Pending {
             id: None,
+            parameters: None,
             inputs: vec![],
             rows: 1,
             outputs: None,

@@ -18,7 +18,11 @@ use super::pb::{
 
 /// A parameter of a protobuf map as the core's wire module reads it.
 fn param<'a>(params: &'a HashMap<String, InferParameter>, key: &str) -> Option<Param<'a>> {
-    params.get(key).and_then(|p| p.parameter_choice.as_ref()).map(|c| match c {
+    params.get(key).and_then(as_wire)
+}
+
+fn as_wire(p: &InferParameter) -> Option<Param<'_>> {
+    p.parameter_choice.as_ref().map(|c| match c {
         ParameterChoice::BoolParam(b) => Param::Bool(*b),
         ParameterChoice::Int64Param(v) => Param::Int(*v),
         ParameterChoice::Uint64Param(v) => Param::Uint(*v),
@@ -68,6 +72,8 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
         })
         .collect::<Result<Vec<_>, _>>()?;
     let params = request_params(&req.parameters)?;
+    let parameters =
+        ferrite_core::wire::parameters_json(req.parameters.iter().filter_map(|(k, v)| Some((k.as_str(), as_wire(v)?))));
     Ok(InferRequest {
         model_name: req.model_name,
         model_version: Some(req.model_version).filter(|v| !v.is_empty()),
@@ -88,6 +94,7 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
         skip_cache: params.skip_cache,
         tenant: None,
         canary: Default::default(),
+        parameters,
     })
 }
 

@@ -45,13 +45,22 @@ pub fn param_bool(params: &Params, key: &str) -> Result<Option<bool>, Error> {
 
 /// A parameter as the core's wire module reads it.
 fn wire<'a>(params: &'a Params, key: &str) -> Option<WireParam<'a>> {
-    params.get(key).map(|p| match p {
+    params.get(key).map(as_wire)
+}
+
+fn as_wire(p: &Param) -> WireParam<'_> {
+    match p {
         Param::Bool(b) => WireParam::Bool(*b),
         Param::U64(v) => WireParam::Uint(*v),
         Param::I64(v) => WireParam::Int(*v),
         Param::F64(v) => WireParam::Double(*v),
         Param::Str(s) => WireParam::Str(s),
-    })
+    }
+}
+
+/// The request's parameters as one JSON object (see the core's `wire::parameters_json`).
+pub fn parameters_json(params: &Params) -> Option<String> {
+    ferrite_core::wire::parameters_json(params.iter().map(|(k, v)| (k.as_str(), as_wire(v))))
 }
 
 /// The request parameters the core honours, read as every front-end reads them.

@@ -135,6 +135,7 @@ pub fn parse(
         skip_cache: params.skip_cache,
         tenant: None,
         canary: Default::default(),
+        parameters: super::decode::parameters_json(&req.parameters),
     };
     Ok((req, binary_outputs))
 }

@@ -93,6 +93,7 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
         skip_cache: params.skip_cache,
         tenant: None,
         canary: Default::default(),
+        parameters: super::decode::parameters_json(&header.parameters),
     })
 }
 

@@ -1,3 +1,4 @@
+import json
 import os
 import time
 
@@ -42,7 +43,8 @@ class TritonPythonModel:
                 time.sleep(5)
             if action == "whoami":
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("ECHO", np.array(
-                    [f"{request.request_id()} {','.join(request.requested_output_names())}".encode()],
+                    [f"{request.request_id()} {','.join(request.requested_output_names())} "
+                     f"{json.loads(request.parameters()).get('flavour', '-')}".encode()],
                     dtype=np.object_))]))
                 continue
             if action == "invalid":
