@@ -21,6 +21,9 @@ import traceback
 
 import numpy as np
 
+# This file's directory is first on sys.path (Python puts a script's there): Ferrite's pb_utils.
+import triton_python_backend_utils as pb_utils
+
 ALIGN = 64
 # How long a worker polls for the next message before it sleeps (the server's batcher threads
 # spin as long for theirs): under load the next batch comes within it.
@@ -28,8 +31,6 @@ SPIN_SECONDS = float(os.environ.get("FERRITE_PYTHON_SPIN_US", "50")) / 1e6
 
 
 def _dtype(datatype):
-    import triton_python_backend_utils as pb_utils
-
     return pb_utils.triton_string_to_numpy(datatype)
 
 
@@ -104,7 +105,7 @@ class Outputs:
             if a.dtype == np.object_:
                 parts = []
                 for x in a.reshape(-1):
-                    b = x if isinstance(x, bytes) else _to_bytes(x)
+                    b = x if isinstance(x, bytes) else pb_utils._as_bytes(x)
                     parts.append(struct.pack("<I", len(b)))
                     parts.append(b)
                 data = b"".join(parts)
@@ -135,14 +136,6 @@ class Outputs:
             except OSError:
                 pass
             self.path = None
-
-
-def _to_bytes(x):
-    if isinstance(x, str):
-        return x.encode("utf-8")
-    if isinstance(x, (bytearray, memoryview, np.bytes_)):
-        return bytes(x)
-    return str(x).encode("utf-8")
 
 
 class Worker:
@@ -192,8 +185,6 @@ class Worker:
         self.send({"op": "log", "level": level, "message": message})
 
     def bls(self, request):
-        import triton_python_backend_utils as pb_utils
-
         if not self.in_execute:
             raise pb_utils.TritonModelException("BLS calls work only inside execute()")
         arrays = [t.as_numpy() for t in request.inputs()]
@@ -220,8 +211,6 @@ class Worker:
 
     # The model's life.
     def initialize(self, message):
-        import triton_python_backend_utils as pb_utils
-
         self.outputs = Outputs(message["dir"])
         path = message["model_py"]
         sys.path.insert(0, os.path.dirname(path))
@@ -245,8 +234,6 @@ class Worker:
         return {"op": "ready"}
 
     def execute(self, message):
-        import triton_python_backend_utils as pb_utils
-
         path = message["file"]
         flags = message["flags"]
         requests = []
@@ -312,8 +299,6 @@ class Worker:
                 self.outputs.close()
 
     def serve(self):
-        import triton_python_backend_utils as pb_utils
-
         pb_utils._worker = self
         while True:
             message = self.recv()
@@ -345,7 +330,6 @@ def main():
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     Worker(chan).serve()
 
 
