@@ -22,11 +22,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.run import (RESULTS, ROOT, WORK, free_port, measure, oha_load,  # noqa: E402
+from bench.run import (RESULTS, ROOT, WORK, ferrite, free_port, measure, oha_load,  # noqa: E402
                        perf_analyzer_load)
 
 HERE = WORK / "python"
 SIZES = {"64 B": 16, "1 MB": 262144}
+# The Python models' workers run under this interpreter (it has NumPy and Pillow).
+PYTHON = ["--python", sys.executable]
 
 MODEL_PY = '''import triton_python_backend_utils as pb_utils
 
@@ -168,14 +170,11 @@ def pipeline_rows(args, clients):
     for model, shape in (("image_classifier", [1]), ("classify_py", [1, 1])):
         body, header = image_body(shape)
         for c in clients:
-            port, grpc_port = free_port(), free_port()
-            cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port",
-                   str(port), "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "warn",
-                   "--python", sys.executable]
-            base = f"http://127.0.0.1:{port}"
-            load = oha_load(f"{base}/v2/models/{model}/infer", body, c,
-                            headers=[f"Inference-Header-Content-Length: {header}"])
-            row = measure(f"{model}-{c}", cmd, f"{base}/v2/health/ready", load, args)
+            def load_for(base, grpc, body=body, header=header, model=model, c=c):
+                return oha_load(f"{base}/v2/models/{model}/infer", body, c,
+                                headers=[f"Inference-Header-Content-Length: {header}"])
+
+            row = ferrite(f"{model}-{c}", args, load_for, extra=PYTHON, repo=repo)
             row.update(model=model, clients=c)
             rows.append(row)
     return rows
@@ -241,25 +240,17 @@ def main():
                         url = grpc if protocol == "grpc" else base.removeprefix("http://")
                         return perf_analyzer_load(protocol, url, c, model=model, extra=shape, fatal=False)
 
-                    port, grpc_port = free_port(), free_port()
-                    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo),
-                           "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", "0",
-                           "--log", "warn", "--python", sys.executable]
-                    base = f"http://127.0.0.1:{port}"
-                    row = measure(f"{model}-{protocol}-{c}-{n}", cmd, f"{base}/v2/health/ready",
-                                  load_for(base, f"127.0.0.1:{grpc_port}"), args)
+                    row = ferrite(f"{model}-{protocol}-{c}-{n}", args, load_for, extra=PYTHON, repo=repo)
                     row.update(size=size, protocol=protocol, clients=c, model=model)
                     rows.append(row)
     # V2 JSON, tiny tensor: Ferrite's Python model against FastAPI wrapping the same model.py.
     body = HERE / "body.json"
     body.write_text(json.dumps({"inputs": [{"name": "INPUT0", "shape": [16], "datatype": "FP32", "data": [1.0] * 16}]}))
     for c in clients:
-        port, grpc_port = free_port(), free_port()
-        cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
-               "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "warn", "--python", sys.executable]
-        base = f"http://127.0.0.1:{port}"
-        row = measure(f"ferrite-json-{c}", cmd, f"{base}/v2/health/ready",
-                      oha_load(f"{base}/v2/models/identity_py/infer", body, c, headers=["Content-Type: application/json"]), args)
+        def json_load(base, grpc, c=c):
+            return oha_load(f"{base}/v2/models/identity_py/infer", body, c, headers=["Content-Type: application/json"])
+
+        row = ferrite(f"ferrite-json-{c}", args, json_load, extra=PYTHON, repo=repo)
         row.update(size="64 B", protocol="json", clients=c, model="identity_py")
         rows.append(row)
         port = free_port()

@@ -9,23 +9,13 @@ import os
 import numpy as np
 import onnxruntime as ort
 from fastapi import FastAPI
-from pydantic import BaseModel
+
+from bench.baseline.bodies import InferRequest
 
 MODEL = os.environ.get("MODEL", "models/mlp/1/model.onnx")
 session = ort.InferenceSession(MODEL, providers=["CPUExecutionProvider"])
 input_name = session.get_inputs()[0].name
 app = FastAPI()
-
-
-class Tensor(BaseModel):
-    name: str
-    shape: list[int]
-    datatype: str
-    data: list[float]
-
-
-class InferRequest(BaseModel):
-    inputs: list[Tensor]
 
 
 @app.post("/v2/models/{model}/infer")

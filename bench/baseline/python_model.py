@@ -11,28 +11,18 @@ from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI
-from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "crates" / "ferrite-core" / "python"))
 import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from bench.baseline.bodies import InferRequest  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("model", os.environ["MODEL_PY"])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 model = module.TritonPythonModel()
 app = FastAPI()
-
-
-class Tensor(BaseModel):
-    name: str
-    shape: list[int]
-    datatype: str
-    data: list[float]
-
-
-class InferRequest(BaseModel):
-    inputs: list[Tensor]
 
 
 @app.post("/v2/models/{name}/infer")

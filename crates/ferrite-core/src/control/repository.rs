@@ -547,8 +547,12 @@ fn load_python(
         python.execute_timeout = std::time::Duration::from_millis(ms.max(1));
     }
     python.memory_limit = py.memory_limit_mb.map(|mb| mb << 20);
+    // Read once: for its class's auto_complete_config, and for the hash cached answers follow.
+    let source =
+        std::fs::read(model_py).map_err(|e| Error::invalid(format!("cannot read {}: {e}", model_py.display())))?;
+    let content = xxhash_rust::xxh3::xxh3_64(&source);
     let mut config = config.clone();
-    let completed = PythonBackend::auto_complete(model_py, &stated_json(name, &config), &python)?;
+    let completed = PythonBackend::auto_complete(model_py, &source, &stated_json(name, &config), &python)?;
     complete(&mut config, &completed)?;
     // Triton's Python models batch only when the config says so.
     let max_batch_size = config.max_batch_size.unwrap_or(0);
@@ -581,9 +585,6 @@ fn load_python(
     spec.backend = "python";
     spec.load.parameters = py.parameters.clone();
     let model_config = crate::control::triton::json(&crate::control::triton::resolved(&spec));
-    let content = std::fs::read(model_py)
-        .map(|b| xxhash_rust::xxh3::xxh3_64(&b))
-        .map_err(|e| Error::invalid(format!("cannot read {}: {e}", model_py.display())))?;
     let backend = PythonBackend::new(name, version, model_py, &model_config, io, python, models);
     let cache = options.cache.clone().filter(|_| spec.cache);
     let warmups = warmup_samples(&spec, model_py)?;

@@ -129,12 +129,11 @@ impl PythonBackend {
         PythonBackend { inputs, outputs, shared }
     }
 
-    /// Runs the model class's `auto_complete_config` (when `model.py` defines one) on `config`
-    /// (Triton's JSON) in a worker of its own, and returns the config it gives back.
-    pub fn auto_complete(model_py: &Path, config: &Value, options: &PythonOptions) -> Result<Value> {
-        let source = std::fs::read_to_string(model_py)
-            .map_err(|e| Error::invalid(format!("cannot read {}: {e}", model_py.display())))?;
-        if !source.contains("auto_complete_config") {
+    /// Runs the model class's `auto_complete_config` (when `source`, the text of `model_py`,
+    /// defines one) on `config` (Triton's JSON) in a worker of its own, and returns the config it
+    /// gives back.
+    pub fn auto_complete(model_py: &Path, source: &[u8], config: &Value, options: &PythonOptions) -> Result<Value> {
+        if !source.windows(b"auto_complete_config".len()).any(|w| w == b"auto_complete_config") {
             return Ok(config.clone());
         }
         let mut worker = Worker::spawn(model_py, options)?;
