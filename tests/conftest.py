@@ -18,6 +18,9 @@ BIN = os.environ.get("FERRITE_BIN", str(ROOT / "target" / "debug" / "ferrite"))
 # at load, so what they assert of batching does not depend on timing; test_calibration.py turns
 # the calibration on.
 os.environ.setdefault("FERRITE_CALIBRATE", "false")
+# No balancer is probing the test servers, so SIGTERM need not wait for one to notice (the fleet
+# tests, behind HAProxy, give the grace back).
+os.environ.setdefault("FERRITE_SHUTDOWN_GRACE_SECS", "0")
 
 
 def free_port():
@@ -37,19 +40,19 @@ def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):
 
 
 class Server:
-    def __init__(self, repository: Path, *args, env=None, ssl_context=None):
+    def __init__(self, repository: Path, *args, env=None, ssl_context=None, port=None):
         # A port found free can be taken (by any connection's local port) before the server binds
         # it: a start that fails on exactly that is retried on fresh ports.
         for attempt in range(3):
             try:
-                self._start(repository, args, env, ssl_context)
+                self._start(repository, args, env, ssl_context, port)
                 return
             except RuntimeError as e:
                 if "Address already in use" not in str(e) or attempt == 2:
                     raise
 
-    def _start(self, repository, args, env, ssl_context):
-        self.port = free_port()
+    def _start(self, repository, args, env, ssl_context, port=None):
+        self.port = port or free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.grpc_port = free_port()
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"

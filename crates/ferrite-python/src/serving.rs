@@ -161,6 +161,8 @@ fn serve(
                 let _ = bound_tx.send(Ok((bound.http_addr.port(), bound.grpc_addr.port())));
                 srv::run(core, bound, &cfg, async move {
                     let _ = stop_rx.await;
+                    // Stopped by the application itself: no balancer to wait for.
+                    Duration::ZERO
                 })
                 .await;
             });

@@ -209,6 +209,11 @@ struct ServeArgs {
     /// per second), `burst` and `max_concurrent`. Over a limit: 429 / RESOURCE_EXHAUSTED.
     #[arg(long, env = "FERRITE_TENANT_CONFIG", requires = "tenant_header")]
     tenant_config: Option<PathBuf>,
+    /// On SIGTERM, how long readiness reports false while requests are still served, before new
+    /// ones are refused: longer than the balancer's probe period x failure threshold (Kubernetes:
+    /// keep it plus --exit-timeout-secs under terminationGracePeriodSeconds). SIGINT skips it.
+    #[arg(long, env = "FERRITE_SHUTDOWN_GRACE_SECS", default_value_t = 5.0)]
+    shutdown_grace_secs: f64,
     /// On SIGINT/SIGTERM, how long queued and running requests may take before they are failed.
     #[arg(long, env = "FERRITE_EXIT_TIMEOUT_SECS", default_value_t = 30)]
     exit_timeout_secs: u64,
@@ -498,15 +503,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());
     tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, %metrics, models = core.models().len(), "listening");
-    serve::run(core, bound, &cfg, shutdown_signal()).await;
+    let grace = Duration::try_from_secs_f64(args.shutdown_grace_secs).unwrap_or_default();
+    serve::run(core, bound, &cfg, shutdown_signal(grace)).await;
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Waits for SIGTERM (a balancer or orchestrator stopping this replica: `grace` given) or SIGINT
+/// (someone at a terminal: none).
+async fn shutdown_signal(grace: Duration) -> Duration {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => Duration::ZERO,
+        _ = term.recv() => grace,
     }
 }

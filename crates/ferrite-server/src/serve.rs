@@ -1,13 +1,16 @@
-//! Runs both listeners over one core until told to stop, then drains: readiness off, new work
-//! refused (the listeners stay open and answer 503 meanwhile), queued and running work finished
-//! until the exit timeout, what is left failed; then the listeners close.
+//! Runs both listeners over one core until told to stop, then shuts down in the order a balancer
+//! can follow: readiness off while requests are still served for the stop's grace (HTTP/1.1
+//! responses say `Connection: close`, HTTP/2 connections get GOAWAY, so kept-alive clients move
+//! between requests, never under one); then new work refused (the listeners stay open and answer
+//! 503 meanwhile), queued and running work finished until the exit timeout, what is left failed;
+//! then the listeners close.
 
 use std::{future::Future, io, net::SocketAddr, time::Duration};
 
 use ferrite_core::Core;
 use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
-    server::{conn::auto, graceful::GracefulShutdown},
+    server::conn::auto,
     service::TowerToHyperService,
 };
 use tokio::net::TcpListener;
@@ -105,18 +108,29 @@ const AUTH_FILE_CHECK: Duration = Duration::from_secs(2);
 
 type InferenceServer = grpc::pb::grpc_inference_service_server::GrpcInferenceServiceServer<grpc::Service>;
 
-/// Serves until `stop` completes, then shuts down as the module says. Returns how many queued
-/// requests had to be failed at the deadline.
+/// Where the HTTP listeners' connections stand, sent to each of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    Open,
+    /// Shutting down: connections close between requests.
+    Closing,
+    /// The listener is closing: every connection finishes what it has and closes.
+    Stopped,
+}
+
+/// Serves until `stop` completes with the grace it asks for, then shuts down as the module says.
+/// Returns how many queued requests had to be failed at the deadline.
 pub async fn run(
     core: Core,
     bound: Bound,
     cfg: &ServeConfig,
-    stop: impl Future<Output = ()> + Send + 'static,
+    stop: impl Future<Output = Duration> + Send + 'static,
 ) -> usize {
-    // Draining starts on `stop`; the listeners close only once the engine has drained, so clients
-    // arriving meanwhile get a clear 503 / UNAVAILABLE rather than a refused connection.
+    // Draining starts after the grace; the listeners close only once the engine has drained, so
+    // clients arriving meanwhile get a clear 503 / UNAVAILABLE rather than a refused connection.
     let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (phase_tx, phase_rx) = tokio::sync::watch::channel(Phase::Open);
     if let Some(auth) = &cfg.auth {
         auth.watch(AUTH_FILE_CHECK);
     }
@@ -125,12 +139,17 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<InferenceServer>().await;
     let shutdown_core = core.clone();
+    let phase = phase_tx.clone();
     tokio::spawn(async move {
-        stop.await;
-        tracing::info!("shutting down: readiness off, draining");
-        shutdown_core.begin_shutdown();
+        let grace = stop.await;
+        tracing::info!(grace_secs = grace.as_secs_f64(), "shutting down: readiness off, still serving for the grace");
+        shutdown_core.withdraw();
         health.set_not_serving::<InferenceServer>().await;
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        let _ = phase.send(Phase::Closing);
+        tokio::time::sleep(grace).await;
+        tracing::info!("grace over: refusing new requests, draining");
+        shutdown_core.begin_shutdown();
         let _ = drain_tx.send(true);
     });
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -171,10 +190,9 @@ pub async fn run(
     let acceptor = cfg.tls.as_ref().map(|t| t.acceptor().expect("checked when loaded"));
     let metrics_server = bound.metrics.map(|listener| {
         let app = guard(http::metrics_app(core.clone()));
-        tokio::spawn(serve_http(listener, app, acceptor.clone(), cfg.http.clone(), stopped(stop_rx.clone())))
+        tokio::spawn(serve_http(listener, app, acceptor.clone(), cfg.http.clone(), phase_rx.clone()))
     });
-    let http_server =
-        tokio::spawn(serve_http(bound.http, guard(app), acceptor, cfg.http.clone(), stopped(stop_rx.clone())));
+    let http_server = tokio::spawn(serve_http(bound.http, guard(app), acceptor, cfg.http.clone(), phase_rx));
 
     stopped(drain_rx).await;
     let drain_core = core.clone();
@@ -184,6 +202,7 @@ pub async fn run(
         tracing::warn!(failed, "requests failed at shutdown");
     }
     let _ = stop_tx.send(true);
+    let _ = phase_tx.send(Phase::Stopped);
     // Give in-flight responses a moment to be written.
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = tokio::join!(http_server, grpc_server);
@@ -311,7 +330,7 @@ async fn serve_http(
     app: axum::Router,
     tls: Option<tokio_rustls::TlsAcceptor>,
     limits: http::HttpLimits,
-    stop: impl Future<Output = ()>,
+    mut phase: tokio::sync::watch::Receiver<Phase>,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
@@ -320,13 +339,11 @@ async fn serve_http(
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(grpc::KEEPALIVE))
         .max_concurrent_streams(limits.max_streams);
-    let graceful = GracefulShutdown::new();
     let connections = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    tokio::pin!(stop);
     loop {
         let tcp = tokio::select! {
             tcp = accept(&listener) => tcp,
-            _ = &mut stop => break,
+            _ = phase.wait_for(|p| *p == Phase::Stopped) => break,
         };
         // Past the cap, close at once: a refused connection is better than a server out of files.
         let Ok(held) = connections.clone().try_acquire_owned() else {
@@ -335,11 +352,12 @@ async fn serve_http(
             continue;
         };
         let in_flight = std::sync::Arc::new(crate::idle::InFlight::default());
-        let service =
-            TowerToHyperService::new(crate::idle::Counted { inner: app.clone(), in_flight: in_flight.clone() });
+        let h2 = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let counted = crate::idle::Counted { inner: app.clone(), in_flight: in_flight.clone() };
+        let service = TowerToHyperService::new(Closing { inner: counted, phase: phase.clone(), h2: h2.clone() });
         let idle = limits.idle_timeout;
         let builder = builder.clone();
-        let watcher = graceful.watcher();
+        let phase = phase.clone();
         let tls = tls.clone();
         let handshake_timeout = limits.header_timeout;
         tokio::spawn(async move {
@@ -350,18 +368,86 @@ async fn serve_http(
             match tls {
                 None => {
                     let io = TokioIo::new(crate::idle::IdleIo::new(tcp, in_flight, idle));
-                    let _ = watcher.watch(builder.serve_connection_with_upgrades(io, service)).await;
+                    follow(builder.serve_connection_with_upgrades(io, service), phase, &h2).await;
                 }
                 Some(acceptor) => {
                     let Ok(Ok(stream)) = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await else {
                         return;
                     };
                     let io = TokioIo::new(crate::idle::IdleIo::new(stream, in_flight, idle));
-                    let _ = watcher.watch(builder.serve_connection_with_upgrades(io, service)).await;
+                    follow(builder.serve_connection_with_upgrades(io, service), phase, &h2).await;
                 }
             }
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    // Every connection holds a place until it has closed.
+    let _ = connections.acquire_many(limits.max_connections.min(u32::MAX as usize) as u32).await;
+}
+
+/// Drives one connection to its end, closing it as the listener's phase says: an HTTP/2 one gets
+/// GOAWAY once shutdown begins (its open streams finish); an HTTP/1.1 one is closed by the
+/// `Connection: close` of its next response ([`Closing`]), or, when the listener stops, after the
+/// request it has in hand.
+async fn follow(
+    conn: impl hyper_util::server::graceful::GracefulConnection,
+    mut phase: tokio::sync::watch::Receiver<Phase>,
+    h2: &std::sync::atomic::AtomicBool,
+) {
+    tokio::pin!(conn);
+    let closes =
+        |p: Phase| p == Phase::Stopped || (p == Phase::Closing && h2.load(std::sync::atomic::Ordering::Relaxed));
+    loop {
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            changed = phase.changed() => {
+                if changed.is_err() || closes(*phase.borrow_and_update()) {
+                    break;
+                }
+            }
+        }
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+}
+
+/// Marks each HTTP/1.1 response `Connection: close` once shutdown has begun, and notes whether
+/// its connection speaks HTTP/2.
+#[derive(Clone)]
+struct Closing<S> {
+    inner: S,
+    phase: tokio::sync::watch::Receiver<Phase>,
+    h2: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<S, B> tower_service::Service<axum::http::Request<B>> for Closing<S>
+where
+    S: tower_service::Service<axum::http::Request<B>, Response = axum::response::Response>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: axum::http::Request<B>) -> Self::Future {
+        let h1 = req.version() < axum::http::Version::HTTP_2;
+        if !h1 {
+            self.h2.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        let phase = self.phase.clone();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let mut response = fut.await?;
+            if h1 && *phase.borrow() != Phase::Open {
+                response
+                    .headers_mut()
+                    .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+            }
+            Ok(response)
+        })
+    }
 }

@@ -37,6 +37,8 @@ pub(crate) struct Inner {
     pub(crate) repository: Option<Repository>,
     /// Serializes loads, reloads and unloads.
     pub(crate) lifecycle: Mutex<Lifecycle>,
+    /// What readiness reports: off first at shutdown, while requests are still accepted.
+    ready: AtomicBool,
     accepting: AtomicBool,
     limits: Limits,
     tenants: Option<Arc<Tenants>>,
@@ -120,6 +122,7 @@ impl Core {
                 registry: Arc::new(ArcSwap::from_pointee(registry)),
                 repository,
                 lifecycle: Mutex::new(Lifecycle::default()),
+                ready: AtomicBool::new(true),
                 accepting: AtomicBool::new(true),
                 limits,
                 tenants: None,
@@ -185,9 +188,20 @@ impl Core {
         self.inner.registry.load().models.get(name).map(|s| s.versions.keys().copied().collect()).unwrap_or_default()
     }
 
-    /// True while new requests are accepted.
+    /// What readiness probes report: true until shutdown begins (see [`withdraw`](Core::withdraw)).
     pub fn is_ready(&self) -> bool {
+        self.inner.ready.load(Ordering::Acquire) && self.is_accepting()
+    }
+
+    /// True while new requests are accepted.
+    pub fn is_accepting(&self) -> bool {
         self.inner.accepting.load(Ordering::Acquire)
+    }
+
+    /// Turns readiness off while requests are still served, so balancers probing it stop
+    /// sending work here before [`begin_shutdown`](Core::begin_shutdown) refuses any.
+    pub fn withdraw(&self) {
+        self.inner.ready.store(false, Ordering::Release);
     }
 
     pub async fn infer(&self, req: InferRequest) -> Result<InferResponse> {
@@ -198,7 +212,7 @@ impl Core {
     /// The model version `req` goes to (its canary's choice included), chosen once: a caller that
     /// checks or converts inputs against [`Route::model`] runs them on that version.
     pub fn route(&self, req: &InferRequest) -> Result<Route> {
-        if !self.is_ready() {
+        if !self.is_accepting() {
             return Err(Error::unavailable("server is shutting down", Some(RETRY_AFTER)));
         }
         let (model, canary) = self.inner.registry.load().route(
@@ -268,8 +282,9 @@ impl Core {
         crate::telemetry::metrics::render()
     }
 
-    /// Stops accepting work; queued and running requests go on.
+    /// Stops accepting work (readiness off too); queued and running requests go on.
     pub fn begin_shutdown(&self) {
+        self.withdraw();
         self.inner.accepting.store(false, Ordering::Release);
         for m in self.models() {
             m.batcher().close();

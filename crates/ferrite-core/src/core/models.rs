@@ -81,7 +81,7 @@ impl Core {
     /// result in at once. Blocks while models load; requests are served meanwhile. `whole`: if
     /// any of them fails, none changes (the refusal, naming the model and why, goes to the index).
     fn rebuild(&self, repo: &Repository, lc: &mut Lifecycle, names: &[String], whole: bool) -> Result<()> {
-        if !self.is_ready() {
+        if !self.is_accepting() {
             return Ok(());
         }
         let current = self.inner.registry.load_full();

@@ -1,0 +1,171 @@
+"""Replicas behind a real balancer: three `ferrite` processes behind HAProxy (Debian's package),
+health-checked on /v2/health/ready as a Kubernetes Service's readiness would be, rolled one by one
+with SIGTERM under steady load. No request may fail, and none may be answered with an error."""
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+from conftest import Server, free_port, make_repository
+
+HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
+
+# The balancer's probe: every 500 ms, down after 3 failures, up after 2 successes.
+CHECK = "inter 500ms fall 3 rise 2"
+BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+
+
+class HAProxy:
+    def __init__(self, tmp_path, backends):
+        self.port = free_port()
+        self.stats_port = free_port()
+        servers = "\n".join(f"    server r{i} 127.0.0.1:{p} check {CHECK}" for i, p in enumerate(backends))
+        cfg = tmp_path / "haproxy.cfg"
+        cfg.write_text(f"""global
+    maxconn 256
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 30s
+    timeout server 30s
+    option http-keep-alive
+frontend fleet
+    bind 127.0.0.1:{self.port}
+    default_backend replicas
+backend replicas
+    balance roundrobin
+    option httpchk GET /v2/health/ready
+    http-check expect status 200
+{servers}
+frontend stats
+    bind 127.0.0.1:{self.stats_port}
+    stats enable
+    stats uri /stats
+""")
+        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def up(self):
+        """The names of the servers HAProxy sends requests to now."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=2) as r:
+                rows = [line.split(",") for line in r.read().decode().splitlines()[1:]]
+        except OSError:  # not listening yet
+            return set()
+        return {row[1] for row in rows if row[0] == "replicas" and row[1].startswith("r") and row[17] == "UP"}
+
+    def wait_up(self, names, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if names <= self.up():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"HAProxy did not see {names} up: {self.up()}")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+class Load:
+    """Steady clients on kept-alive connections to the balancer, each recording every answer."""
+
+    def __init__(self, port, clients=4):
+        self.port, self.stop, self.lock = port, threading.Event(), threading.Lock()
+        self.answers, self.errors = 0, []
+        self.threads = [threading.Thread(target=self.loop) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def loop(self):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        while not self.stop.is_set():
+            try:
+                conn.request("POST", "/v2/models/mlp/infer", BODY, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                body = r.read()
+                ok = r.status == 200 and len(json.loads(body)["outputs"][0]["data"]) == 10
+                with self.lock:
+                    if ok:
+                        self.answers += 1
+                    else:
+                        self.errors.append((r.status, body[:200]))
+                if r.getheader("connection", "").lower() == "close":
+                    conn.close()
+            except Exception as e:  # noqa: BLE001
+                with self.lock:
+                    self.errors.append(repr(e))
+                conn.close()
+            time.sleep(0.002)
+
+    def finish(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_rolling_restart_behind_haproxy_loses_no_request(tmp_path):
+    repo = make_repository(tmp_path / "repo", ("mlp",))
+    # The grace outlasts the balancer's 3 failed probes 500 ms apart.
+    env = dict(os.environ, FERRITE_SHUTDOWN_GRACE_SECS="2.5")
+    ports = [free_port() for _ in range(3)]
+    replicas = [Server(repo, env=env, port=p) for p in ports]
+    lb = HAProxy(tmp_path, ports)
+    load = None
+    try:
+        names = {f"r{i}" for i in range(3)}
+        lb.wait_up(names)
+        load = Load(lb.port)
+        time.sleep(1)
+        for i, port in enumerate(ports):
+            before = load.answers
+            old = replicas[i]
+            sigterm = time.time()
+            old.proc.send_signal(signal.SIGTERM)
+            # Readiness goes off at once, while the replica still answers what reaches it.
+            assert old.proc.wait(30) == 0, old.logs()
+            took = time.time() - sigterm
+            assert took >= 2.5, f"r{i} exited {took:.2f} s after SIGTERM, before its grace"
+            assert "requests failed at shutdown" not in old.logs()
+            replicas[i] = Server(repo, env=env, port=port)
+            lb.wait_up(names)
+            assert load.answers > before, "the fleet kept answering through the roll"
+        time.sleep(0.5)
+        load.finish()
+        assert not load.errors, load.errors[:10]
+        assert load.answers > 100
+    finally:
+        if load:
+            load.finish()
+        lb.stop()
+        for r in replicas:
+            r.stop()
+
+
+def test_readiness_goes_off_before_requests_are_refused(start_server):
+    s = start_server(models=("mlp",), env=dict(os.environ, FERRITE_SHUTDOWN_GRACE_SECS="3"))
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    conn.request("POST", "/v2/models/mlp/infer", BODY)
+    first = conn.getresponse()
+    first.read()
+    assert first.status == 200 and first.getheader("connection") != "close"
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    ready = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    ready.request("GET", "/v2/health/ready")
+    assert ready.getresponse().status == 503
+    # During the grace a request is still served, and its kept-alive connection is told to close
+    # after it, so the client's next request opens a connection through the balancer.
+    conn.request("POST", "/v2/models/mlp/infer", BODY)
+    during = conn.getresponse()
+    during.read()
+    assert during.status == 200
+    assert during.getheader("connection") == "close"
+    assert s.proc.wait(30) == 0
+    logs = s.logs()
+    assert logs.index("still serving for the grace") < logs.index("grace over")
