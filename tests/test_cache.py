@@ -223,3 +223,59 @@ def test_redis_down_at_start_and_restarted_mid_run(start_server, tmp_path):
         wait_for(recovered, timeout=15, what="writes after redis restarted")
     finally:
         redis.stop()
+
+
+def slow_cached_repo(tmp_path, delay_us):
+    """The MLP, cached, its batches waiting `delay_us` to fill: identical requests overlap."""
+    repo = make_repository(tmp_path / "slow", ("mlp",))
+    (repo / "mlp" / "config.toml").write_text(
+        CACHED + f"[dynamic_batching]\nmax_queue_delay_microseconds = {delay_us}\n")
+    return repo
+
+
+def coalesced(server):
+    import urllib.request
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ferrite_cache_coalesced_total{"))
+
+
+def test_identical_concurrent_misses_are_computed_once(start_server, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    s = start_server(repository=slow_cached_repo(tmp_path, 300_000))
+    x = np.random.default_rng(3).standard_normal((1, 512)).astype(np.float32)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: mlp_infer(s, x).as_numpy("output"), range(8)))
+    assert all(a.tobytes() == answers[0].tobytes() for a in answers)
+    m, _ = stats(s)
+    # Eight misses, one row computed: without coalescing the eight would batch into 8 rows.
+    assert m["inference_stats"]["cache_miss"]["count"] == 8
+    assert m["inference_count"] == 1 and m["execution_count"] == 1
+    assert coalesced(s) == 7
+
+
+def test_a_leader_that_leaves_does_not_fail_its_followers(start_server, tmp_path):
+    import threading
+    import tritonclient.grpc as grpcclient
+    s = start_server(repository=slow_cached_repo(tmp_path, 1_000_000))
+    x = np.random.default_rng(4).standard_normal((1, 512)).astype(np.float32)
+    g = grpcclient.InferenceServerClient(s.grpc_url)
+    i = grpcclient.InferInput("input", [1, 512], "FP32")
+    i.set_data_from_numpy(x)
+    left = []
+
+    def leader():
+        try:
+            g.infer("mlp", [i], client_timeout=0.3)
+        except Exception as e:  # noqa: BLE001
+            left.append(e)
+
+    t = threading.Thread(target=leader)
+    t.start()
+    time.sleep(0.1)
+    # Follows the leader, which is cancelled while queued: this request then computes its own.
+    follower = mlp_infer(s, x).as_numpy("output")
+    t.join()
+    assert left, "the leader's call was cancelled"
+    alone = mlp_infer(s, x).as_numpy("output")
+    assert follower.tobytes() == alone.tobytes()
+    assert coalesced(s) == 0

@@ -3,6 +3,11 @@
 //! never a point of failure: a lookup waits at most `shared_timeout` and then counts as a miss,
 //! repeated errors open a circuit breaker that skips the tier for a while, and writes are queued
 //! by the tier after the answer (dropped when its queue is full).
+//!
+//! A miss is computed once however many identical requests arrive while it runs: the first
+//! [`join`](ResponseCache::join)s as the flight's [`Leader`], the others follow it and take its
+//! answer. A leader that leaves without one (cancelled, failed) releases its followers to compute
+//! their own, so it never fails them.
 
 mod key;
 mod shared;
@@ -101,6 +106,45 @@ pub struct ResponseCache {
     max_value_bytes: usize,
     ttl: Duration,
     shared: Option<Shared>,
+    /// Misses being computed now: each leader's answer, once it has one. Bounded by the requests
+    /// in flight (each entry's leader is one).
+    flights: std::sync::Mutex<std::collections::HashMap<Key, Answer>>,
+}
+
+type Answer = tokio::sync::watch::Receiver<Option<Value>>;
+
+/// What [`ResponseCache::join`] makes of a miss.
+pub enum Flight<'c> {
+    /// Compute it, and [`finish`](Leader::finish) with the answer.
+    Lead(Leader<'c>),
+    /// An identical request is computing it: [`follow`] it.
+    Follow(Answer),
+}
+
+/// The request computing a key's answer for every identical one that arrives meanwhile. Dropped
+/// without [`finish`](Leader::finish), it releases its followers.
+pub struct Leader<'c> {
+    cache: &'c ResponseCache,
+    key: Key,
+    answer: tokio::sync::watch::Sender<Option<Value>>,
+}
+
+impl Leader<'_> {
+    /// Hands `outputs` to the followers.
+    pub fn finish(self, outputs: &[Tensor]) {
+        let _ = self.answer.send(Some(Arc::new(Entry { tenant: 0, outputs: outputs.to_vec() })));
+    }
+}
+
+impl Drop for Leader<'_> {
+    fn drop(&mut self) {
+        self.cache.flights.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+    }
+}
+
+/// The leader's answer; `None` when it left without one (the follower then computes its own).
+pub async fn follow(mut answer: Answer) -> Option<Value> {
+    answer.wait_for(Option::is_some).await.ok().and_then(|v| v.clone())
 }
 
 /// The shared tier with what guards it.
@@ -167,7 +211,19 @@ impl ResponseCache {
             max_value_bytes: options.max_value_bytes,
             ttl: options.ttl,
             shared,
+            flights: Default::default(),
         }
+    }
+
+    /// Leads the computation of `key`'s answer, or follows the request already leading it.
+    pub fn join(&self, key: Key) -> Flight<'_> {
+        let mut flights = self.flights.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(answer) = flights.get(&key) {
+            return Flight::Follow(answer.clone());
+        }
+        let (answer, rx) = tokio::sync::watch::channel(None);
+        flights.insert(key, rx);
+        Flight::Lead(Leader { cache: self, key, answer })
     }
 
     /// Tier 1, then tier 2 (bounded by the shared tier's timeout). A tier-2 value is checked like
@@ -516,6 +572,26 @@ mod tests {
         cache.local.invalidate_all();
         cache.local.run_pending_tasks();
         assert!(cache.held.lock().unwrap().is_empty());
+    }
+    #[tokio::test]
+    async fn a_miss_is_led_once_and_followers_take_the_answer_or_are_released() {
+        let cache = ResponseCache::new(&CacheOptions::default(), None);
+        let Flight::Lead(leader) = cache.join(1) else { panic!("the first request leads") };
+        let Flight::Follow(first) = cache.join(1) else { panic!("an identical one follows") };
+        let Flight::Follow(second) = cache.join(1) else { panic!("so does the next") };
+        assert!(matches!(cache.join(2), Flight::Lead(_)), "another key leads its own flight");
+        let waiting = tokio::spawn(follow(first));
+        leader.finish(&[t("y", &[3.0])]);
+        let answer = waiting.await.unwrap().expect("the leader's answer");
+        assert_eq!(answer.outputs[0].data.wire_len(), 4);
+        // The leader finished and left: a follower that joined before still gets the answer, a
+        // request arriving now leads anew (its lookup would have hit the cache).
+        assert!(follow(second).await.is_some());
+        let Flight::Lead(leader) = cache.join(1) else { panic!("the flight ended with its leader") };
+        let Flight::Follow(follower) = cache.join(1) else { panic!("follows") };
+        drop(leader);
+        assert!(follow(follower).await.is_none(), "a leader leaving without an answer releases its followers");
+        assert!(cache.flights.lock().unwrap().is_empty());
     }
 }
 

@@ -114,7 +114,6 @@ impl Model {
     pub fn warm_up(&self, inputs: Vec<Tensor>) -> Result<()> {
         let (inputs, rows) = self.check_inputs(inputs, crate::wire::DEFAULT_MAX_ELEMENTS)?;
         let (tx, rx) = oneshot::channel();
-        let now = Instant::now();
         let span = tracing::Span::none();
         let p = Pending {
             id: None,
@@ -123,7 +122,7 @@ impl Model {
             rows,
             outputs: None,
             level: 0,
-            enqueued: now,
+            enqueued: Instant::now(),
             deadline: None,
             reply: tx,
             span,
@@ -172,6 +171,12 @@ impl Model {
         let share = tenant.filter(|t| !t.is_empty());
         let key = cache
             .map(|_| cache::key(tenant, &self.spec.name, self.spec.version, self.content, &inputs, outputs.as_deref()));
+        let now = Instant::now();
+        let policy = &self.spec.batch.level_queues[level.min(self.spec.batch.level_queues.len() - 1)];
+        let deadline = policy.timeout(req.timeout_us).map(|t| now + t);
+        // With `timeout_action = delay` a late request still runs, so its caller waits for it.
+        let wait_limit = deadline.filter(|_| policy.timeout_action == TimeoutAction::Reject);
+        let mut leader = None;
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
             if let Some(hit) = c.get(k, max_elements, share).instrument(child(|| tracing::debug_span!("cache"))).await {
@@ -182,12 +187,25 @@ impl Model {
             }
             self.stats.cache_miss.add(t.elapsed());
             self.metrics.cache_misses.inc();
+            match c.join(k) {
+                cache::Flight::Lead(l) => leader = Some(l),
+                cache::Flight::Follow(answer) => {
+                    // An identical request is computing this answer: wait for it, within this
+                    // request's own deadline; if it leaves without one, compute it here.
+                    let answer = match wait_limit {
+                        None => cache::follow(answer).await,
+                        Some(d) => match tokio::time::timeout_at(d.into(), cache::follow(answer)).await {
+                            Ok(a) => a,
+                            Err(_) => return Err(Error::DeadlineExceeded("request timed out before it ran".into())),
+                        },
+                    };
+                    if let Some(a) = answer {
+                        self.metrics.cache_coalesced.inc();
+                        return Ok(self.response(req.id, a.outputs.clone()));
+                    }
+                }
+            }
         }
-        let now = Instant::now();
-        let policy = &self.spec.batch.level_queues[level.min(self.spec.batch.level_queues.len() - 1)];
-        let deadline = policy.timeout(req.timeout_us).map(|t| now + t);
-        // With `timeout_action = delay` a late request still runs, so its caller waits for it.
-        let wait_limit = deadline.filter(|_| policy.timeout_action == TimeoutAction::Reject);
         let (tx, rx) = oneshot::channel();
         let queued = if traced { tracing::debug_span!("queue", rows) } else { tracing::Span::none() };
         let span = queued.clone();
@@ -198,7 +216,7 @@ impl Model {
             rows,
             outputs,
             level,
-            enqueued: now,
+            enqueued: Instant::now(),
             deadline,
             reply: tx,
             span,
@@ -217,6 +235,9 @@ impl Model {
         let outputs = answer.map_err(|_| Error::internal("the batcher dropped the request"))??;
         if let (Some(c), Some(k)) = (cache, key) {
             c.put(k, &outputs, share);
+        }
+        if let Some(l) = leader {
+            l.finish(&outputs);
         }
         Ok(self.response(req.id, outputs))
     }

@@ -25,6 +25,7 @@ pub struct Metrics {
     pub pending: IntGaugeVec,
     pub cache_hits: IntCounterVec,
     pub cache_misses: IntCounterVec,
+    pub cache_coalesced: IntCounterVec,
     pub redis_errors: prometheus::IntCounter,
     pub redis_up: prometheus::IntGauge,
     pub desired_replicas: prometheus::IntGauge,
@@ -105,6 +106,11 @@ impl Metrics {
             )?,
             cache_hits: counter("ferrite_cache_hits_total", "Response cache lookups that found an answer.", MODEL)?,
             cache_misses: counter("ferrite_cache_misses_total", "Response cache lookups that did not.", MODEL)?,
+            cache_coalesced: counter(
+                "ferrite_cache_coalesced_total",
+                "Cache misses answered by an identical request already computing (not computed again).",
+                MODEL,
+            )?,
             redis_errors: {
                 let c = prometheus::IntCounter::new("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?;
                 registry.register(Box::new(c.clone()))?;
@@ -164,6 +170,7 @@ pub struct ModelMetrics {
     pub panics: prometheus::IntCounter,
     pub cache_hits: prometheus::IntCounter,
     pub cache_misses: prometheus::IntCounter,
+    pub cache_coalesced: prometheus::IntCounter,
 }
 
 impl ModelMetrics {
@@ -182,6 +189,7 @@ impl ModelMetrics {
             panics: m.panics.with_label_values(&l),
             cache_hits: m.cache_hits.with_label_values(&l),
             cache_misses: m.cache_misses.with_label_values(&l),
+            cache_coalesced: m.cache_coalesced.with_label_values(&l),
             labels: [model.to_string(), v],
         }
     }
