@@ -1,68 +1,230 @@
-//! Redis as the shared tier of the response cache. The connection is made (and remade) in the
-//! background, so a Redis that is down at start-up or later only makes the cache degraded; writes
-//! go through a bounded queue, off the request path.
+//! Redis as the shared tier of the response cache: one server (`redis://`), a Redis Cluster
+//! (`redis+cluster://`, slots routed with MOVED/ASK and the topology refreshed by the `redis`
+//! crate's cluster client) or a master found through Sentinel (`redis+sentinel://`, found again
+//! after a failover). The connection is made (and remade) in the background, so a Redis that is
+//! down at start-up or later only makes the cache degraded; writes go through a bounded queue, off
+//! the request path.
 
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
         Arc, Mutex,
     },
     time::Duration,
 };
 
 use ferrite_core::cache::{SharedTier, TierFuture};
-use redis::aio::ConnectionManager;
-use tokio::sync::mpsc;
+use redis::{aio::ConnectionManager, cluster::ClusterClient, cluster_async::ClusterConnection, RedisError};
+use tokio::sync::{mpsc, Notify};
 
 /// Writes waiting for Redis; past this, new writes are dropped (and counted by the cache).
 const WRITE_QUEUE: usize = 1024;
+/// The longest one connection or one reply may take inside the client.
+const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 enum Write {
     Set(String, Vec<u8>, Duration),
     Del(String),
 }
 
+/// Where the tier's Redis is, as `--cache-redis-url` says.
+enum Target {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+    /// The sentinels, asked for the master of the named service at each (re)connection.
+    Sentinel(tokio::sync::Mutex<redis::sentinel::SentinelClient>),
+}
+
+#[derive(Clone)]
+enum Conn {
+    /// One server, or the master Sentinel named (reconnected to the same address on errors).
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+}
+
+fn manager_config() -> redis::aio::ConnectionManagerConfig {
+    redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(CALL_TIMEOUT))
+        .set_response_timeout(Some(CALL_TIMEOUT))
+        .set_number_of_retries(1)
+}
+
+impl Target {
+    /// Parses `--cache-redis-url`: `redis://…` or `unix://…` (one server),
+    /// `redis+cluster://[user:password@]host:port[,host:port…]` (any nodes of the cluster) or
+    /// `redis+sentinel://[user:password@]host:port[,host:port…]/<service>` (the sentinels; the
+    /// credentials are the master's).
+    fn parse(url: &str) -> Result<Target, String> {
+        let bad = |e: &dyn std::fmt::Display| format!("--cache-redis-url {url:?}: {e}");
+        let hosts = |rest: &str| -> Result<(String, Vec<String>), String> {
+            let (auth, hosts) = match rest.rsplit_once('@') {
+                Some((auth, hosts)) => (format!("{auth}@"), hosts),
+                None => (String::new(), rest),
+            };
+            let nodes: Vec<String> = hosts.split(',').filter(|h| !h.is_empty()).map(str::to_string).collect();
+            if nodes.is_empty() {
+                return Err(bad(&"no host:port given"));
+            }
+            Ok((auth, nodes))
+        };
+        if let Some(rest) = url.strip_prefix("redis+cluster://") {
+            let (auth, nodes) = hosts(rest.trim_end_matches('/'))?;
+            let nodes: Vec<String> = nodes.iter().map(|n| format!("redis://{auth}{n}")).collect();
+            let client = ClusterClient::builder(nodes)
+                .connection_timeout(CALL_TIMEOUT)
+                .response_timeout(CALL_TIMEOUT)
+                .retries(2)
+                .build()
+                .map_err(|e| bad(&e))?;
+            return Ok(Target::Cluster(client));
+        }
+        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+            let (rest, service) =
+                rest.split_once('/').ok_or_else(|| bad(&"name the master's service: .../<service>"))?;
+            let service = service.trim_end_matches('/');
+            if service.is_empty() {
+                return Err(bad(&"name the master's service: .../<service>"));
+            }
+            let (auth, nodes) = hosts(rest)?;
+            let master = if auth.is_empty() {
+                None
+            } else {
+                let info: redis::ConnectionInfo =
+                    redis::IntoConnectionInfo::into_connection_info(format!("redis://{auth}localhost"))
+                        .map_err(|e| bad(&e))?;
+                Some(
+                    redis::sentinel::SentinelNodeConnectionInfo::default()
+                        .set_redis_connection_info(info.redis_settings().clone()),
+                )
+            };
+            let sentinels: Vec<String> = nodes.iter().map(|n| format!("redis://{n}")).collect();
+            let client = redis::sentinel::SentinelClient::build(
+                sentinels,
+                service.to_string(),
+                master,
+                redis::sentinel::SentinelServerType::Master,
+            )
+            .map_err(|e| bad(&e))?;
+            return Ok(Target::Sentinel(tokio::sync::Mutex::new(client)));
+        }
+        if url.starts_with("rediss") || url.contains("+cluster") || url.contains("+sentinel") {
+            return Err(bad(&"TLS to Redis is not supported; use redis://, redis+cluster:// or redis+sentinel://"));
+        }
+        redis::Client::open(url).map(Target::Single).map_err(|e| bad(&e))
+    }
+
+    async fn connect(&self) -> redis::RedisResult<Conn> {
+        match self {
+            Target::Single(client) => {
+                Ok(Conn::Single(ConnectionManager::new_with_config(client.clone(), manager_config()).await?))
+            }
+            Target::Cluster(client) => Ok(Conn::Cluster(client.get_async_connection().await?)),
+            Target::Sentinel(sentinel) => {
+                let master = sentinel.lock().await.async_get_client().await?;
+                Ok(Conn::Single(ConnectionManager::new_with_config(master, manager_config()).await?))
+            }
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        match self {
+            Target::Single(_) => "server",
+            Target::Cluster(_) => "cluster",
+            Target::Sentinel(_) => "master (from sentinel)",
+        }
+    }
+}
+
 pub struct RedisTier {
-    conn: Arc<Mutex<Option<ConnectionManager>>>,
+    conn: Arc<Mutex<Option<Conn>>>,
     writes: mpsc::Sender<Write>,
-    write_errors: Arc<AtomicU64>,
+    counts: Arc<Counts>,
+}
+
+#[derive(Default)]
+struct Counts {
+    write_errors: AtomicU64,
+    moved: AtomicU64,
+    said_moved: AtomicBool,
+    /// Set for a Sentinel target: errors that may mean a failover make it ask again.
+    find_again: Option<Notify>,
+}
+
+impl Counts {
+    /// Looks at a failed call: a MOVED or ASK reply from a plain `redis://` target means it is
+    /// one node of a cluster and most keys live elsewhere (counted, and said once in the log); a
+    /// lost connection or a read-only reply from a Sentinel's master may mean it failed over.
+    fn failed(&self, e: &RedisError) {
+        use redis::{ErrorKind, ServerErrorKind};
+        let kind = e.kind();
+        if matches!(kind, ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask)) {
+            self.moved.fetch_add(1, Relaxed);
+            ferrite_core::telemetry::metrics::global().redis_moved.inc();
+            if !self.said_moved.swap(true, Relaxed) {
+                tracing::error!(
+                    "the Redis cache answers MOVED: --cache-redis-url names one node of a Redis Cluster, so \
+                     keys on its other nodes always miss; use redis+cluster://host:port[,host:port...]"
+                );
+            }
+        }
+        if let Some(find) = &self.find_again {
+            if e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_timeout()
+                || matches!(kind, ErrorKind::Server(ServerErrorKind::ReadOnly))
+            {
+                find.notify_one();
+            }
+        }
+    }
 }
 
 impl RedisTier {
     /// Connects to `url` in the background and starts the writer, which gives each write at most
     /// `write_timeout`. Must run inside a tokio runtime; fails only on a malformed URL.
     pub fn start(url: &str, write_timeout: Duration) -> Result<Arc<RedisTier>, String> {
-        let client = redis::Client::open(url).map_err(|e| format!("--cache-redis-url: {e}"))?;
+        let target = Target::parse(url)?;
         let (writes, mut queue) = mpsc::channel::<Write>(WRITE_QUEUE);
-        let tier =
-            Arc::new(RedisTier { conn: Arc::new(Mutex::new(None)), writes, write_errors: Arc::new(AtomicU64::new(0)) });
+        let counts = Arc::new(Counts {
+            find_again: matches!(target, Target::Sentinel(_)).then(Notify::new),
+            ..Default::default()
+        });
+        let tier = Arc::new(RedisTier { conn: Arc::new(Mutex::new(None)), writes, counts: counts.clone() });
         let conn = tier.conn.clone();
+        let found = counts.clone();
         tokio::spawn(async move {
+            let what = target.describe();
             let mut backoff = Duration::from_millis(100);
             loop {
-                let config = redis::aio::ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(Duration::from_secs(1)))
-                    .set_response_timeout(Some(Duration::from_secs(1)))
-                    .set_number_of_retries(1);
-                match tokio::time::timeout(
-                    Duration::from_secs(3),
-                    ConnectionManager::new_with_config(client.clone(), config),
-                )
-                .await
-                {
-                    Ok(Ok(m)) => {
-                        tracing::info!("redis cache connected");
-                        *conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(m);
-                        return;
+                match tokio::time::timeout(Duration::from_secs(3), target.connect()).await {
+                    Ok(Ok(c)) => {
+                        tracing::info!(redis = what, "redis cache connected");
+                        *conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+                        backoff = Duration::from_millis(100);
+                        // One server and a cluster reconnect inside the client; a Sentinel's
+                        // master is looked up again when calls to it say it may have changed.
+                        let Some(find) = &found.find_again else { return };
+                        find.notified().await;
+                        tracing::warn!("redis cache master unreachable or read-only; asking the sentinels again");
+                        continue;
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %e, "redis cache unavailable; retrying"),
-                    Err(_) => tracing::warn!("redis cache connection timed out; retrying"),
+                    Ok(Err(e)) => tracing::warn!(redis = what, error = %e, "redis cache unavailable; retrying"),
+                    Err(_) => tracing::warn!(redis = what, "redis cache connection timed out; retrying"),
                 }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         });
-        let (conn, errors) = (tier.conn.clone(), tier.write_errors.clone());
+        let conn = tier.conn.clone();
         tokio::spawn(async move {
             while let Some(write) = queue.recv().await {
                 let Some(mut c) = conn.lock().unwrap_or_else(|e| e.into_inner()).clone() else { continue };
@@ -78,17 +240,28 @@ impl RedisTier {
                         cmd
                     }
                 };
-                let done = cmd.query_async::<()>(&mut c);
-                if !matches!(tokio::time::timeout(write_timeout, done).await, Ok(Ok(()))) {
-                    errors.fetch_add(1, Relaxed);
+                match tokio::time::timeout(write_timeout, c.query::<()>(&cmd)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        counts.failed(&e);
+                        counts.write_errors.fetch_add(1, Relaxed);
+                    }
+                    Err(_) => {
+                        counts.write_errors.fetch_add(1, Relaxed);
+                    }
                 }
             }
         });
         Ok(tier)
     }
 
-    fn connection(&self) -> Option<ConnectionManager> {
+    fn connection(&self) -> Option<Conn> {
         self.conn.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// MOVED or ASK replies seen from a `redis://` target (it is a cluster node).
+    pub fn moved(&self) -> u64 {
+        self.counts.moved.load(Relaxed)
     }
 }
 
@@ -99,7 +272,10 @@ impl SharedTier for RedisTier {
         cmd.arg(key);
         Box::pin(async move {
             let mut conn = conn.ok_or_else(|| "not connected".to_string())?;
-            cmd.query_async::<Option<Vec<u8>>>(&mut conn).await.map_err(|e| e.to_string())
+            conn.query::<Option<Vec<u8>>>(&cmd).await.map_err(|e| {
+                self.counts.failed(&e);
+                e.to_string()
+            })
         })
     }
 
@@ -116,6 +292,27 @@ impl SharedTier for RedisTier {
     }
 
     fn write_errors(&self) -> u64 {
-        self.write_errors.load(Relaxed)
+        self.counts.write_errors.load(Relaxed)
+    }
+
+    fn moved(&self) -> u64 {
+        RedisTier::moved(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_their_topology() {
+        assert!(matches!(Target::parse("redis://127.0.0.1:6379/0"), Ok(Target::Single(_))));
+        assert!(matches!(Target::parse("redis+cluster://a:7000,b:7001,c:7002"), Ok(Target::Cluster(_))));
+        assert!(matches!(Target::parse("redis+cluster://user:pw@a:7000/"), Ok(Target::Cluster(_))));
+        assert!(matches!(Target::parse("redis+sentinel://a:26379,b:26379/mymaster"), Ok(Target::Sentinel(_))));
+        assert!(matches!(Target::parse("redis+sentinel://:pw@a:26379/mymaster"), Ok(Target::Sentinel(_))));
+        for bad in ["redis+cluster://", "redis+sentinel://a:26379", "redis+sentinel://a:26379/", "rediss://a", "x://"] {
+            assert!(Target::parse(bad).is_err(), "{bad}");
+        }
     }
 }

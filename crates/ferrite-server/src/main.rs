@@ -223,7 +223,9 @@ struct ServeArgs {
     /// Response cache: seconds an entry lives (in both tiers).
     #[arg(long, env = "FERRITE_CACHE_TTL", default_value_t = 300)]
     cache_ttl: u64,
-    /// Response cache: a Redis URL (redis://host:port/db) for a second tier shared by processes.
+    /// Response cache: Redis as a second tier shared by processes: redis://host:port/db (one
+    /// server), redis+cluster://host:port[,host:port...] (a Redis Cluster) or
+    /// redis+sentinel://host:port[,host:port...]/<service> (the master Sentinel names).
     #[arg(long, env = "FERRITE_CACHE_REDIS_URL")]
     cache_redis_url: Option<String>,
     /// Response cache: milliseconds a request may wait on Redis before it counts as a miss.

@@ -93,6 +93,8 @@ pub struct CacheSnapshot {
     pub redis_writes_dropped: u64,
     /// Values from the shared tier that failed their checks (dropped, and removed from it).
     pub redis_bad_values: u64,
+    /// MOVED/ASK replies: the URL names one node of a Redis Cluster (use `redis+cluster://`).
+    pub redis_moved: u64,
 }
 
 pub struct ResponseCache {
@@ -287,6 +289,7 @@ impl ResponseCache {
             s.redis_timeouts = r.timeouts.load(Relaxed);
             s.redis_writes_dropped = r.dropped.load(Relaxed);
             s.redis_bad_values = r.bad.load(Relaxed);
+            s.redis_moved = r.tier.moved();
         }
         s
     }

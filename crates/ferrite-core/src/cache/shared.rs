@@ -28,6 +28,10 @@ pub trait SharedTier: Send + Sync {
     fn connected(&self) -> bool;
     /// Writes that failed so far.
     fn write_errors(&self) -> u64;
+    /// Replies that said the key lives on another node (a cluster node addressed as one server).
+    fn moved(&self) -> u64 {
+        0
+    }
 }
 
 /// Opens after `threshold` consecutive failures and stays open for `cooldown`; then one request

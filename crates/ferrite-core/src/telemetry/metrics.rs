@@ -27,6 +27,7 @@ pub struct Metrics {
     pub cache_misses: IntCounterVec,
     pub cache_coalesced: IntCounterVec,
     pub redis_errors: prometheus::IntCounter,
+    pub redis_moved: prometheus::IntCounter,
     pub redis_up: prometheus::IntGauge,
     pub desired_replicas: prometheus::IntGauge,
     pub model_ready: IntGaugeVec,
@@ -113,6 +114,14 @@ impl Metrics {
             )?,
             redis_errors: {
                 let c = prometheus::IntCounter::new("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
+            redis_moved: {
+                let c = prometheus::IntCounter::new(
+                    "ferrite_cache_redis_moved_total",
+                    "MOVED/ASK replies from a Redis addressed as one server: it is a cluster node (use redis+cluster://).",
+                )?;
                 registry.register(Box::new(c.clone()))?;
                 c
             },
