@@ -279,3 +279,50 @@ def test_a_leader_that_leaves_does_not_fail_its_followers(start_server, tmp_path
     alone = mlp_infer(s, x).as_numpy("output")
     assert follower.tobytes() == alone.tobytes()
     assert coalesced(s) == 0
+
+
+def test_tenants_pinned_to_their_own_redis_or_prefix(start_server, tmp_path):
+    (tmp_path / "default").mkdir()
+    (tmp_path / "own").mkdir()
+    default, own = Redis(tmp_path / "default"), Redis(tmp_path / "own")
+    try:
+        tenants = tmp_path / "tenants.toml"
+        tenants.write_text(f'[tenants.acme]\ncache_redis_url = "{own.url}"\ncache_key_prefix = "acme"\n'
+                           '[tenants.globex]\ncache_key_prefix = "globex"\n[tenants.initech]\n')
+        args = ("--cache-redis-url", default.url, "--tenant-header", "x-tenant", "--tenant-config", str(tenants),
+                "--cache-redis-timeout-ms", "50")
+        a = start_server(*args, repository=cached_repo(tmp_path, "a"))
+        b = start_server(*args, repository=cached_repo(tmp_path, "b"))
+        wait_for(lambda: stats(a)[1]["redis"] == "ok" and stats(b)[1]["redis"] == "ok", what="redis connected")
+        x = np.random.default_rng(9).standard_normal((1, 512)).astype(np.float32)
+        for tenant in ("acme", "globex", "initech"):
+            mlp_infer(a, x, headers={"x-tenant": tenant})
+        wait_for(lambda: default.keys() == 2 and own.keys() == 1, what="the writes to reach their pools")
+
+        def keys(r):
+            out = subprocess.run(["redis-cli", "-p", str(r.port), "--raw", "keys", "*"], capture_output=True, text=True)
+            return sorted(out.stdout.split())
+
+        acme, = keys(own)
+        assert acme.startswith("acme:ferrite:")
+        assert [k.rsplit(":", 1)[0] for k in keys(default)] == ["ferrite", "globex:ferrite"]
+        # Each tenant's answer is a hit for the same tenant on the other replica, from its own pool.
+        for tenant in ("acme", "globex", "initech"):
+            mlp_infer(b, x, headers={"x-tenant": tenant})
+        m, cache = stats(b)
+        assert m["execution_count"] == 0 and cache["redis_hits"] == 3
+    finally:
+        default.stop()
+        own.stop()
+
+
+def test_tenant_cache_pools_are_checked_at_start(tmp_path):
+    from conftest import BIN
+    tenants = tmp_path / "tenants.toml"
+    repo = make_repository(tmp_path / "repo", ("mlp",))
+    for bad in ('cache_key_prefix = "a b"', 'cache_key_prefix = ""', 'cache_redis_url = "rediss://x"', 'cache_pool = 1'):
+        tenants.write_text(f"[tenants.acme]\n{bad}\n")
+        out = subprocess.run([BIN, "serve", "--model-repository", str(repo), "--tenant-header", "x-tenant",
+                              "--tenant-config", str(tenants), "--http-port", "0", "--grpc-port", "0", "--no-metrics"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and ("tenants.acme" in out.stderr or "cache_pool" in out.stderr), (bad, out.stderr)

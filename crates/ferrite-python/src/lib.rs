@@ -107,8 +107,8 @@ impl Engine {
             let redis = match &redis_url {
                 Some(url) => {
                     let _context = runtime().enter();
-                    let tier =
-                        ferrite_redis::RedisTier::start(url, shared_timeout * 4).map_err(InvalidInput::new_err)?;
+                    let tier = ferrite_redis::RedisTier::start(url, shared_timeout * 4)
+                        .map_err(|e| InvalidInput::new_err(format!("redis_url {e}")))?;
                     Some(tier as Arc<dyn ferrite_core::cache::SharedTier>)
                 }
                 None => None,

@@ -64,7 +64,7 @@ impl Target {
     /// `redis+sentinel://[user:password@]host:port[,host:port…]/<service>` (the sentinels; the
     /// credentials are the master's).
     fn parse(url: &str) -> Result<Target, String> {
-        let bad = |e: &dyn std::fmt::Display| format!("--cache-redis-url {url:?}: {e}");
+        let bad = |e: &dyn std::fmt::Display| format!("{url:?}: {e}");
         let hosts = |rest: &str| -> Result<(String, Vec<String>), String> {
             let (auth, hosts) = match rest.rsplit_once('@') {
                 Some((auth, hosts)) => (format!("{auth}@"), hosts),
@@ -190,7 +190,8 @@ impl Counts {
 
 impl RedisTier {
     /// Connects to `url` in the background and starts the writer, which gives each write at most
-    /// `write_timeout`. Must run inside a tokio runtime; fails only on a malformed URL.
+    /// `write_timeout`. Must run inside a tokio runtime; fails only on a malformed URL (the error
+    /// quotes it; the caller names where it came from).
     pub fn start(url: &str, write_timeout: Duration) -> Result<Arc<RedisTier>, String> {
         let target = Target::parse(url)?;
         let (writes, mut queue) = mpsc::channel::<Write>(WRITE_QUEUE);

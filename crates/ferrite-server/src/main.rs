@@ -382,15 +382,25 @@ fn main() {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let shared_timeout = Duration::from_millis(args.cache_redis_timeout_ms.max(1));
-    let redis = match &args.cache_redis_url {
-        // Writes are off the request path; they may take a little longer than lookups.
-        Some(url) => {
-            Some(RedisTier::start(url, shared_timeout * 4).map_err(anyhow::Error::msg)? as Arc<dyn SharedTier>)
+    let tenants = match (&args.tenant_header, &args.tenant_config) {
+        (Some(header), Some(path)) => {
+            axum::http::HeaderName::from_bytes(header.as_bytes())
+                .map_err(|_| anyhow::anyhow!("--tenant-header '{header}' is not a valid header name"))?;
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--tenant-config {}: {e}", path.display()))?;
+            Some(Tenants::new(TenantConfig::parse(&text)?, header))
         }
-        None => None,
+        _ => None,
     };
-    let cache = ResponseCache::new(
+    let shared_timeout = Duration::from_millis(args.cache_redis_timeout_ms.max(1));
+    // Writes are off the request path; they may take a little longer than lookups.
+    let redis = |url: &str, from: &str| {
+        RedisTier::start(url, shared_timeout * 4)
+            .map(|t| t as Arc<dyn SharedTier>)
+            .map_err(|e| anyhow::anyhow!("{from} {e}"))
+    };
+    let shared = args.cache_redis_url.as_deref().map(|u| redis(u, "--cache-redis-url")).transpose()?;
+    let mut cache = ResponseCache::new(
         &CacheOptions {
             local_bytes: args.cache_local_bytes,
             ttl: Duration::from_secs(args.cache_ttl.max(1)),
@@ -398,8 +408,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_value_bytes: args.cache_max_value_bytes,
             tenant_share: args.cache_tenant_share,
         },
-        redis,
+        shared,
     );
+    for (tenant, pool) in tenants.iter().flat_map(|t| &t.config().cache_pools) {
+        let from = format!("--tenant-config [tenants.{tenant}] cache_redis_url");
+        let tier = pool.redis_url.as_deref().map(|u| redis(u, &from)).transpose()?;
+        cache = cache.with_pool(tenant, tier, pool.key_prefix.as_deref());
+    }
     let mut options = LoadOptions {
         spinning: args.spin,
         calibrate: args.calibrate,
@@ -413,16 +428,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let repo = args.model_repository.clone();
     let limits =
         Limits { max_elements: args.max_request_elements, max_concurrent_requests: args.max_concurrent_requests };
-    let tenants = match (&args.tenant_header, &args.tenant_config) {
-        (Some(header), Some(path)) => {
-            axum::http::HeaderName::from_bytes(header.as_bytes())
-                .map_err(|_| anyhow::anyhow!("--tenant-header '{header}' is not a valid header name"))?;
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| anyhow::anyhow!("--tenant-config {}: {e}", path.display()))?;
-            Some(Tenants::new(TenantConfig::parse(&text)?, header))
-        }
-        _ => None,
-    };
     let startup = match args.model_control_mode {
         ControlMode::Explicit if !args.load_model.iter().any(|m| m == "*") => Startup::Only(args.load_model.clone()),
         _ => Startup::All,

@@ -9,6 +9,8 @@
 //! max_concurrent = 32
 //! [tenants.acme]
 //! rate = 1000
+//! cache_redis_url = "redis+cluster://10.0.0.7:7000"  # its cache entries in a Redis of its own
+//! cache_key_prefix = "acme"                           # and/or under a key prefix of its own
 //! ```
 
 use std::{
@@ -50,18 +52,67 @@ impl Default for TenantLimits {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Where a listed tenant's response-cache entries live in the shared tier, when not with
+/// everyone else's: a Redis of its own (so its volume cannot evict theirs), a key prefix of its
+/// own (for Redis ACLs such as `~acme:*`), or both.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CachePool {
+    pub redis_url: Option<String>,
+    pub key_prefix: Option<String>,
+}
+
+#[derive(Debug, Clone, Default)]
 pub struct TenantConfig {
-    #[serde(default)]
     pub default: TenantLimits,
-    #[serde(default)]
     pub tenants: BTreeMap<String, TenantLimits>,
+    /// The listed tenants whose cache entries live apart.
+    pub cache_pools: BTreeMap<String, CachePool>,
+}
+
+/// One `[tenants.<name>]` table as written: its limits and where its cache entries live.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantTable {
+    #[serde(default)]
+    rate: f64,
+    burst: Option<f64>,
+    #[serde(default)]
+    max_concurrent: usize,
+    cache_redis_url: Option<String>,
+    cache_key_prefix: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantFile {
+    #[serde(default)]
+    default: TenantLimits,
+    #[serde(default)]
+    tenants: BTreeMap<String, TenantTable>,
 }
 
 impl TenantConfig {
     pub fn parse(text: &str) -> Result<TenantConfig> {
-        let config: TenantConfig = toml::from_str(text).map_err(|e| Error::invalid(format!("tenant config: {e}")))?;
+        let file: TenantFile = toml::from_str(text).map_err(|e| Error::invalid(format!("tenant config: {e}")))?;
+        let mut config = TenantConfig { default: file.default, ..Default::default() };
+        for (name, t) in file.tenants {
+            if let Some(p) = &t.cache_key_prefix {
+                let fits = !p.is_empty()
+                    && p.len() <= 64
+                    && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+                if !fits {
+                    return Err(Error::invalid(format!(
+                        "tenant config [tenants.{name}]: cache_key_prefix is 1 to 64 of A-Z a-z 0-9 _ - ."
+                    )));
+                }
+            }
+            if t.cache_redis_url.is_some() || t.cache_key_prefix.is_some() {
+                let pool = CachePool { redis_url: t.cache_redis_url, key_prefix: t.cache_key_prefix };
+                config.cache_pools.insert(name.clone(), pool);
+            }
+            let limits = TenantLimits { rate: t.rate, burst: t.burst, max_concurrent: t.max_concurrent };
+            config.tenants.insert(name, limits);
+        }
         for (name, l) in
             std::iter::once(("default", &config.default)).chain(config.tenants.iter().map(|(n, l)| (n.as_str(), l)))
         {
@@ -149,6 +200,10 @@ const ANONYMOUS: &str = "";
 const OVERFLOW: &str = "\u{0}overflow";
 
 impl Tenants {
+    pub fn config(&self) -> &TenantConfig {
+        &self.config
+    }
+
     pub fn new(config: TenantConfig, header: &str) -> Arc<Tenants> {
         // Every series a refusal can count in starts at 0, so dashboards and alerts see it before
         // the first refusal.

@@ -111,6 +111,15 @@ pub struct ResponseCache {
     /// Misses being computed now: each leader's answer, once it has one. Bounded by the requests
     /// in flight (each entry's leader is one).
     flights: std::sync::Mutex<std::collections::HashMap<Key, Answer>>,
+    /// Listed tenants whose entries live apart in the shared tier, by name.
+    pools: std::collections::HashMap<String, Pool>,
+}
+
+/// A tenant's own place in the shared tier: a tier of its own (`None`: the default one) and a
+/// prefix of its own for its keys.
+struct Pool {
+    shared: Option<Shared>,
+    prefix: String,
 }
 
 type Answer = tokio::sync::watch::Receiver<Option<Value>>;
@@ -168,8 +177,13 @@ impl std::fmt::Debug for ResponseCache {
     }
 }
 
-fn shared_key(key: Key) -> String {
-    format!("ferrite:{key:032x}")
+/// The key a value lives under in the shared tier: `[<prefix>:]ferrite:<hash>`.
+fn shared_key(prefix: &str, key: Key) -> String {
+    if prefix.is_empty() {
+        format!("ferrite:{key:032x}")
+    } else {
+        format!("{prefix}:ferrite:{key:032x}")
+    }
 }
 
 impl ResponseCache {
@@ -193,17 +207,7 @@ impl ResponseCache {
                 }
             })
             .build();
-        let shared = shared.map(|tier| Shared {
-            tier,
-            breaker: Breaker::new(5, Duration::from_secs(1)),
-            timeout: options.shared_timeout,
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
-            errors: AtomicU64::new(0),
-            timeouts: AtomicU64::new(0),
-            dropped: AtomicU64::new(0),
-            bad: AtomicU64::new(0),
-        });
+        let shared = shared.map(|tier| Shared::new(tier, options.shared_timeout));
         ResponseCache {
             local,
             budget: options.local_bytes,
@@ -214,7 +218,30 @@ impl ResponseCache {
             ttl: options.ttl,
             shared,
             flights: Default::default(),
+            pools: Default::default(),
         }
+    }
+
+    /// Keeps the shared-tier entries of `tenant` apart: in `tier` when given (else the default
+    /// tier), under `prefix` when given.
+    pub fn with_pool(mut self, tenant: &str, tier: Option<Arc<dyn SharedTier>>, prefix: Option<&str>) -> Self {
+        let timeout = self.shared.as_ref().map_or(CacheOptions::default().shared_timeout, |s| s.timeout);
+        let pool = Pool { shared: tier.map(|t| Shared::new(t, timeout)), prefix: prefix.unwrap_or_default().into() };
+        self.pools.insert(tenant.to_string(), pool);
+        self
+    }
+
+    /// The shared tier `tenant`'s entries live in, and their keys' prefix.
+    fn place(&self, tenant: Option<&str>) -> (Option<&Shared>, &str) {
+        match tenant.and_then(|t| self.pools.get(t)) {
+            Some(p) => (p.shared.as_ref().or(self.shared.as_ref()), &p.prefix),
+            None => (self.shared.as_ref(), ""),
+        }
+    }
+
+    /// Every shared tier: the default one and the tenants' own.
+    fn tiers(&self) -> impl Iterator<Item = &Shared> {
+        self.shared.iter().chain(self.pools.values().filter_map(|p| p.shared.as_ref()))
     }
 
     /// Leads the computation of `key`'s answer, or follows the request already leading it.
@@ -235,7 +262,8 @@ impl ResponseCache {
         if let Some(v) = self.local.get(&key) {
             return Some(v);
         }
-        let outputs = self.shared.as_ref()?.get(key, max_elements).await?;
+        let (shared, prefix) = self.place(tenant);
+        let outputs = shared?.get(shared_key(prefix, key), max_elements).await?;
         Some(self.keep(key, outputs, tenant))
     }
 
@@ -245,8 +273,8 @@ impl ResponseCache {
             return;
         }
         self.keep(key, outputs.to_vec(), tenant);
-        if let Some(s) = &self.shared {
-            if !s.tier.put(shared_key(key), encode(outputs), self.ttl) {
+        if let (Some(s), prefix) = self.place(tenant) {
+            if !s.tier.put(shared_key(prefix, key), encode(outputs), self.ttl) {
                 s.dropped.fetch_add(1, Relaxed);
             }
         }
@@ -280,25 +308,41 @@ impl ResponseCache {
             redis: "off",
             ..Default::default()
         };
-        if let Some(r) = &self.shared {
-            // "ok" only while calls go through: a breaker waiting for its probe is not.
-            s.redis = if r.tier.connected() && r.breaker.is_closed() { "ok" } else { "degraded" };
-            s.redis_hits = r.hits.load(Relaxed);
-            s.redis_misses = r.misses.load(Relaxed);
-            s.redis_errors = r.errors.load(Relaxed) + r.tier.write_errors();
-            s.redis_timeouts = r.timeouts.load(Relaxed);
-            s.redis_writes_dropped = r.dropped.load(Relaxed);
-            s.redis_bad_values = r.bad.load(Relaxed);
-            s.redis_moved = r.tier.moved();
+        // Summed over every shared tier; "ok" only while calls go through to all of them (a
+        // breaker waiting for its probe does not).
+        for r in self.tiers() {
+            let ok = r.tier.connected() && r.breaker.is_closed();
+            s.redis = if ok && s.redis != "degraded" { "ok" } else { "degraded" };
+            s.redis_hits += r.hits.load(Relaxed);
+            s.redis_misses += r.misses.load(Relaxed);
+            s.redis_errors += r.errors.load(Relaxed) + r.tier.write_errors();
+            s.redis_timeouts += r.timeouts.load(Relaxed);
+            s.redis_writes_dropped += r.dropped.load(Relaxed);
+            s.redis_bad_values += r.bad.load(Relaxed);
+            s.redis_moved += r.tier.moved();
         }
         s
     }
 }
 
 impl Shared {
+    fn new(tier: Arc<dyn SharedTier>, timeout: Duration) -> Shared {
+        Shared {
+            tier,
+            breaker: Breaker::new(5, Duration::from_secs(1)),
+            timeout,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            bad: AtomicU64::new(0),
+        }
+    }
+
     /// One lookup, if connected and the breaker lets it through; an error, a timeout or a value
     /// that does not decode counts as a miss.
-    async fn get(&self, key: Key, max_elements: usize) -> Option<Vec<Tensor>> {
+    async fn get(&self, key: String, max_elements: usize) -> Option<Vec<Tensor>> {
         if !self.tier.connected() || !self.breaker.allow(Instant::now()) {
             return None;
         }
@@ -313,7 +357,7 @@ impl Shared {
             }
         }
         let mut call = Probe(&self.breaker, false);
-        let found = tokio::time::timeout(self.timeout, self.tier.get(&shared_key(key))).await;
+        let found = tokio::time::timeout(self.timeout, self.tier.get(&key)).await;
         call.1 = true;
         let found = match found {
             Ok(Ok(v)) => {
@@ -339,7 +383,7 @@ impl Shared {
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "a shared cache value failed its checks; removed");
                 self.bad.fetch_add(1, Relaxed);
-                self.tier.remove(shared_key(key));
+                self.tier.remove(key);
                 None
             }
             None => {
@@ -474,14 +518,40 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_pinned_tenant_reads_and_writes_only_its_own_pool() {
+        let (default, own, prefixed) = (Arc::new(FakeTier::default()), Arc::new(FakeTier::default()), "globex");
+        let cache = ResponseCache::new(&CacheOptions::default(), Some(default.clone()))
+            .with_pool("acme", Some(own.clone()), Some("acme"))
+            .with_pool(prefixed, None, Some(prefixed));
+        let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
+        for tenant in [Some("acme"), Some("globex"), Some("initech"), None] {
+            cache.put(k, &[t("y", &[2.0])], tenant);
+        }
+        let names = |tier: &FakeTier| {
+            let mut v: Vec<String> = tier.values.lock().unwrap().keys().cloned().collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&own), vec![shared_key("acme", k)]);
+        assert_eq!(names(&default), vec![shared_key("", k), shared_key("globex", k)]);
+        assert!(shared_key("acme", k).starts_with("acme:ferrite:"));
+        // acme's lookups go to its own tier only: a value in the default tier is not its hit.
+        cache.local.invalidate_all();
+        own.values.lock().unwrap().clear();
+        assert!(cache.get(k, 1 << 20, Some("acme")).await.is_none());
+        assert!(cache.get(k, 1 << 20, Some("initech")).await.is_some());
+        assert_eq!(cache.snapshot().redis_hits, 1);
+    }
+
+    #[tokio::test]
     async fn a_bad_shared_value_is_dropped_from_the_tier_and_counted() {
         let tier = Arc::new(FakeTier::default());
         let cache = ResponseCache::new(&CacheOptions::default(), Some(tier.clone()));
         let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
-        tier.values.lock().unwrap().insert(shared_key(k), vec![1, 2, 3]);
+        tier.values.lock().unwrap().insert(shared_key("", k), vec![1, 2, 3]);
         assert!(cache.get(k, 1 << 20, None).await.is_none());
         assert_eq!(cache.snapshot().redis_bad_values, 1);
-        assert_eq!(*tier.removed.lock().unwrap(), vec![shared_key(k)]);
+        assert_eq!(*tier.removed.lock().unwrap(), vec![shared_key("", k)]);
         // A good value is a hit, and promoted to tier 1.
         cache.put(k, &[t("y", &[2.0])], None);
         cache.local.invalidate(&k);
