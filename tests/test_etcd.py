@@ -142,3 +142,35 @@ def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
                           "--no-metrics", "--config-source", f"etcd://127.0.0.1:{port}/ferrite"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--config-source" in out.stderr, out.stderr
+
+
+def gauge(server, name):
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return next(int(float(line.split()[1])) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_revision_reaches_every_replica_and_one_that_cannot_apply_it_says_so(start_server, tmp_path, etcd):
+    # Three replicas follow one etcd; the third holds a model 'a' of fixed shape, which cannot
+    # take the batched config the other two apply.
+    repos = []
+    for i, model in enumerate((SCALE, SCALE, SCALE.parent / "fixed")):
+        repo = tmp_path / f"repo{i}"
+        (repo / "a" / "1").mkdir(parents=True)
+        shutil.copy(model / "1" / "model.onnx", repo / "a" / "1" / "model.onnx")
+        repos.append(repo)
+    etcd.put(a="max_batch_size = 0")
+    source = ("--config-source", f"etcd://127.0.0.1:{etcd.client}/ferrite")
+    replicas = [start_server(*source, repository=r) for r in repos]
+    first = [gauge(s, "ferrite_config_revision") for s in replicas]
+    assert all(r > 0 for r in first) and all(gauge(s, "ferrite_config_refused_revision") == 0 for s in replicas)
+    etcd.put(a="max_batch_size = 4")
+    wait_for(lambda: all(gauge(s, "ferrite_config_revision") > first[i] for i, s in enumerate(replicas[:2])),
+             what="the revision on the replicas that can apply it")
+    revision = gauge(replicas[0], "ferrite_config_revision")
+    assert gauge(replicas[1], "ferrite_config_revision") == revision
+    assert batch(replicas[0].url, "a") == 4 and batch(replicas[1].url, "a") == 4
+    wait_for(lambda: gauge(replicas[2], "ferrite_config_refused_revision") == revision, what="the refusal")
+    assert gauge(replicas[2], "ferrite_config_revision") < revision
+    assert "config change refused" in replicas[2].logs()
+    # It serves on with the configs it had.
+    assert batch(replicas[2].url, "a") == 0

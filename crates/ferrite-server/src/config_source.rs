@@ -67,6 +67,7 @@ impl Source {
     /// The configs read at start-up: each model's config text.
     pub fn initial(&self) -> BTreeMap<String, String> {
         tracing::info!(revision = self.first.revision, models = self.first.configs.len(), "configs read from etcd");
+        ferrite_core::telemetry::metrics::global().config_revision.set(self.first.revision);
         self.first.texts()
     }
 
@@ -135,7 +136,13 @@ impl Watcher {
         let configs = snap.texts();
         let revision = snap.revision;
         // Loading models blocks; keep it off the async threads.
-        let _ = tokio::task::spawn_blocking(move || core.apply_configs(revision, configs)).await;
+        let applied = tokio::task::spawn_blocking(move || core.apply_configs(revision, configs)).await;
+        let m = ferrite_core::telemetry::metrics::global();
+        match applied {
+            Ok(Ok(())) => m.config_revision.set(revision),
+            // Refused whole (logged with its reason): the previous configs go on serving.
+            _ => m.config_refused_revision.set(revision),
+        }
         snap.configs
     }
 

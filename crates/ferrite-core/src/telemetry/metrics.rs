@@ -30,6 +30,8 @@ pub struct Metrics {
     pub redis_moved: prometheus::IntCounter,
     pub redis_up: prometheus::IntGauge,
     pub desired_replicas: prometheus::IntGauge,
+    pub config_revision: prometheus::IntGauge,
+    pub config_refused_revision: prometheus::IntGauge,
     pub model_ready: IntGaugeVec,
     pub model_load_duration: prometheus::GaugeVec,
     pub tenant_refusals: IntCounterVec,
@@ -116,6 +118,22 @@ impl Metrics {
                 let c = prometheus::IntCounter::new("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?;
                 registry.register(Box::new(c.clone()))?;
                 c
+            },
+            config_revision: {
+                let g = prometheus::IntGauge::new(
+                    "ferrite_config_revision",
+                    "The etcd revision whose model configs this replica serves (0: configs from files only).",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            config_refused_revision: {
+                let g = prometheus::IntGauge::new(
+                    "ferrite_config_refused_revision",
+                    "The latest etcd revision whose model configs this replica could not apply (0: none); it serves the previous ones.",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
             },
             redis_moved: {
                 let c = prometheus::IntCounter::new(
