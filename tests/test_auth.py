@@ -34,7 +34,8 @@ HTTP_ROUTES = [
     ("GET", "/v2/no/such/route"),
 ]
 # Statistics count every tenant's traffic and cache hits: the operator's (metrics) scope.
-STATS_ROUTES = [("GET", "/v2/models/mlp/stats"), ("GET", "/v2/models/stats"), ("GET", "/v2/models/mlp/versions/1/stats")]
+STATS_ROUTES = [("GET", "/v2/models/mlp/stats"), ("GET", "/v2/models/stats"), ("GET", "/v2/models/mlp/versions/1/stats"),
+                ("GET", "/dashboard/metrics")]
 HEALTH = [("GET", "/v2/health/live"), ("GET", "/v2/health/ready")]
 
 
@@ -82,6 +83,9 @@ def test_every_http_route_needs_the_right_token(secured):
         assert http("GET", url, INFER) == 403
         assert http("GET", url, METRICS) == 200
         assert http("GET", url, ADMIN) == 200
+    # The live page is static (a browser cannot send a token to load it); its data is behind
+    # the metrics scope above.
+    assert http("GET", f"{base}/dashboard") == 200
     # The token never appears in the logs.
     assert INFER not in s.logs() and WRONG not in s.logs()
 

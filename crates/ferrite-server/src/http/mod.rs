@@ -199,11 +199,13 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
             // Statistics count every tenant's requests and cache hits: an operator's view, not a
             // client's (with per-tenant cache keys they no longer tell what another sent, but they
             // still tell when and how much).
-            let scope = if path == "/metrics" || path.ends_with("/stats") {
+            let scope = if path == "/metrics" || path == "/dashboard/metrics" || path.ends_with("/stats") {
                 Scope::Metrics
             } else if path.starts_with("/v2/repository") {
                 Scope::Admin
-            } else if path.starts_with("/v2/health/") && auth.allow_health {
+            } else if (path.starts_with("/v2/health/") && auth.allow_health) || path == "/dashboard" {
+                // The dashboard is a static page with no data in it: a browser cannot send a
+                // token to load it, and the page sends the one its operator types on its own calls.
                 return next.run(req).await;
             } else {
                 Scope::Infer
@@ -274,6 +276,8 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         (Doc { error: json::<b::TeiError>(), ..doc("get", "/info", "TEI's info: the text model (?model= when several), its task and limits", user, None, json::<b::TeiInfo>()) }, get(texts::info)),
         (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, json::<b::OpenApi>()), get(openapi_json)),
         (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, Body::Html), get(docs_page)),
+        (doc("get", "/dashboard/metrics", "The Prometheus metrics, for the live page on this port (the same text as /metrics)", Some("metrics"), None, Body::Text), get(metrics)),
+        (doc("get", "/dashboard", "A live page of this replica: per model version its state, rate, p50/p99, queue and compute time, batch sizes, cache hits, plan and refusals (static: no token; its data calls need a metrics token)", None, None, Body::Html), get(dashboard_page)),
     ];
     // Each model route, for the model's default version and for a named one.
     for (prefix, metadata, ready, config, stats, infer_path) in [
@@ -369,6 +373,10 @@ fn openapi_document() -> &'static str {
 
 async fn openapi_json() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], openapi_document()).into_response()
+}
+
+async fn dashboard_page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], openapi::DASHBOARD_PAGE).into_response()
 }
 
 async fn docs_page() -> Response {

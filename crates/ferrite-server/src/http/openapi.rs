@@ -72,6 +72,8 @@ impl Body {
 
 /// The documentation page: plain HTML and script, rendering `/v2/openapi.json`.
 pub const DOCS_PAGE: &str = include_str!("docs.html");
+/// The live page of what this replica does (`/dashboard`), self-contained like the docs page.
+pub const DASHBOARD_PAGE: &str = include_str!("dashboard.html");
 
 /// The whole description, for the routes in `docs`.
 pub fn document(docs: &[Doc]) -> Value {
