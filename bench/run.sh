@@ -5,6 +5,7 @@
 #
 # Usage: bench/run.sh [--duration 20] [--clients 128] [--name mlp] [--variants]
 #        bench/run.sh --cache [--duration 20]   (the response-cache benchmark: bench/cache.py)
+#        bench/run.sh --fleet [--duration 20]   (1-3 replicas behind HAProxy on a Redis Cluster: bench/fleet.py)
 #        bench/run.sh --kinds [--duration 10] [--pin]  (model kinds against their ceilings: bench/kinds.py;
 #                                              --pin: server and ceiling on core 0, load generators on core 1)
 #        bench/run.sh --pipelines [--duration 10]  (image and text pipelines vs FastAPI and the ceiling)
@@ -48,6 +49,13 @@ if [ "${1:-}" = "--cache" ]; then
     shift
     command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
     exec python3 bench/cache.py "$@"
+fi
+if [ "${1:-}" = "--fleet" ]; then
+    shift
+    export PATH="$PATH:/usr/sbin"
+    command -v redis-server >/dev/null && command -v haproxy >/dev/null \
+        || { apt-get update -qq && apt-get install -y -qq redis-server haproxy; }
+    exec python3 bench/fleet.py "$@"
 fi
 if [ "${1:-}" = "--pipelines" ]; then
     shift

@@ -160,3 +160,34 @@ def test_every_dashboard_query_names_an_exported_metric(tmp_path):
             exported |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
     missing = sorted(named - exported)
     assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "kubernetes" / "redis-cluster").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_redis_cluster_overlay_validates(path):
+    import kubernetes_validate
+    for doc in documents(path):
+        if doc.get("kind") == "Kustomization":
+            assert "../" in doc["resources"]
+            (patch,) = doc["patches"]
+            (op,) = yaml.safe_load(patch["patch"])
+            assert op["path"] == "/spec/template/spec/containers/0/env/-"
+            assert op["value"]["name"] == "FERRITE_CACHE_REDIS_URL" and op["value"]["value"].startswith("redis+cluster://")
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_redis_cluster_is_six_nodes_announcing_hostnames():
+    docs = {d["kind"]: d for d in documents(DEPLOY / "kubernetes" / "redis-cluster" / "redis-cluster.yaml")}
+    conf = docs["ConfigMap"]["data"]["redis.conf"]
+    assert "cluster-enabled yes" in conf and "maxmemory-policy allkeys-lru" in conf
+    assert docs["StatefulSet"]["spec"]["replicas"] == 6 and docs["Service"]["spec"]["clusterIP"] == "None"
+    assert "--cluster-replicas 1" in docs["Job"]["spec"]["template"]["spec"]["containers"][0]["args"][0]
+
+
+def test_the_haproxy_example_is_valid_and_checks_readiness():
+    import shutil
+    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    cfg = DEPLOY / "haproxy" / "haproxy.cfg"
+    r = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert cfg.read_text().count("option httpchk GET /v2/health/ready") == 2

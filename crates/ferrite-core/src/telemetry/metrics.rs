@@ -61,6 +61,17 @@ impl Metrics {
             registry.register(Box::new(g.clone()))?;
             Ok(g)
         };
+        // One value for the whole process.
+        let single = |name: &str, help: &str| -> prometheus::Result<prometheus::IntGauge> {
+            let g = prometheus::IntGauge::new(name, help)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let single_counter = |name: &str, help: &str| -> prometheus::Result<prometheus::IntCounter> {
+            let c = prometheus::IntCounter::new(name, help)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
         let m = Metrics {
             requests: counter(
                 "ferrite_requests_total",
@@ -114,48 +125,24 @@ impl Metrics {
                 "Cache misses answered by an identical request already computing (not computed again).",
                 MODEL,
             )?,
-            redis_errors: {
-                let c = prometheus::IntCounter::new("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?;
-                registry.register(Box::new(c.clone()))?;
-                c
-            },
-            config_revision: {
-                let g = prometheus::IntGauge::new(
-                    "ferrite_config_revision",
-                    "The etcd revision whose model configs this replica serves (0: configs from files only).",
-                )?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
-            config_refused_revision: {
-                let g = prometheus::IntGauge::new(
-                    "ferrite_config_refused_revision",
-                    "The latest etcd revision whose model configs this replica could not apply (0: none); it serves the previous ones.",
-                )?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
-            redis_moved: {
-                let c = prometheus::IntCounter::new(
-                    "ferrite_cache_redis_moved_total",
-                    "MOVED/ASK replies from a Redis addressed as one server: it is a cluster node (use redis+cluster://).",
-                )?;
-                registry.register(Box::new(c.clone()))?;
-                c
-            },
-            redis_up: {
-                let g = prometheus::IntGauge::new("ferrite_cache_redis_up", "1 when the Redis cache tier is connected and healthy, 0 when degraded.")?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
-            desired_replicas: {
-                let g = prometheus::IntGauge::new(
-                    "ferrite_desired_replicas",
-                    "Replicas this process's load calls for: ceil(req/s / per-replica capacity), x1.8 while p99 is over its target, within [min, max] (--scale-* flags).",
-                )?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
+            redis_errors: single_counter("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?,
+            config_revision: single(
+                "ferrite_config_revision",
+                "The etcd revision whose model configs this replica serves (0: configs from files only).",
+            )?,
+            config_refused_revision: single(
+                "ferrite_config_refused_revision",
+                "The latest etcd revision whose model configs this replica could not apply (0: none); it serves the previous ones.",
+            )?,
+            redis_moved: single_counter(
+                "ferrite_cache_redis_moved_total",
+                "MOVED/ASK replies from a Redis addressed as one server: it is a cluster node (use redis+cluster://).",
+            )?,
+            redis_up: single("ferrite_cache_redis_up", "1 when the Redis cache tier is connected and healthy, 0 when degraded.")?,
+            desired_replicas: single(
+                "ferrite_desired_replicas",
+                "Replicas this process's load calls for: ceil(req/s / per-replica capacity), x1.8 while p99 is over its target, within [min, max] (--scale-* flags).",
+            )?,
             pipeline_step_duration: {
                 let h = HistogramVec::new(
                     HistogramOpts::new(
