@@ -326,3 +326,40 @@ def test_tenant_cache_pools_are_checked_at_start(tmp_path):
                               "--tenant-config", str(tenants), "--http-port", "0", "--grpc-port", "0", "--no-metrics"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and ("tenants.acme" in out.stderr or "cache_pool" in out.stderr), (bad, out.stderr)
+
+
+def test_a_hot_key_is_computed_once_across_replicas(start_server, tmp_path, redis):
+    import threading
+    import urllib.request
+    args = ("--cache-redis-url", redis.url, "--cache-ttl", "1", "--cache-redis-timeout-ms", "50")
+    a = start_server(*args, repository=slow_cached_repo(tmp_path / "a", 200_000))
+    b = start_server(*args, repository=slow_cached_repo(tmp_path / "b", 200_000))
+    wait_for(lambda: stats(a)[1]["redis"] == "ok" and stats(b)[1]["redis"] == "ok", what="redis connected")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    # Each replica computes something once (so it knows how long computing takes here), and
+    # looks x up often enough for it to be hot.
+    for s in (a, b):
+        mlp_infer(s, rng.standard_normal((1, 512)).astype(np.float32))
+        for _ in range(5):
+            mlp_infer(s, x)
+    time.sleep(1.3)  # x expires in both tiers while still hot
+    rows = lambda: stats(a)[0]["inference_count"] + stats(b)[0]["inference_count"]  # noqa: E731
+    before = rows()
+    answers = {}
+    threads = [threading.Thread(target=lambda s=s: answers.update({s.port: mlp_infer(s, x).as_numpy("output")}))
+               for s in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers[a.port].tobytes() == answers[b.port].tobytes()
+    assert rows() - before == 1, "the replica that did not take the key waited for the other's answer"
+
+    def fleet(s):
+        text = urllib.request.urlopen(s.metrics_url, timeout=5).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("ferrite_cache_fleet_coalesced_total{"))
+
+    assert fleet(a) + fleet(b) == 1
+    assert stats(a)[1]["hot_keys"] >= 1 and stats(a)[1]["fleet_answered"] + stats(b)[1]["fleet_answered"] == 1

@@ -299,6 +299,21 @@ impl SharedTier for RedisTier {
     fn moved(&self) -> u64 {
         RedisTier::moved(self)
     }
+
+    fn claim(&self, key: String, ttl: Duration) -> TierFuture<'_, bool> {
+        let conn = self.connection();
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(key).arg(std::process::id()).arg("NX").arg("PX").arg(ttl.as_millis().max(1) as u64);
+        Box::pin(async move {
+            let mut conn = conn.ok_or_else(|| "not connected".to_string())?;
+            // "OK" when set, nil when another process holds the key.
+            let taken = conn.query::<Option<String>>(&cmd).await.map_err(|e| {
+                self.counts.failed(&e);
+                e.to_string()
+            })?;
+            Ok(taken.is_some())
+        })
+    }
 }
 
 #[cfg(test)]

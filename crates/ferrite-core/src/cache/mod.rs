@@ -8,7 +8,13 @@
 //! [`join`](ResponseCache::join)s as the flight's [`Leader`], the others follow it and take its
 //! answer. A leader that leaves without one (cancelled, failed) releases its followers to compute
 //! their own, so it never fails them.
+//!
+//! Across processes sharing the tier, a hot key (see [`hot`]) is computed once too: the leader of
+//! a hot miss [`claim`](ResponseCache::claim)s it in the shared tier; when another process holds
+//! it, the leader waits (about twice the model's usual compute time) for that process's answer to
+//! appear there, and computes its own only if it does not.
 
+mod hot;
 mod key;
 mod shared;
 mod value;
@@ -95,6 +101,12 @@ pub struct CacheSnapshot {
     pub redis_bad_values: u64,
     /// MOVED/ASK replies: the URL names one node of a Redis Cluster (use `redis+cluster://`).
     pub redis_moved: u64,
+    /// Keys that became hot in the sketch's current window.
+    pub hot_keys: u64,
+    /// Hot misses another process was computing: answered from its result, or (not in time)
+    /// computed here too.
+    pub fleet_answered: u64,
+    pub fleet_missed: u64,
 }
 
 pub struct ResponseCache {
@@ -113,7 +125,35 @@ pub struct ResponseCache {
     flights: std::sync::Mutex<std::collections::HashMap<Key, Answer>>,
     /// Listed tenants whose entries live apart in the shared tier, by name.
     pools: std::collections::HashMap<String, Pool>,
+    heat: hot::Heat,
+    fleet_answered: AtomicU64,
+    fleet_missed: AtomicU64,
 }
+
+/// What [`ResponseCache::claim`] found for a hot miss.
+pub enum Claim {
+    /// Compute it here (not hot, no shared tier, or this process took it: the claim, if any, is
+    /// released when the [`Claimed`] guard goes, after the answer was queued for the tier).
+    Compute(Option<Claimed>),
+    /// Another process computed it meanwhile.
+    Answered(Value),
+}
+
+/// A hot key this process took in the shared tier; dropped, it queues the release (after the
+/// answer's write, as writes keep their order).
+pub struct Claimed {
+    tier: Arc<dyn SharedTier>,
+    lock: String,
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        self.tier.remove(std::mem::take(&mut self.lock));
+    }
+}
+
+/// How often a process waiting for another's answer looks for it.
+const FLEET_POLL: Duration = Duration::from_millis(2);
 
 /// A tenant's own place in the shared tier: a tier of its own (`None`: the default one) and a
 /// prefix of its own for its keys.
@@ -219,6 +259,9 @@ impl ResponseCache {
             shared,
             flights: Default::default(),
             pools: Default::default(),
+            heat: Default::default(),
+            fleet_answered: AtomicU64::new(0),
+            fleet_missed: AtomicU64::new(0),
         }
     }
 
@@ -259,12 +302,39 @@ impl ResponseCache {
     /// client input (each tensor at most `max_elements` elements); a bad one is dropped from the
     /// shared tier and counted, and a good one is promoted to tier 1 (in `tenant`'s share).
     pub async fn get(&self, key: Key, max_elements: usize, tenant: Option<&str>) -> Option<Value> {
+        self.heat.touch(key);
         if let Some(v) = self.local.get(&key) {
             return Some(v);
         }
         let (shared, prefix) = self.place(tenant);
         let outputs = shared?.get(shared_key(prefix, key), max_elements).await?;
         Some(self.keep(key, outputs, tenant))
+    }
+
+    /// For the leader of a miss: when the key is hot and a shared tier is up, takes it there, or,
+    /// when another process holds it, waits at most `wait` for that process's answer to appear.
+    pub async fn claim(&self, key: Key, max_elements: usize, tenant: Option<&str>, wait: Duration) -> Claim {
+        let (Some(shared), prefix) = self.place(tenant) else { return Claim::Compute(None) };
+        if !self.heat.is_hot(key) || !shared.tier.connected() || shared.breaker.is_open(Instant::now()) {
+            return Claim::Compute(None);
+        }
+        let lock = format!("{}:lock", shared_key(prefix, key));
+        match tokio::time::timeout(shared.timeout, shared.tier.claim(lock.clone(), wait)).await {
+            Ok(Ok(true)) => return Claim::Compute(Some(Claimed { tier: shared.tier.clone(), lock })),
+            Ok(Ok(false)) => {}
+            // An error or a slow tier: compute here, as for any miss.
+            _ => return Claim::Compute(None),
+        }
+        let until = Instant::now() + wait;
+        while Instant::now() < until {
+            tokio::time::sleep(FLEET_POLL).await;
+            if let Some(outputs) = shared.get(shared_key(prefix, key), max_elements).await {
+                self.fleet_answered.fetch_add(1, Relaxed);
+                return Claim::Answered(self.keep(key, outputs, tenant));
+            }
+        }
+        self.fleet_missed.fetch_add(1, Relaxed);
+        Claim::Compute(None)
     }
 
     /// Stores a response in tier 1 now (within `tenant`'s share) and queues it for tier 2.
@@ -305,6 +375,9 @@ impl ResponseCache {
             local_bytes: self.local.weighted_size(),
             local_budget_bytes: self.budget,
             local_over_share: self.over_share.load(Relaxed),
+            hot_keys: self.heat.hot_keys(),
+            fleet_answered: self.fleet_answered.load(Relaxed),
+            fleet_missed: self.fleet_missed.load(Relaxed),
             redis: "off",
             ..Default::default()
         };

@@ -32,6 +32,12 @@ pub trait SharedTier: Send + Sync {
     fn moved(&self) -> u64 {
         0
     }
+    /// Takes `key` for `ttl` unless another process holds it (Redis `SET NX PX`): true when this
+    /// one took it. A tier that cannot tell says true (every process then computes its own).
+    fn claim(&self, key: String, ttl: Duration) -> TierFuture<'_, bool> {
+        let _ = (key, ttl);
+        Box::pin(async { Ok(true) })
+    }
 }
 
 /// Opens after `threshold` consecutive failures and stays open for `cooldown`; then one request

@@ -277,7 +277,9 @@ impl Core {
             m.model_ready.with_label_values(&labels).set(self.is_ready() as i64);
         }
         if let Some(c) = self.cache() {
-            m.redis_up.set((c.snapshot().redis == "ok") as i64);
+            let s = c.snapshot();
+            m.redis_up.set((s.redis == "ok") as i64);
+            m.cache_hot_keys.set(s.hot_keys.min(i64::MAX as u64) as i64);
         }
         crate::telemetry::metrics::render()
     }

@@ -176,7 +176,7 @@ impl Model {
         let deadline = policy.timeout(req.timeout_us).map(|t| now + t);
         // With `timeout_action = delay` a late request still runs, so its caller waits for it.
         let wait_limit = deadline.filter(|_| policy.timeout_action == TimeoutAction::Reject);
-        let mut leader = None;
+        let (mut leader, mut claimed) = (None, None);
         if let (Some(c), Some(k)) = (cache, key) {
             let t = Instant::now();
             if let Some(hit) = c.get(k, max_elements, share).instrument(child(|| tracing::debug_span!("cache"))).await {
@@ -188,7 +188,22 @@ impl Model {
             self.stats.cache_miss.add(t.elapsed());
             self.metrics.cache_misses.inc();
             match c.join(k) {
-                cache::Flight::Lead(l) => leader = Some(l),
+                cache::Flight::Lead(l) => {
+                    // A hot key may be computing in another process sharing the tier: wait for
+                    // its answer rather than compute it again (within this request's deadline).
+                    let mut wait = self.fleet_wait();
+                    if let Some(d) = wait_limit {
+                        wait = wait.min(d.saturating_duration_since(Instant::now()));
+                    }
+                    match c.claim(k, max_elements, share, wait).await {
+                        cache::Claim::Answered(a) => {
+                            self.metrics.cache_fleet_coalesced.inc();
+                            l.finish(&a.outputs);
+                            return Ok(self.response(req.id, a.outputs.clone()));
+                        }
+                        cache::Claim::Compute(mine) => (leader, claimed) = (Some(l), mine),
+                    }
+                }
                 cache::Flight::Follow(answer) => {
                     // An identical request is computing this answer: wait for it, within this
                     // request's own deadline; if it leaves without one, compute it here.
@@ -239,7 +254,22 @@ impl Model {
         if let Some(l) = leader {
             l.finish(&outputs);
         }
+        // Released after the answer's write was queued (writes keep their order).
+        drop(claimed);
         Ok(self.response(req.id, outputs))
+    }
+
+    /// How long a hot miss waits for another process's answer: about twice what computing a
+    /// request has taken here (queue and compute, mean so far), within 5 ms to 1 s.
+    fn fleet_wait(&self) -> Duration {
+        let s = &self.stats;
+        let queue = s.queue.snapshot();
+        let ns = [&s.compute_input, &s.compute_infer, &s.compute_output].iter().map(|c| c.snapshot().ns).sum::<u64>();
+        let per = match queue.count {
+            0 => Duration::from_millis(50),
+            n => Duration::from_nanos(queue.ns.saturating_add(ns) / n),
+        };
+        (per * 2).clamp(Duration::from_millis(5), Duration::from_secs(1))
     }
 
     fn response(&self, id: Option<String>, outputs: Vec<Tensor>) -> InferResponse {

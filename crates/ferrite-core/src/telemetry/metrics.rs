@@ -26,6 +26,8 @@ pub struct Metrics {
     pub cache_hits: IntCounterVec,
     pub cache_misses: IntCounterVec,
     pub cache_coalesced: IntCounterVec,
+    pub cache_fleet_coalesced: IntCounterVec,
+    pub cache_hot_keys: prometheus::IntGauge,
     pub redis_errors: prometheus::IntCounter,
     pub redis_moved: prometheus::IntCounter,
     pub redis_up: prometheus::IntGauge,
@@ -125,6 +127,15 @@ impl Metrics {
                 "Cache misses answered by an identical request already computing (not computed again).",
                 MODEL,
             )?,
+            cache_fleet_coalesced: counter(
+                "ferrite_cache_fleet_coalesced_total",
+                "Hot cache misses answered by another process sharing the tier, which was computing them (not computed again).",
+                MODEL,
+            )?,
+            cache_hot_keys: single(
+                "ferrite_cache_hot_keys",
+                "Cache keys that became hot (looked up repeatedly) in the current window of the hot-key sketch.",
+            )?,
             redis_errors: single_counter("ferrite_cache_redis_errors_total", "Redis cache calls that failed or timed out.")?,
             config_revision: single(
                 "ferrite_config_revision",
@@ -185,6 +196,7 @@ pub struct ModelMetrics {
     pub cache_hits: prometheus::IntCounter,
     pub cache_misses: prometheus::IntCounter,
     pub cache_coalesced: prometheus::IntCounter,
+    pub cache_fleet_coalesced: prometheus::IntCounter,
 }
 
 impl ModelMetrics {
@@ -204,6 +216,7 @@ impl ModelMetrics {
             cache_hits: m.cache_hits.with_label_values(&l),
             cache_misses: m.cache_misses.with_label_values(&l),
             cache_coalesced: m.cache_coalesced.with_label_values(&l),
+            cache_fleet_coalesced: m.cache_fleet_coalesced.with_label_values(&l),
             labels: [model.to_string(), v],
         }
     }
