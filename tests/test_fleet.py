@@ -169,3 +169,38 @@ def test_readiness_goes_off_before_requests_are_refused(start_server):
     assert s.proc.wait(30) == 0
     logs = s.logs()
     assert logs.index("still serving for the grace") < logs.index("grace over")
+
+
+def test_calls_in_flight_at_sigterm_finish_over_grpc_and_http(start_server, tmp_path):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from conftest import make_repository as repository
+    repo = repository(tmp_path / "slow", ("mlp",))
+    # Each request waits a second in the queue: still in flight when the signal comes.
+    (repo / "mlp" / "config.toml").write_text("[dynamic_batching]\nmax_queue_delay_microseconds = 1000000\n")
+    s = start_server(repository=repo)
+    g = grpcclient.InferenceServerClient(s.grpc_url)
+    x = grpcclient.InferInput("input", [1, 512], "FP32")
+    x.set_data_from_numpy(np.ones((1, 512), np.float32))
+    results = {}
+
+    def grpc_call():
+        results["grpc"] = g.infer("mlp", [x]).as_numpy("output").shape
+
+    def http_call():
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("POST", "/v2/models/mlp/infer", BODY)
+        r = conn.getresponse()
+        r.read()
+        results["http"] = (r.status, r.getheader("connection"))
+
+    threads = [threading.Thread(target=grpc_call), threading.Thread(target=http_call)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert results == {"grpc": (1, 10), "http": (200, "close")}, results
+    assert s.proc.wait(30) == 0

@@ -1,9 +1,9 @@
 //! Runs both listeners over one core until told to stop, then shuts down in the order a balancer
 //! can follow: readiness off while requests are still served for the stop's grace (HTTP/1.1
 //! responses say `Connection: close`, HTTP/2 connections get GOAWAY, so kept-alive clients move
-//! between requests, never under one); then new work refused (the listeners stay open and answer
-//! 503 meanwhile), queued and running work finished until the exit timeout, what is left failed;
-//! then the listeners close.
+//! between requests, never under one); then new work refused (the HTTP listeners stay open and
+//! answer 503 meanwhile; the gRPC listener sends GOAWAY and takes no more connections), queued and
+//! running work finished until the exit timeout, what is left failed; then the listeners close.
 
 use std::{future::Future, io, net::SocketAddr, time::Duration};
 
@@ -195,13 +195,15 @@ pub async fn run(
     let http_server = tokio::spawn(serve_http(bound.http, guard(app), acceptor, cfg.http.clone(), phase_rx));
 
     stopped(drain_rx).await;
+    // The gRPC listener stops taking connections and sends GOAWAY now: its calls in flight
+    // finish, new ones go to another replica rather than being refused here.
+    let _ = stop_tx.send(true);
     let drain_core = core.clone();
     let exit_timeout = cfg.exit_timeout;
     let failed = tokio::task::spawn_blocking(move || drain_core.drain(exit_timeout)).await.unwrap_or(0);
     if failed > 0 {
         tracing::warn!(failed, "requests failed at shutdown");
     }
-    let _ = stop_tx.send(true);
     let _ = phase_tx.send(Phase::Stopped);
     // Give in-flight responses a moment to be written.
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
