@@ -1,6 +1,9 @@
-"""Replicas behind a real balancer: three `ferrite` processes behind HAProxy (Debian's package),
-health-checked on /v2/health/ready as a Kubernetes Service's readiness would be, rolled one by one
-with SIGTERM under steady load. No request may fail, and none may be answered with an error."""
+"""A fleet on one machine: three `ferrite` replicas behind HAProxy (Debian's package), health-checked
+on /v2/health/ready as a Kubernetes Service's readiness would be, sharing a Redis Cluster (three
+masters, three replicas) as the cache's second tier and taking their model configs from etcd.
+Rolled one by one with SIGTERM under steady load, no request may fail and none may be answered
+with an error; answers computed by one replica are hits on the others, and an etcd revision
+reaches every replica."""
 
 import http.client
 import json
@@ -19,6 +22,9 @@ HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 # The balancer's probe: every 500 ms, down after 3 failures, up after 2 successes.
 CHECK = "inter 500ms fall 3 rise 2"
 BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+# The steady clients' requests: a few distinct inputs, so answers repeat across replicas.
+BODIES = [json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [i / 8] * 512}]})
+          for i in range(8)]
 
 
 class HAProxy:
@@ -84,9 +90,11 @@ class Load:
 
     def loop(self):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        n = 0
         while not self.stop.is_set():
+            n += 1
             try:
-                conn.request("POST", "/v2/models/mlp/infer", BODY, {"Content-Type": "application/json"})
+                conn.request("POST", "/v2/models/mlp/infer", BODIES[n % len(BODIES)], {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 body = r.read()
                 ok = r.status == 200 and len(json.loads(body)["outputs"][0]["data"]) == 10
@@ -109,12 +117,31 @@ class Load:
             t.join(60)
 
 
-def test_rolling_restart_behind_haproxy_loses_no_request(tmp_path):
+def revision(server):
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return next(int(float(line.split()[1])) for line in text.splitlines() if line.startswith("ferrite_config_revision "))
+
+
+def redis_hits(server):
+    with urllib.request.urlopen(f"http://{server.url}/v2/models/mlp/stats", timeout=5) as r:
+        return json.loads(r.read())["cache"]["redis_hits"]
+
+
+def test_a_fleet_rolls_under_load_with_no_failed_request(tmp_path):
+    from test_etcd import Etcd
+    from test_redis_cluster import RedisCluster
     repo = make_repository(tmp_path / "repo", ("mlp",))
+    etcd_log = open(tmp_path / "etcd.log", "w")
+    etcd = Etcd(tmp_path / "etcd-data", etcd_log)
+    (tmp_path / "redis").mkdir()
+    cluster = RedisCluster(tmp_path / "redis")
+    etcd.put(mlp="[cache]\nenabled = true\n")
+    args = ("--config-source", f"etcd://127.0.0.1:{etcd.client}/ferrite", "--cache-redis-url", cluster.url,
+            "--cache-redis-timeout-ms", "50")
     # The grace outlasts the balancer's 3 failed probes 500 ms apart.
     env = dict(os.environ, FERRITE_SHUTDOWN_GRACE_SECS="2.5")
     ports = [free_port() for _ in range(3)]
-    replicas = [Server(repo, env=env, port=p) for p in ports]
+    replicas = [Server(repo, *args, env=env, port=p) for p in ports]
     lb = HAProxy(tmp_path, ports)
     load = None
     try:
@@ -132,19 +159,32 @@ def test_rolling_restart_behind_haproxy_loses_no_request(tmp_path):
             took = time.time() - sigterm
             assert took >= 2.5, f"r{i} exited {took:.2f} s after SIGTERM, before its grace"
             assert "requests failed at shutdown" not in old.logs()
-            replicas[i] = Server(repo, env=env, port=port)
+            replicas[i] = Server(repo, *args, env=env, port=port)
             lb.wait_up(names)
             assert load.answers > before, "the fleet kept answering through the roll"
+        time.sleep(0.5)
+        # A new revision reaches every replica while they serve.
+        first = [revision(r) for r in replicas]
+        etcd.put(mlp="max_batch_size = 16\n[cache]\nenabled = true\n")
+        deadline = time.time() + 20
+        while time.time() < deadline and not all(revision(r) > f for r, f in zip(replicas, first)):
+            time.sleep(0.1)
+        assert len({revision(r) for r in replicas}) == 1 and revision(replicas[0]) > first[0]
         time.sleep(0.5)
         load.finish()
         assert not load.errors, load.errors[:10]
         assert load.answers > 100
+        # Each restarted replica found answers the others had computed in the shared tier.
+        assert all(redis_hits(r) > 0 for r in replicas), [redis_hits(r) for r in replicas]
     finally:
         if load:
             load.finish()
         lb.stop()
         for r in replicas:
             r.stop()
+        cluster.stop()
+        etcd.stop()
+        etcd_log.close()
 
 
 def test_readiness_goes_off_before_requests_are_refused(start_server):
