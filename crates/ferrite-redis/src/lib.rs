@@ -144,7 +144,23 @@ impl Target {
     }
 }
 
+/// A Redis Cluster's hash slots, and the ranges of them the cache keeps a breaker for: the
+/// cluster gives each master contiguous ranges, so a node that fails opens only its own.
+const SLOTS: usize = 16384;
+const SLOT_RANGES: usize = 64;
+
+/// The hash slot of `key` (CRC16-XMODEM of its hash tag, or of the whole key, mod 16384).
+fn slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &b[open + 1..];
+        rest.iter().position(|&c| c == b'}').filter(|&close| close > 0).map(|close| &rest[..close])
+    });
+    (crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(b)) as usize % SLOTS) as u16
+}
+
 pub struct RedisTier {
+    cluster: bool,
     conn: Arc<Mutex<Option<Conn>>>,
     writes: mpsc::Sender<Write>,
     counts: Arc<Counts>,
@@ -199,7 +215,8 @@ impl RedisTier {
             find_again: matches!(target, Target::Sentinel(_)).then(Notify::new),
             ..Default::default()
         });
-        let tier = Arc::new(RedisTier { conn: Arc::new(Mutex::new(None)), writes, counts: counts.clone() });
+        let cluster = matches!(target, Target::Cluster(_));
+        let tier = Arc::new(RedisTier { cluster, conn: Arc::new(Mutex::new(None)), writes, counts: counts.clone() });
         let conn = tier.conn.clone();
         let found = counts.clone();
         tokio::spawn(async move {
@@ -300,6 +317,22 @@ impl SharedTier for RedisTier {
         RedisTier::moved(self)
     }
 
+    fn shards(&self) -> usize {
+        if self.cluster {
+            SLOT_RANGES
+        } else {
+            1
+        }
+    }
+
+    fn shard(&self, key: &str) -> usize {
+        if self.cluster {
+            slot(key) as usize * SLOT_RANGES / SLOTS
+        } else {
+            0
+        }
+    }
+
     fn claim(&self, key: String, ttl: Duration) -> TierFuture<'_, bool> {
         let conn = self.connection();
         let mut cmd = redis::cmd("SET");
@@ -319,6 +352,19 @@ impl SharedTier for RedisTier {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slots_are_redis_clusters() {
+        // Values from `CLUSTER KEYSLOT` on a real Redis 7.
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("bar"), 5061);
+        assert_eq!(slot("{user1000}.following"), 3443);
+        assert_eq!(slot("user1000"), 3443);
+        // An empty tag is no tag: the whole key counts.
+        assert_eq!(slot("foo{}{bar}"), 8363);
+        assert_eq!(slot("{}x"), 10595);
+        assert_eq!(slot("ferrite:0123456789abcdef0123456789abcdef"), 8738);
+    }
 
     #[test]
     fn urls_name_their_topology() {

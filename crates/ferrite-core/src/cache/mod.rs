@@ -1,7 +1,8 @@
 //! The response cache. Tier 1 is in-process (moka: bounded in bytes, TTL, TinyLFU admission).
 //! Tier 2 is a [`SharedTier`] (Redis, provided by the server), shared between processes, and
 //! never a point of failure: a lookup waits at most `shared_timeout` and then counts as a miss,
-//! repeated errors open a circuit breaker that skips the tier for a while, and writes are queued
+//! repeated errors open a circuit breaker that skips the tier (or, on a cluster, the part of it
+//! that fails: a breaker per slot range) for a while, and writes are queued
 //! by the tier after the answer (dropped when its queue is full).
 //!
 //! A miss is computed once however many identical requests arrive while it runs: the first
@@ -201,7 +202,8 @@ pub async fn follow(mut answer: Answer) -> Option<Value> {
 /// The shared tier with what guards it.
 struct Shared {
     tier: Arc<dyn SharedTier>,
-    breaker: Breaker,
+    /// One per [`SharedTier::shards`]: a cluster's failing node opens only its own slots'.
+    breakers: Vec<Breaker>,
     timeout: Duration,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -315,10 +317,11 @@ impl ResponseCache {
     /// when another process holds it, waits at most `wait` for that process's answer to appear.
     pub async fn claim(&self, key: Key, max_elements: usize, tenant: Option<&str>, wait: Duration) -> Claim {
         let (Some(shared), prefix) = self.place(tenant) else { return Claim::Compute(None) };
-        if !self.heat.is_hot(key) || !shared.tier.connected() || shared.breaker.is_open(Instant::now()) {
+        let value = shared_key(prefix, key);
+        if !self.heat.is_hot(key) || !shared.tier.connected() || shared.breaker(&value).is_open(Instant::now()) {
             return Claim::Compute(None);
         }
-        let lock = format!("{}:lock", shared_key(prefix, key));
+        let lock = format!("{value}:lock");
         match tokio::time::timeout(shared.timeout, shared.tier.claim(lock.clone(), wait)).await {
             Ok(Ok(true)) => return Claim::Compute(Some(Claimed { tier: shared.tier.clone(), lock })),
             Ok(Ok(false)) => {}
@@ -328,7 +331,7 @@ impl ResponseCache {
         let until = Instant::now() + wait;
         while Instant::now() < until {
             tokio::time::sleep(FLEET_POLL).await;
-            if let Some(outputs) = shared.get(shared_key(prefix, key), max_elements).await {
+            if let Some(outputs) = shared.get(value.clone(), max_elements).await {
                 self.fleet_answered.fetch_add(1, Relaxed);
                 return Claim::Answered(self.keep(key, outputs, tenant));
             }
@@ -384,7 +387,7 @@ impl ResponseCache {
         // Summed over every shared tier; "ok" only while calls go through to all of them (a
         // breaker waiting for its probe does not).
         for r in self.tiers() {
-            let ok = r.tier.connected() && r.breaker.is_closed();
+            let ok = r.tier.connected() && r.breakers.iter().all(Breaker::is_closed);
             s.redis = if ok && s.redis != "degraded" { "ok" } else { "degraded" };
             s.redis_hits += r.hits.load(Relaxed);
             s.redis_misses += r.misses.load(Relaxed);
@@ -401,8 +404,8 @@ impl ResponseCache {
 impl Shared {
     fn new(tier: Arc<dyn SharedTier>, timeout: Duration) -> Shared {
         Shared {
+            breakers: (0..tier.shards().max(1)).map(|_| Breaker::new(5, Duration::from_secs(1))).collect(),
             tier,
-            breaker: Breaker::new(5, Duration::from_secs(1)),
             timeout,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -416,7 +419,8 @@ impl Shared {
     /// One lookup, if connected and the breaker lets it through; an error, a timeout or a value
     /// that does not decode counts as a miss.
     async fn get(&self, key: String, max_elements: usize) -> Option<Vec<Tensor>> {
-        if !self.tier.connected() || !self.breaker.allow(Instant::now()) {
+        let breaker = self.breaker(&key);
+        if !self.tier.connected() || !breaker.allow(Instant::now()) {
             return None;
         }
         // If the request carrying this call is cancelled mid-lookup, the call has no outcome:
@@ -429,22 +433,22 @@ impl Shared {
                 }
             }
         }
-        let mut call = Probe(&self.breaker, false);
+        let mut call = Probe(breaker, false);
         let found = tokio::time::timeout(self.timeout, self.tier.get(&key)).await;
         call.1 = true;
         let found = match found {
             Ok(Ok(v)) => {
-                self.breaker.success();
+                breaker.success();
                 v
             }
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "shared cache error");
-                self.failed();
+                self.failed(breaker);
                 return None;
             }
             Err(_) => {
                 self.timeouts.fetch_add(1, Relaxed);
-                self.failed();
+                self.failed(breaker);
                 return None;
             }
         };
@@ -466,10 +470,15 @@ impl Shared {
         }
     }
 
-    fn failed(&self) {
+    /// The breaker of the part of the tier `key` lives in.
+    fn breaker(&self, key: &str) -> &Breaker {
+        &self.breakers[self.tier.shard(key) % self.breakers.len()]
+    }
+
+    fn failed(&self, breaker: &Breaker) {
         metrics::global().redis_errors.inc();
         self.errors.fetch_add(1, Relaxed);
-        self.breaker.failure(Instant::now());
+        breaker.failure(Instant::now());
     }
 }
 
@@ -631,6 +640,69 @@ mod tests {
         assert_eq!(cache.get(k, 1 << 20, None).await.unwrap().outputs[0], t("y", &[2.0]));
     }
 
+    /// A cluster of two nodes, the first down: keys are on one or the other by their last digit.
+    #[derive(Default)]
+    struct HalfDown(std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>);
+
+    impl SharedTier for HalfDown {
+        fn get(&self, key: &str) -> TierFuture<'_, Option<Vec<u8>>> {
+            let found = self.0.lock().unwrap().get(key).cloned();
+            let down = self.shard(key) == 0;
+            Box::pin(async move {
+                if down {
+                    Err("connection refused".into())
+                } else {
+                    Ok(found)
+                }
+            })
+        }
+        fn put(&self, key: String, value: Vec<u8>, _ttl: Duration) -> bool {
+            self.0.lock().unwrap().insert(key, value);
+            true
+        }
+        fn remove(&self, _key: String) -> bool {
+            true
+        }
+        fn connected(&self) -> bool {
+            true
+        }
+        fn write_errors(&self) -> u64 {
+            0
+        }
+        fn shards(&self) -> usize {
+            2
+        }
+        fn shard(&self, key: &str) -> usize {
+            key.bytes().last().map_or(0, |b| (b % 2) as usize)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failing_node_opens_only_its_own_breaker() {
+        let cache = ResponseCache::new(&CacheOptions::default(), Some(Arc::new(HalfDown::default())));
+        let keys: Vec<Key> = (0..64).map(|i| key(None, "m", 1, 0, &[t("x", &[i as f32])], None)).collect();
+        let on =
+            |node: usize| keys.iter().copied().filter(move |k| HalfDown::default().shard(&shared_key("", *k)) == node);
+        for k in keys.iter().copied() {
+            cache.put(k, &[t("y", &[1.0])], None);
+            cache.local.invalidate(&k);
+        }
+        // The down node's lookups fail until its breaker opens; the other node's still hit.
+        for k in on(0) {
+            assert!(cache.get(k, 1 << 20, None).await.is_none());
+        }
+        let shared = cache.shared.as_ref().unwrap();
+        assert!(!shared.breakers[0].is_closed() && shared.breakers[1].is_closed());
+        let up: Vec<Key> = on(1).collect();
+        assert!(!up.is_empty());
+        for k in &up {
+            cache.local.invalidate(k);
+            assert!(cache.get(*k, 1 << 20, None).await.is_some(), "a healthy node's key is still a hit");
+        }
+        assert_eq!(cache.snapshot().redis, "degraded");
+        assert_eq!(cache.snapshot().redis_hits, up.len() as u64);
+    }
+
     #[tokio::test]
     async fn a_probe_whose_request_is_cancelled_does_not_stick_the_breaker() {
         let tier = Arc::new(FakeTier::default());
@@ -640,9 +712,9 @@ mod tests {
         // Open the breaker, and let its cooldown pass.
         let past = Instant::now() - Duration::from_secs(10);
         for _ in 0..5 {
-            shared.breaker.failure(past);
+            shared.breakers[0].failure(past);
         }
-        assert!(!shared.breaker.is_closed());
+        assert!(!shared.breakers[0].is_closed());
         // The probe's request is cancelled mid-lookup (client gone): the lookup hangs, then drops.
         tier.hang.store(true, Relaxed);
         let k = key(None, "m", 1, 0, &[t("x", &[1.0])], None);
@@ -654,7 +726,7 @@ mod tests {
         cache.put(k, &[t("y", &[2.0])], None);
         cache.local.invalidate(&k);
         assert!(cache.get(k, 1 << 20, None).await.is_some());
-        assert!(shared.breaker.is_closed());
+        assert!(shared.breakers[0].is_closed());
         assert_eq!(cache.snapshot().redis, "ok");
     }
 

@@ -32,6 +32,16 @@ pub trait SharedTier: Send + Sync {
     fn moved(&self) -> u64 {
         0
     }
+    /// How many parts the tier's keys fall into that fail apart (a cluster's nodes); the cache
+    /// keeps a breaker for each, so one node down does not take the others' keys off the tier.
+    fn shards(&self) -> usize {
+        1
+    }
+    /// The part `key` falls into, below [`shards`](SharedTier::shards).
+    fn shard(&self, key: &str) -> usize {
+        let _ = key;
+        0
+    }
     /// Takes `key` for `ttl` unless another process holds it (Redis `SET NX PX`): true when this
     /// one took it. A tier that cannot tell says true (every process then computes its own).
     fn claim(&self, key: String, ttl: Duration) -> TierFuture<'_, bool> {
