@@ -108,7 +108,7 @@ def scrape(port, metric):
 
 def reading(ports):
     """Counters summed over the replicas."""
-    total = {"hits": 0, "misses": 0, "redis_hits": 0, "rows": 0, "coalesced": 0}
+    total = {"hits": 0, "misses": 0, "redis_hits": 0, "rows": 0, "coalesced": 0, "fleet_answered": 0, "fleet_missed": 0}
     for p in ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{p}/v2/models/mlp/stats", timeout=5) as r:
             body = json.loads(r.read())
@@ -117,6 +117,8 @@ def reading(ports):
         total["misses"] += s["inference_stats"]["cache_miss"]["count"]
         total["rows"] += s["inference_count"]
         total["redis_hits"] += body["cache"]["redis_hits"]
+        total["fleet_answered"] += body["cache"]["fleet_answered"]
+        total["fleet_missed"] += body["cache"]["fleet_missed"]
         total["coalesced"] += scrape(p, "ferrite_cache_coalesced_total")
     return total
 
@@ -157,6 +159,7 @@ def fleet(n, args, repo, redis_url, lines):
            "hit_ratio": d["hits"] / lookups if lookups else 0.0,
            "redis_share": d["redis_hits"] / d["hits"] if d["hits"] else 0.0,
            "coalesced": d["coalesced"], "misses": d["misses"],
+           "fleet_answered": d["fleet_answered"], "fleet_missed": d["fleet_missed"],
            "rows_per_request": d["rows"] / lookups if lookups else 0.0}
     print(json.dumps(row), flush=True)
     return row
@@ -199,17 +202,20 @@ def main():
         "interval. The replicas share this machine's cores with HAProxy, oha and Redis: throughput is not "
         "expected to grow with them here.",
         "",
-        "| replicas | req/s | p50 ms | p99 ms | errors | server CPU cores | hit ratio | hits from Redis | misses | coalesced | rows computed per request |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| replicas | req/s | p50 ms | p99 ms | errors | server CPU cores | hit ratio | hits from Redis | misses | coalesced | hot misses answered by another replica / not in time | rows computed per request |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         out.append(f"| {r['replicas']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | "
                    f"{r['cpu_cores']:.2f} | {r['hit_ratio']:.1%} | {r['redis_share']:.1%} | {r['misses']:.0f} | "
                    f"{r['coalesced']:.0f} ({r['coalesced'] / r['misses'] if r['misses'] else 0:.1%} of misses) | "
+                   f"{r['fleet_answered']:.0f} / {r['fleet_missed']:.0f} | "
                    f"{r['rows_per_request']:.3f} |")
     out += ["", "Hits from Redis: the share of hits answered by the shared tier (computed by another replica, "
             "or by this one before its own entry went); coalesced: misses answered by an identical request "
-            "already computing on the same replica, so never computed again."]
+            "already computing on the same replica, so never computed again; hot misses answered by another "
+            "replica: a hot key's miss whose key another replica had taken in Redis, answered from its result "
+            "(not in time: waited, then computed here too)."]
     path = common.RESULTS / "fleet.md"
     path.write_text("\n".join(out) + "\n")
     print("\n".join(out))

@@ -160,6 +160,8 @@ fn slot(key: &str) -> u16 {
 }
 
 pub struct RedisTier {
+    /// This process's name in the locks it takes: random, as process ids repeat across pods.
+    id: u64,
     cluster: bool,
     conn: Arc<Mutex<Option<Conn>>>,
     writes: mpsc::Sender<Write>,
@@ -216,7 +218,12 @@ impl RedisTier {
             ..Default::default()
         });
         let cluster = matches!(target, Target::Cluster(_));
-        let tier = Arc::new(RedisTier { cluster, conn: Arc::new(Mutex::new(None)), writes, counts: counts.clone() });
+        let id = {
+            use std::hash::{BuildHasher, Hasher};
+            std::collections::hash_map::RandomState::new().build_hasher().finish()
+        };
+        let tier =
+            Arc::new(RedisTier { id, cluster, conn: Arc::new(Mutex::new(None)), writes, counts: counts.clone() });
         let conn = tier.conn.clone();
         let found = counts.clone();
         tokio::spawn(async move {
@@ -335,16 +342,23 @@ impl SharedTier for RedisTier {
 
     fn claim(&self, key: String, ttl: Duration) -> TierFuture<'_, bool> {
         let conn = self.connection();
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(key).arg(std::process::id()).arg("NX").arg("PX").arg(ttl.as_millis().max(1) as u64);
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg(self.id).arg("NX").arg("PX").arg(ttl.as_millis().max(1) as u64);
+        let mut holder = redis::cmd("GET");
+        holder.arg(&key);
         Box::pin(async move {
             let mut conn = conn.ok_or_else(|| "not connected".to_string())?;
-            // "OK" when set, nil when another process holds the key.
-            let taken = conn.query::<Option<String>>(&cmd).await.map_err(|e| {
+            let failed = |e: RedisError| {
                 self.counts.failed(&e);
                 e.to_string()
-            })?;
-            Ok(taken.is_some())
+            };
+            // "OK" when set, nil when someone holds the key: another process, or this one (a
+            // leader here whose release is still queued), which must not wait for itself.
+            if conn.query::<Option<String>>(&set).await.map_err(failed)?.is_some() {
+                return Ok(true);
+            }
+            let held_by = conn.query::<Option<u64>>(&holder).await.map_err(failed)?;
+            Ok(held_by == Some(self.id))
         })
     }
 }

@@ -138,6 +138,8 @@ pub enum Claim {
     Compute(Option<Claimed>),
     /// Another process computed it meanwhile.
     Answered(Value),
+    /// An identical request here finished it between this one's lookup and its lead.
+    Found(Value),
 }
 
 /// A hot key this process took in the shared tier; dropped, it queues the release (after the
@@ -316,6 +318,9 @@ impl ResponseCache {
     /// For the leader of a miss: when the key is hot and a shared tier is up, takes it there, or,
     /// when another process holds it, waits at most `wait` for that process's answer to appear.
     pub async fn claim(&self, key: Key, max_elements: usize, tenant: Option<&str>, wait: Duration) -> Claim {
+        if let Some(v) = self.local.get(&key) {
+            return Claim::Found(v);
+        }
         let (Some(shared), prefix) = self.place(tenant) else { return Claim::Compute(None) };
         let value = shared_key(prefix, key);
         if !self.heat.is_hot(key) || !shared.tier.connected() || shared.breaker(&value).is_open(Instant::now()) {

@@ -196,6 +196,11 @@ impl Model {
                         wait = wait.min(d.saturating_duration_since(Instant::now()));
                     }
                     match c.claim(k, max_elements, share, wait).await {
+                        cache::Claim::Found(a) => {
+                            self.metrics.cache_coalesced.inc();
+                            l.finish(&a.outputs);
+                            return Ok(self.response(req.id, a.outputs.clone()));
+                        }
                         cache::Claim::Answered(a) => {
                             self.metrics.cache_fleet_coalesced.inc();
                             l.finish(&a.outputs);
