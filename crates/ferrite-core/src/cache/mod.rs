@@ -71,7 +71,7 @@ pub struct Entry {
     pub outputs: Vec<Tensor>,
 }
 
-type Value = Arc<Entry>;
+pub type Value = Arc<Entry>;
 
 fn weight(outputs: &[Tensor]) -> usize {
     outputs.iter().map(|t| t.name.len() + 64 + t.data.wire_len()).sum()
@@ -322,8 +322,11 @@ impl ResponseCache {
             return Claim::Found(v);
         }
         let (Some(shared), prefix) = self.place(tenant) else { return Claim::Compute(None) };
+        if !self.heat.is_hot(key) || !shared.tier.connected() {
+            return Claim::Compute(None);
+        }
         let value = shared_key(prefix, key);
-        if !self.heat.is_hot(key) || !shared.tier.connected() || shared.breaker(&value).is_open(Instant::now()) {
+        if shared.breaker(&value).is_open(Instant::now()) {
             return Claim::Compute(None);
         }
         let lock = format!("{value}:lock");

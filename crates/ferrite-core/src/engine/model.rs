@@ -64,6 +64,14 @@ pub struct Model {
     cost: Option<crate::engine::backend::Cost>,
 }
 
+/// What the cache made of a request ([`Model::look_up`]).
+enum Cached<'c> {
+    Answer(cache::Value),
+    /// Compute it: as the flight's leader (unless it followed one that left), holding the key
+    /// in the shared tier when it took it there.
+    Compute(Option<cache::Leader<'c>>, Option<cache::Claimed>),
+}
+
 impl Model {
     /// Starts the model's batcher on instances of `backend`, and `solo` (see the batcher).
     pub fn start(spec: ModelSpec, backend: &dyn Backend, solo: Option<Box<dyn Instance>>) -> Result<Model> {
@@ -176,54 +184,14 @@ impl Model {
         let deadline = policy.timeout(req.timeout_us).map(|t| now + t);
         // With `timeout_action = delay` a late request still runs, so its caller waits for it.
         let wait_limit = deadline.filter(|_| policy.timeout_action == TimeoutAction::Reject);
-        let (mut leader, mut claimed) = (None, None);
+        // Held while this request computes: identical requests wait on `leading`'s answer here,
+        // other processes on `claimed`'s (dropped after the answer's write is queued).
+        let (mut leading, mut claimed) = (None, None);
         if let (Some(c), Some(k)) = (cache, key) {
-            let t = Instant::now();
-            if let Some(hit) = c.get(k, max_elements, share).instrument(child(|| tracing::debug_span!("cache"))).await {
-                // A hit never enters the queue.
-                self.stats.cache_hit.add(t.elapsed());
-                self.metrics.cache_hits.inc();
-                return Ok(self.response(req.id, hit.outputs.clone()));
-            }
-            self.stats.cache_miss.add(t.elapsed());
-            self.metrics.cache_misses.inc();
-            match c.join(k) {
-                cache::Flight::Lead(l) => {
-                    // A hot key may be computing in another process sharing the tier: wait for
-                    // its answer rather than compute it again (within this request's deadline).
-                    let mut wait = self.fleet_wait();
-                    if let Some(d) = wait_limit {
-                        wait = wait.min(d.saturating_duration_since(Instant::now()));
-                    }
-                    match c.claim(k, max_elements, share, wait).await {
-                        cache::Claim::Found(a) => {
-                            self.metrics.cache_coalesced.inc();
-                            l.finish(&a.outputs);
-                            return Ok(self.response(req.id, a.outputs.clone()));
-                        }
-                        cache::Claim::Answered(a) => {
-                            self.metrics.cache_fleet_coalesced.inc();
-                            l.finish(&a.outputs);
-                            return Ok(self.response(req.id, a.outputs.clone()));
-                        }
-                        cache::Claim::Compute(mine) => (leader, claimed) = (Some(l), mine),
-                    }
-                }
-                cache::Flight::Follow(answer) => {
-                    // An identical request is computing this answer: wait for it, within this
-                    // request's own deadline; if it leaves without one, compute it here.
-                    let answer = match wait_limit {
-                        None => cache::follow(answer).await,
-                        Some(d) => match tokio::time::timeout_at(d.into(), cache::follow(answer)).await {
-                            Ok(a) => a,
-                            Err(_) => return Err(Error::DeadlineExceeded("request timed out before it ran".into())),
-                        },
-                    };
-                    if let Some(a) = answer {
-                        self.metrics.cache_coalesced.inc();
-                        return Ok(self.response(req.id, a.outputs.clone()));
-                    }
-                }
+            let lookup = self.look_up(c, k, share, max_elements, wait_limit);
+            match lookup.instrument(child(|| tracing::debug_span!("cache"))).await? {
+                Cached::Answer(a) => return Ok(self.response(req.id, a.outputs.clone())),
+                Cached::Compute(l, mine) => (leading, claimed) = (l, mine),
             }
         }
         let (tx, rx) = oneshot::channel();
@@ -256,12 +224,68 @@ impl Model {
         if let (Some(c), Some(k)) = (cache, key) {
             c.put(k, &outputs, share);
         }
-        if let Some(l) = leader {
+        if let Some(l) = leading {
             l.finish(&outputs);
         }
         // Released after the answer's write was queued (writes keep their order).
         drop(claimed);
         Ok(self.response(req.id, outputs))
+    }
+
+    /// The cache's part of a request: a hit, or an identical request's answer (in flight here, or
+    /// computed by another process for a hot key), each within the request's deadline; else the
+    /// go-ahead to compute it, leading the identical requests that arrive meanwhile.
+    async fn look_up<'c>(
+        &self,
+        c: &'c ResponseCache,
+        k: cache::Key,
+        share: Option<&str>,
+        max_elements: usize,
+        wait_limit: Option<Instant>,
+    ) -> Result<Cached<'c>> {
+        let t = Instant::now();
+        if let Some(hit) = c.get(k, max_elements, share).await {
+            // A hit never enters the queue.
+            self.stats.cache_hit.add(t.elapsed());
+            self.metrics.cache_hits.inc();
+            return Ok(Cached::Answer(hit));
+        }
+        self.stats.cache_miss.add(t.elapsed());
+        self.metrics.cache_misses.inc();
+        let leader = match c.join(k) {
+            cache::Flight::Lead(l) => l,
+            cache::Flight::Follow(answer) => {
+                // An identical request is computing this answer: wait for it; if it leaves
+                // without one, compute it here (leading no one: the flight is its leader's).
+                let answer = match wait_limit {
+                    None => cache::follow(answer).await,
+                    Some(d) => tokio::time::timeout_at(d.into(), cache::follow(answer))
+                        .await
+                        .map_err(|_| Error::DeadlineExceeded("request timed out before it ran".into()))?,
+                };
+                return Ok(match answer {
+                    Some(a) => {
+                        self.metrics.cache_coalesced.inc();
+                        Cached::Answer(a)
+                    }
+                    None => Cached::Compute(None, None),
+                });
+            }
+        };
+        // A hot key may be computing in another process sharing the tier: wait for its answer
+        // rather than compute it again.
+        let mut wait = self.fleet_wait();
+        if let Some(d) = wait_limit {
+            wait = wait.min(d.saturating_duration_since(Instant::now()));
+        }
+        let (answer, counted) = match c.claim(k, max_elements, share, wait).await {
+            cache::Claim::Compute(claimed) => return Ok(Cached::Compute(Some(leader), claimed)),
+            cache::Claim::Found(a) => (a, &self.metrics.cache_coalesced),
+            cache::Claim::Answered(a) => (a, &self.metrics.cache_fleet_coalesced),
+        };
+        counted.inc();
+        leader.finish(&answer.outputs);
+        Ok(Cached::Answer(answer))
     }
 
     /// How long a hot miss waits for another process's answer: about twice what computing a
