@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import random
-import shutil
 import subprocess
 import time
 
@@ -50,13 +49,7 @@ def main():
         bodies(lines)
     repos = {}
     for name, cached in (("uncached", False), ("cached", True)):
-        repo = WORK / f"repo-{name}"
-        (repo / "mlp" / "1").mkdir(parents=True, exist_ok=True)
-        link = repo / "mlp" / "1" / "model.onnx"
-        if not link.exists():
-            shutil.copy(ROOT / "models/mlp/1/model.onnx", link)
-        (repo / "mlp" / "config.toml").write_text("[cache]\nenabled = true\n" if cached else "")
-        repos[name] = repo
+        repos[name] = common.mlp_repo(WORK / f"repo-{name}", "[cache]\nenabled = true\n" if cached else "")
 
     redis_port = common.free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",

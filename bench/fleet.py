@@ -174,11 +174,7 @@ def main():
     lines = WORK / "fleet_bodies.txt"
     if not lines.exists():
         zipf_bodies(lines)
-    repo = WORK / "repo-fleet"
-    (repo / "mlp" / "1").mkdir(parents=True, exist_ok=True)
-    if not (repo / "mlp" / "1" / "model.onnx").exists():
-        shutil.copy(ROOT / "models/mlp/1/model.onnx", repo / "mlp" / "1" / "model.onnx")
-    (repo / "mlp" / "config.toml").write_text("[cache]\nenabled = true\n")
+    repo = common.mlp_repo(WORK / "repo-fleet", "[cache]\nenabled = true\n")
     shutil.rmtree(WORK / "fleet-redis", ignore_errors=True)
     redis_ports, redis = redis_cluster(WORK / "fleet-redis")
     rows = []

@@ -135,6 +135,16 @@ def measure(name, cmd, ready_url, load, args, env=None):
     return row
 
 
+def mlp_repo(repo, config=""):
+    """A repository at `repo` of the bundled MLP, with `config` as its config.toml."""
+    (repo / "mlp" / "1").mkdir(parents=True, exist_ok=True)
+    model = repo / "mlp" / "1" / "model.onnx"
+    if not model.exists():
+        shutil.copy(ROOT / "models/mlp/1/model.onnx", model)
+    (repo / "mlp" / "config.toml").write_text(config)
+    return repo
+
+
 def ferrite(name, args, load_for, extra=(), repo=None):
     """Starts Ferrite and measures it; `load_for(http_base, grpc_address)` picks the load."""
     port, grpc_port = free_port(), free_port()
@@ -157,10 +167,7 @@ def main():
     body = WORK / "mlp_request.json"
     body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32",
                                             "data": [round((i % 97) / 97 - 0.5, 4) for i in range(512)]}]}))
-    repo = WORK / "repo"
-    if not (repo / "mlp").exists():
-        (repo / "mlp" / "1").mkdir(parents=True)
-        shutil.copy(ROOT / "models/mlp/1/model.onnx", repo / "mlp" / "1" / "model.onnx")
+    mlp_repo(WORK / "repo")
 
     infer = "/v2/models/mlp/infer"
     json_load = lambda base, _: oha_load(base + infer, body, args.clients, ["Content-Type: application/json"])
@@ -191,12 +198,7 @@ def main():
     if args.variants:
         # The batching defaults are chosen from this grid: throughput under load vs latency alone.
         for delay in (0, 200, 500, 1000):
-            cfg = WORK / f"repo-d{delay}"
-            (cfg / "mlp" / "1").mkdir(parents=True, exist_ok=True)
-            link = cfg / "mlp" / "1" / "model.onnx"
-            if not link.exists():
-                shutil.copy(ROOT / "models/mlp/1/model.onnx", link)
-            (cfg / "mlp" / "config.toml").write_text(f"[dynamic_batching]\nmax_queue_delay_microseconds = {delay}\n")
+            cfg = mlp_repo(WORK / f"repo-d{delay}", f"[dynamic_batching]\nmax_queue_delay_microseconds = {delay}\n")
             for clients in (args.clients, 1):
                 load = lambda base, _, c=clients: oha_load(base + infer, body, c, ["Content-Type: application/json"])
                 variants.append(ferrite(f"delay {delay} us, {clients} clients", args, load, repo=cfg))

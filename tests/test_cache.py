@@ -253,6 +253,21 @@ def test_identical_concurrent_misses_are_computed_once(start_server, tmp_path):
     assert coalesced(s) == 7
 
 
+def test_one_tenant_is_never_answered_from_anothers_flight(start_server, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[default]\n")
+    s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(tenants),
+                     repository=slow_cached_repo(tmp_path, 300_000))
+    x = np.random.default_rng(5).standard_normal((1, 512)).astype(np.float32)
+    # Identical inputs from two tenants at once: each tenant's request computes its own row, so
+    # neither can learn from the other's latency (or answer) what the other sent.
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda t: mlp_infer(s, x, headers={"x-tenant": t}), ["a", "b", "a", "b"]))
+    m, _ = stats(s)
+    assert m["inference_count"] == 2 and coalesced(s) == 2
+
+
 def test_a_leader_that_leaves_does_not_fail_its_followers(start_server, tmp_path):
     import threading
     import tritonclient.grpc as grpcclient

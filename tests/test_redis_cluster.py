@@ -29,6 +29,13 @@ def cluster_port():
                     pass
 
 
+def kill(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def cli(port, *args, timeout=10):
     return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=timeout).stdout
 
@@ -79,10 +86,7 @@ class RedisCluster:
         return f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
     def stop(self):
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill(self.procs.values())
 
 
 @pytest.fixture
@@ -206,10 +210,7 @@ class Sentinel:
         return f"redis+sentinel://127.0.0.1:{self.port}/cache"
 
     def stop(self):
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill(self.procs.values())
 
 
 def test_a_sentinel_master_that_fails_over_is_found_again(start_server, tmp_path):
