@@ -2,6 +2,7 @@
 grpcio in this test) collects Ferrite's spans; a request sent with a W3C traceparent must produce
 spans in that trace, under the caller's span, over HTTP and gRPC."""
 
+import os
 import queue
 import time
 from concurrent import futures
@@ -17,6 +18,10 @@ from conftest import free_port, make_repository
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
+# The servers' span exporter sends every 0.2 s (OpenTelemetry's standard variable; its default
+# is 5 s), so each test waits for its spans a fraction of a second, not an interval or two.
+EXPORT_DELAY_MS = 200
+os.environ["OTEL_BSP_SCHEDULE_DELAY"] = str(EXPORT_DELAY_MS)
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -96,7 +101,7 @@ def test_requests_without_context_are_sampled_by_rate(start_server, tmp_path, re
     c = httpclient.InferenceServerClient(s.url)
     for _ in range(5):
         c.infer("mlp", [mlp_input(httpclient)])
-    time.sleep(6)  # past the batch exporter's interval
+    time.sleep(10 * EXPORT_DELAY_MS / 1000)  # past the span exporter's interval, several times
     names = []
     while not receiver.spans.empty():
         names.append(receiver.spans.get().name)
