@@ -236,14 +236,15 @@ class Worker:
     def execute(self, message):
         path = message["file"]
         flags = message["flags"]
+        model = message.get("model", "")
         requests = []
+        # Each request's byte in the flags (set when its client leaves) is what is_cancelled() reads.
+        buf = self.inputs.view(path, flags + len(message["requests"]))
         for i, r in enumerate(message["requests"]):
             tensors = [pb_utils.Tensor(t["name"], self.inputs.array(path, t)) for t in r["inputs"]]
-            req = pb_utils.InferenceRequest(message.get("model", ""), r["outputs"] or self.output_names, tensors,
-                                            request_id=r["id"],
-                                            parameters=r["parameters"])
-            buf = self.inputs.view(path, flags + len(message["requests"]))
-            req._cancelled = (lambda b=buf, at=flags + i: b[at] != 0)
+            req = pb_utils.InferenceRequest(model, r["outputs"] or self.output_names, tensors,
+                                            request_id=r["id"], parameters=r["parameters"])
+            req._cancelled = (buf, flags + i)
             requests.append(req)
         self.in_execute = True
         try:

@@ -203,10 +203,9 @@ class InferenceRequest:
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._timeout = timeout
-        if parameters is None:
-            parameters = "{}"
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters)
-        self._cancelled = None  # set by the worker for the requests it gives to execute
+        # Kept as given (a dict from the server) and made JSON when asked for: most models never ask.
+        self._parameters = "{}" if parameters is None else parameters
+        self._cancelled = None  # set by the worker for the requests it gives to execute: (buffer, offset)
 
     def model_name(self):
         return self._model_name
@@ -230,10 +229,12 @@ class InferenceRequest:
         return self._timeout
 
     def parameters(self):
+        if not isinstance(self._parameters, str):
+            self._parameters = json.dumps(self._parameters)
         return self._parameters
 
     def is_cancelled(self):
-        return bool(self._cancelled and self._cancelled())
+        return self._cancelled is not None and self._cancelled[0][self._cancelled[1]] != 0
 
     def get_response_sender(self):
         raise TritonModelException("decoupled models (a response sender) are not supported by Ferrite")

@@ -44,9 +44,6 @@ const UTILS: &str = include_str!("../../python/triton_python_backend_utils.py");
 const ALIGN: u64 = 64;
 /// How often a waiting instance looks at its worker (alive, in time, in memory, clients there).
 const TICK: Duration = Duration::from_millis(20);
-/// The longest a batcher thread polls for a worker's reply before it sleeps (only for models
-/// whose replies come sooner than this).
-const SPIN: Duration = Duration::from_micros(200);
 /// The largest control message either side accepts.
 const MAX_MESSAGE: usize = 64 << 20;
 /// The most bytes of outputs one reply (or BLS call) may bring back.
@@ -161,8 +158,7 @@ impl Backend for PythonBackend {
             .enable_time()
             .build()
             .map_err(|e| Error::internal(format!("cannot start a Python instance's runtime: {e}")))?;
-        let mut instance =
-            PythonInstance { shared: self.shared.clone(), name, worker: None, runtime, reply_time: SPIN / 2 };
+        let mut instance = PythonInstance { shared: self.shared.clone(), name, worker: None, runtime };
         instance.worker = Some(instance.start()?);
         Ok(Box::new(instance))
     }
@@ -180,8 +176,6 @@ struct PythonInstance {
     worker: Option<Worker>,
     /// Where BLS calls wait for the models they call.
     runtime: tokio::runtime::Runtime,
-    /// How long the worker's replies have taken lately (a moving average).
-    reply_time: Duration,
 }
 
 impl PythonInstance {
@@ -314,19 +308,13 @@ impl PythonInstance {
         let limit = self.shared.options.memory_limit;
         let timeout = self.shared.options.execute_timeout;
         let worker = self.worker.as_mut().expect("running");
-        // A reply expected soon (this model's recent ones were quick) is polled for, as the
-        // batcher's threads poll for work: sleeping and being woken would add tens of µs.
-        let started = Instant::now();
-        let spin = if self.reply_time < SPIN { (2 * self.reply_time).min(SPIN) } else { Duration::ZERO };
+        // The reply is slept for, not polled for: a batcher thread spinning while its worker runs
+        // took the core the worker (and the server's I/O) needed, for no gain in latency
+        // (bench/results/python_models.md).
         let reply = loop {
-            let tick = if started.elapsed() < spin { Duration::ZERO } else { TICK };
-            match worker.poll(tick)? {
+            match worker.poll()? {
                 Some(m) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
                 Some(m) => break m,
-                None if tick.is_zero() => {
-                    std::hint::spin_loop();
-                    continue;
-                }
                 None => {}
             }
             if Instant::now() > deadline {
@@ -345,7 +333,6 @@ impl PythonInstance {
                 }
             }
         };
-        self.reply_time = (self.reply_time * 7 + started.elapsed()) / 8;
         Ok(reply)
     }
 
@@ -401,7 +388,7 @@ impl Drop for PythonInstance {
             if w.send(&json!({"op": "finalize"})).is_ok() {
                 let deadline = Instant::now() + self.shared.options.finalize_timeout;
                 while Instant::now() < deadline {
-                    match w.poll(TICK) {
+                    match w.poll() {
                         Ok(Some(m)) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
                         Ok(Some(_)) | Err(_) => break,
                         Ok(None) => {}
@@ -529,6 +516,11 @@ impl Worker {
                 model_py.display()
             ))
         })?;
+        // Reads wait a tick at most (the waiting side looks at the worker between them); a write
+        // the worker does not take within 10 s is a worker that is stuck.
+        ours.set_read_timeout(Some(TICK)).map_err(|e| Error::internal(format!("socket timeout: {e}")))?;
+        ours.set_write_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| Error::internal(format!("socket timeout: {e}")))?;
         Ok(Worker { child, chan: ours, pending: Vec::new(), input, output: None })
     }
 
@@ -549,7 +541,7 @@ impl Worker {
         .map_err(|Fatal(w)| Error::invalid(w))?;
         let deadline = Instant::now() + timeout;
         loop {
-            match self.poll(TICK) {
+            match self.poll() {
                 Ok(Some(m)) if m["op"] == "log" => log(who.0, who.1, &m),
                 Ok(Some(m)) if m["op"] == "error" => {
                     let tb = m["traceback"].as_str().unwrap_or_default();
@@ -571,13 +563,12 @@ impl Worker {
         let mut framed = Vec::with_capacity(body.len() + 4);
         framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
         framed.extend_from_slice(&body);
-        self.chan.set_write_timeout(Some(Duration::from_secs(10))).ok();
         self.chan.write_all(&framed).map_err(|e| Fatal(format!("cannot be written to ({e})")))
     }
 
-    /// The next whole message, or `None` after waiting up to `tick` (zero: not at all); a worker
-    /// that exited or closed its end, or sends what is not a message, is fatal.
-    fn poll(&mut self, tick: Duration) -> std::result::Result<Option<Value>, Fatal> {
+    /// The next whole message, or `None` after waiting up to `TICK` (the channel's read timeout);
+    /// a worker that exited or closed its end, or sends what is not a message, is fatal.
+    fn poll(&mut self) -> std::result::Result<Option<Value>, Fatal> {
         loop {
             if self.pending.len() >= 4 {
                 let n = u32::from_le_bytes(self.pending[..4].try_into().expect("4 bytes")) as usize;
@@ -592,22 +583,7 @@ impl Worker {
                 }
             }
             let mut buf = [0u8; 16 << 10];
-            let read = if tick.is_zero() {
-                use std::os::fd::AsRawFd;
-                // SAFETY: `buf` is valid for writes of its length; the descriptor is ours.
-                let n = unsafe {
-                    libc::recv(self.chan.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
-                };
-                if n < 0 {
-                    Err(std::io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            } else {
-                self.chan.set_read_timeout(Some(tick)).ok();
-                self.chan.read(&mut buf)
-            };
-            match read {
+            match self.chan.read(&mut buf) {
                 Ok(0) => {
                     let status = self.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
                     return Err(Fatal(format!("exited ({status})")));
