@@ -305,7 +305,8 @@ def write(rows, pipelines, calls, args, took):
     for c in sorted({r["clients"] for r in rows if r["protocol"] == "json"}):
         f = next(r for r in rows if r["protocol"] == "json" and r["clients"] == c and r["model"] == "identity_py")
         b = next(r for r in rows if r["protocol"] == "json" and r["clients"] == c and r["model"] == "fastapi")
-        lines.append(f"| {c} | {f['rps']:,.0f} | {b['rps']:,.0f} | {f['rps'] / max(b['rps'], 1e-9):.1f} | "
+        ratio = f"{f['rps'] / b['rps']:.1f}" if b["rps"] > 0 else "(FastAPI served none)"
+        lines.append(f"| {c} | {f['rps']:,.0f} | {b['rps']:,.0f} | {ratio} | "
                      f"{f['p99_ms']:.2f} | {b['p99_ms']:.2f} |")
     lines += [
         "",
