@@ -23,7 +23,7 @@ OHA_VERSION=1.16.0
 if ! command -v oha >/dev/null || [ "$(oha --version | awk '{print $2}')" != "$OHA_VERSION" ]; then
     cargo install oha --version "$OHA_VERSION" --locked
 fi
-if ! python3 -c "import fastapi, uvicorn, onnxruntime, numpy, onnx, PIL, tokenizers" 2>/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, httptools, uvloop, onnxruntime, numpy, onnx, PIL, tokenizers" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 fi
 # Triton's perf_analyzer, the reference gRPC load generator: tritonclient 2.51.0 ships it (newer
