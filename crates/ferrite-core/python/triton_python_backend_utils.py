@@ -128,6 +128,14 @@ class Tensor:
         self._name = name
         self._array = array
 
+    @classmethod
+    def _of(cls, name, array):
+        """A tensor of an array the worker made (a request's input): nothing to check or copy."""
+        t = cls.__new__(cls)
+        t._name = name
+        t._array = array
+        return t
+
     def name(self):
         return self._name
 
@@ -206,6 +214,22 @@ class InferenceRequest:
         # Kept as given (a dict from the server) and made JSON when asked for: most models never ask.
         self._parameters = "{}" if parameters is None else parameters
         self._cancelled = None  # set by the worker for the requests it gives to execute: (buffer, offset)
+
+    @classmethod
+    def _of(cls, model_name, output_names, inputs, request_id, parameters, cancelled):
+        """A request the worker gives to execute; `parameters` is the request's JSON text."""
+        r = cls.__new__(cls)
+        r._model_name = model_name
+        r._outputs = output_names
+        r._inputs = inputs
+        r._model_version = -1
+        r._flags = 0
+        r._request_id = request_id
+        r._correlation_id = 0
+        r._timeout = 0
+        r._parameters = parameters or "{}"
+        r._cancelled = cancelled
+        return r
 
     def model_name(self):
         return self._model_name

@@ -3,9 +3,10 @@
 //! User code never runs in the server: an instance is a child process (`ferrite_python_worker.py`
 //! under the configured interpreter) that imports the model, and Ferrite's own
 //! `triton_python_backend_utils` gives it the API Triton documents. The control channel is a Unix
-//! socket (the child's standard input) carrying small JSON messages; tensors go through files in
-//! shared memory: the server writes a batch's inputs into one the worker maps (its arrays are
-//! views of it), the worker writes its outputs into one of its own that the server reads back.
+//! socket (the child's standard input) carrying small messages (JSON, and a packed form for each
+//! batch's execute and its answer: `Packed`); tensors go through files in shared memory: the
+//! server writes a batch's inputs into one the worker maps (its arrays are views of it), the
+//! worker writes its outputs into one of its own that the server reads back.
 //!
 //! `execute` gets the batch's requests apart, as Triton gives them, and answers each; an
 //! exception fails the call, whose requests the batcher then runs again in halves (as for any
@@ -216,44 +217,36 @@ impl PythonInstance {
         let worker = self.worker.as_mut().expect("started above");
         let requests = inputs.first().map_or(1, |i| i.parts.len());
         // The requests' tensors, each its own part of the batch.
-        let mut blobs: Vec<Bytes> = Vec::new();
-        let mut described = Vec::with_capacity(requests);
+        let mut blobs: Vec<Bytes> = Vec::with_capacity(requests * inputs.len());
+        let mut shapes = Vec::with_capacity(requests * inputs.len());
         for r in 0..requests {
-            let mut tensors = Vec::with_capacity(inputs.len());
             for i in inputs {
                 let part = i.parts[r];
                 let shape = part_shape(i, part);
-                tensors.push(json!({"name": i.name, "datatype": i.datatype.as_str(), "shape": shape}));
+                if shape.len() > MAX_DIMS {
+                    return Err(Error::invalid(format!("input '{}' has over {MAX_DIMS} dimensions", i.name)));
+                }
+                shapes.push(shape);
                 blobs.push(part.to_wire());
             }
-            described.push(tensors);
         }
         let (file, places) = worker.input.write(requests, &blobs)?;
+        let mut m = Packed::new(EXECUTE);
+        m.str(&self.shared.name).str(&file).count(0).count(requests);
         let mut k = 0;
-        let requests_json: Vec<Value> = described
-            .into_iter()
-            .enumerate()
-            .map(|(r, tensors)| {
-                let tensors: Vec<Value> = tensors
-                    .into_iter()
-                    .map(|mut t| {
-                        let (offset, size) = places[k];
-                        k += 1;
-                        t["offset"] = offset.into();
-                        t["size"] = size.into();
-                        t
-                    })
-                    .collect();
-                json!({"id": live.id(r), "parameters": live.parameters(r), "inputs": tensors, "outputs": []})
-            })
-            .collect();
-        let sent = worker.send(&json!({"op": "execute", "model": self.shared.name, "file": file, "flags": 0,
-            "requests": requests_json}));
+        for r in 0..requests {
+            m.str(live.id(r)).str(live.parameters(r)).count(inputs.len());
+            for i in inputs {
+                m.tensor(i.name, i.datatype.as_str(), &shapes[k], places[k]);
+                k += 1;
+            }
+        }
+        let sent = worker.send_packed(m.0);
         let deadline = Instant::now() + self.shared.options.execute_timeout;
         let mut told = vec![false; requests];
         let reply = sent.and_then(|()| loop {
             match self.wait(deadline, live, &mut told) {
-                Ok(m) if m["op"] == "infer" => {
+                Ok(Message::Json(m)) if m["op"] == "infer" => {
                     let answer = self.bls(&m, deadline);
                     let worker = self.worker.as_mut().expect("running");
                     if let Err(e) = worker.answer_bls(answer) {
@@ -263,48 +256,41 @@ impl PythonInstance {
                 other => break other,
             }
         });
-        let reply = match reply {
-            Ok(r) => r,
+        let answers = match reply.and_then(|m| match m {
+            Message::Done(body) => done(&body, requests).map(Ok),
+            Message::Json(m) if m["op"] == "failed" => Ok(Err(m)),
+            Message::Json(_) => Err(Fatal("sent an unexpected message".into())),
+        }) {
+            Ok(Ok(answers)) => answers,
+            Ok(Err(failed)) => {
+                return Err(Error::internal(format!(
+                    "Failed to process the request(s) for model '{}', message: {}",
+                    self.name,
+                    failed["message"].as_str().unwrap_or_default()
+                )))
+            }
             Err(Fatal(why)) => {
                 let e = Error::internal(format!("the Python worker of '{}' {why}; it is being restarted", self.name));
                 self.replace(&why);
                 return Err(e);
             }
         };
-        match reply["op"].as_str() {
-            Some("failed") => Err(Error::internal(format!(
-                "Failed to process the request(s) for model '{}', message: {}",
-                self.name,
-                reply["message"].as_str().unwrap_or_default()
-            ))),
-            Some("done") => {
-                let worker = self.worker.as_mut().expect("running");
-                let file = reply["file"].as_str().unwrap_or_default().to_string();
-                let responses = reply["responses"].as_array().cloned().unwrap_or_default();
-                if responses.len() != requests {
-                    return Err(Error::internal(format!(
-                        "'{}' answered {} of {requests} requests",
-                        self.name,
-                        responses.len()
-                    )));
-                }
-                let mut budget = MAX_REPLY_BYTES;
-                Ok(responses
-                    .iter()
-                    .map(|r| match r.get("error") {
-                        Some(e) => Err(model_error(e.as_str().unwrap_or_default(), r["code"].as_i64().unwrap_or(1))),
-                        None => worker.read_tensors(&file, &r["outputs"], &mut budget),
-                    })
-                    .collect())
-            }
-            _ => Err(Error::internal(format!("'{}' sent an unexpected message", self.name))),
-        }
+        let (file, answers) = answers;
+        let worker = self.worker.as_mut().expect("running");
+        let mut budget = MAX_REPLY_BYTES;
+        Ok(answers
+            .into_iter()
+            .map(|a| match a {
+                Answer::Error(code, message) => Err(model_error(&message, code)),
+                Answer::Outputs(outputs) => worker.read_tensors(&file, &outputs, &mut budget),
+            })
+            .collect())
     }
 
     /// The worker's next message other than a log line, watching it meanwhile: dead, late past
     /// `deadline` or over its memory limit is fatal. Requests whose clients left are told so
     /// (`is_cancelled()`).
-    fn wait(&mut self, deadline: Instant, live: &Live<'_>, told: &mut [bool]) -> std::result::Result<Value, Fatal> {
+    fn wait(&mut self, deadline: Instant, live: &Live<'_>, told: &mut [bool]) -> std::result::Result<Message, Fatal> {
         let limit = self.shared.options.memory_limit;
         let timeout = self.shared.options.execute_timeout;
         let worker = self.worker.as_mut().expect("running");
@@ -313,7 +299,7 @@ impl PythonInstance {
         // (bench/results/python_models.md).
         let reply = loop {
             match worker.poll()? {
-                Some(m) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
+                Some(Message::Json(m)) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
                 Some(m) => break m,
                 None => {}
             }
@@ -341,7 +327,7 @@ impl PythonInstance {
         let worker = self.worker.as_mut().expect("running");
         let file = m["file"].as_str().unwrap_or_default().to_string();
         let mut budget = MAX_REPLY_BYTES;
-        let inputs = worker.read_tensors(&file, &m["inputs"], &mut budget)?;
+        let inputs = worker.read_tensors(&file, &placed(&m["inputs"])?, &mut budget)?;
         let model_name = m["model"].as_str().unwrap_or_default().to_string();
         let version = m["version"].as_str().filter(|v| !v.is_empty()).map(str::to_string);
         let outputs: Option<Vec<String>> = m["outputs"]
@@ -389,7 +375,7 @@ impl Drop for PythonInstance {
                 let deadline = Instant::now() + self.shared.options.finalize_timeout;
                 while Instant::now() < deadline {
                     match w.poll() {
-                        Ok(Some(m)) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
+                        Ok(Some(Message::Json(m))) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
                         Ok(Some(_)) | Err(_) => break,
                         Ok(None) => {}
                     }
@@ -402,6 +388,163 @@ impl Drop for PythonInstance {
 
 /// Why a worker cannot go on (it is then killed and replaced).
 struct Fatal(String);
+
+/// A message from a worker: JSON, or the packed answer to an execute (`DONE`).
+enum Message {
+    Json(Value),
+    Done(Vec<u8>),
+}
+
+/// The first byte of a packed message (a JSON one starts with `{`).
+const EXECUTE: u8 = 1;
+const DONE: u8 = 2;
+/// The most dimensions a tensor may have on the channel (NumPy's limit).
+const MAX_DIMS: usize = 64;
+
+/// One request's answer in a worker's `DONE`.
+enum Answer {
+    /// A `TritonError`'s code and message.
+    Error(i64, String),
+    Outputs(Vec<Placed>),
+}
+
+/// A tensor in a shared file, as a message describes it.
+struct Placed {
+    name: String,
+    /// `None`: a NumPy type with no Triton type.
+    datatype: Option<DataType>,
+    shape: Vec<usize>,
+    offset: u64,
+    size: u64,
+}
+
+/// A packed message being written: little-endian; a string is its length (u32; u8 for a
+/// datatype) then its bytes, a count a u32, a tensor its name, datatype, ndim (u8), dims (i64
+/// each), offset and size (u64). The worker's module doc lays out `EXECUTE` and `DONE`.
+struct Packed(Vec<u8>);
+
+impl Packed {
+    fn new(kind: u8) -> Packed {
+        let mut b = Vec::with_capacity(256);
+        b.extend_from_slice(&[0, 0, 0, 0, kind]);
+        Packed(b)
+    }
+
+    fn count(&mut self, n: usize) -> &mut Packed {
+        self.0.extend_from_slice(&(n as u32).to_le_bytes());
+        self
+    }
+
+    fn str(&mut self, s: &str) -> &mut Packed {
+        self.count(s.len());
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
+
+    fn tensor(&mut self, name: &str, datatype: &str, shape: &[usize], (offset, size): (u64, u64)) {
+        self.str(name);
+        self.0.push(datatype.len() as u8);
+        self.0.extend_from_slice(datatype.as_bytes());
+        self.0.push(shape.len() as u8);
+        for &d in shape {
+            self.0.extend_from_slice(&(d as i64).to_le_bytes());
+        }
+        self.0.extend_from_slice(&offset.to_le_bytes());
+        self.0.extend_from_slice(&size.to_le_bytes());
+    }
+}
+
+/// Reads a packed message; running past its end is a worker sending what is not a message.
+struct Unpack<'a>(&'a [u8]);
+
+impl<'a> Unpack<'a> {
+    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], Fatal> {
+        if n > self.0.len() {
+            return Err(Fatal("sent a packed message cut short".into()));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> std::result::Result<u8, Fatal> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> std::result::Result<u32, Fatal> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+
+    fn u64(&mut self) -> std::result::Result<u64, Fatal> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+
+    fn text(&mut self, n: usize) -> std::result::Result<String, Fatal> {
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| Fatal("sent a string that is not UTF-8".into()))
+    }
+
+    fn str(&mut self) -> std::result::Result<String, Fatal> {
+        let n = self.u32()? as usize;
+        self.text(n)
+    }
+
+    fn tensor(&mut self) -> std::result::Result<Placed, Fatal> {
+        let name = self.str()?;
+        let n = self.u8()? as usize;
+        let datatype = DataType::parse(&self.text(n)?);
+        let ndim = self.u8()? as usize;
+        let shape = (0..ndim)
+            .map(|_| usize::try_from(self.u64()? as i64).map_err(|_| Fatal(format!("sent a negative dim of '{name}'"))))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Placed { name, datatype, shape, offset: self.u64()?, size: self.u64()? })
+    }
+}
+
+/// A worker's `DONE` for an execute of `requests` requests: its output file and each answer.
+fn done(body: &[u8], requests: usize) -> std::result::Result<(String, Vec<Answer>), Fatal> {
+    let mut m = Unpack(&body[1..]);
+    let file = m.str()?;
+    let n = m.u32()? as usize;
+    if n != requests {
+        return Err(Fatal(format!("answered {n} of {requests} requests")));
+    }
+    let answers = (0..n)
+        .map(|_| match m.u8()? {
+            0 => {
+                let outputs = m.u32()?;
+                Ok(Answer::Outputs((0..outputs).map(|_| m.tensor()).collect::<std::result::Result<_, _>>()?))
+            }
+            _ => {
+                let code = m.u32()? as i64;
+                Ok(Answer::Error(code, m.str()?))
+            }
+        })
+        .collect::<std::result::Result<_, Fatal>>()?;
+    Ok((file, answers))
+}
+
+/// The tensors a JSON message describes (a BLS call's inputs).
+fn placed(described: &Value) -> Result<Vec<Placed>> {
+    let bad = |what: &str| Error::internal(format!("the Python worker described a tensor badly: {what}"));
+    let Some(list) = described.as_array() else { return Ok(Vec::new()) };
+    list.iter()
+        .map(|t| {
+            let shape = t["shape"]
+                .as_array()
+                .ok_or_else(|| bad("no shape"))?
+                .iter()
+                .map(|d| d.as_u64().map(|d| d as usize).ok_or_else(|| bad("a dim")))
+                .collect::<Result<_>>()?;
+            Ok(Placed {
+                name: t["name"].as_str().ok_or_else(|| bad("no name"))?.to_string(),
+                datatype: t["datatype"].as_str().and_then(DataType::parse),
+                shape,
+                offset: t["offset"].as_u64().ok_or_else(|| bad("offset"))?,
+                size: t["size"].as_u64().ok_or_else(|| bad("size"))?,
+            })
+        })
+        .collect()
+}
 
 /// The shape of request part `part` of batch input `input`.
 fn part_shape(input: &BatchInput<'_>, part: &TensorData) -> Vec<usize> {
@@ -479,8 +622,8 @@ struct Worker {
     /// Bytes read from the channel and not yet a whole message.
     pending: Vec<u8>,
     input: InputFile,
-    /// The worker's current output file, opened.
-    output: Option<(String, std::fs::File)>,
+    /// The worker's current output file, opened, and its length.
+    output: Option<(String, std::fs::File, u64)>,
 }
 
 impl Worker {
@@ -542,13 +685,16 @@ impl Worker {
         let deadline = Instant::now() + timeout;
         loop {
             match self.poll() {
-                Ok(Some(m)) if m["op"] == "log" => log(who.0, who.1, &m),
-                Ok(Some(m)) if m["op"] == "error" => {
+                Ok(Some(Message::Json(m))) if m["op"] == "log" => log(who.0, who.1, &m),
+                Ok(Some(Message::Json(m))) if m["op"] == "error" => {
                     let tb = m["traceback"].as_str().unwrap_or_default();
                     tracing::error!(model = %model_py.display(), "{tb}");
                     return Err(Error::invalid(m["message"].as_str().unwrap_or_default().to_string()));
                 }
-                Ok(Some(m)) => return Ok(m),
+                Ok(Some(Message::Json(m))) => return Ok(m),
+                Ok(Some(Message::Done(_))) => {
+                    return Err(Error::invalid("the worker answered an execute it was not given"))
+                }
                 Ok(None) if Instant::now() > deadline => {
                     return Err(Error::invalid(format!("it did not return within {timeout:?}")))
                 }
@@ -559,16 +705,21 @@ impl Worker {
     }
 
     fn send(&mut self, m: &Value) -> std::result::Result<(), Fatal> {
-        let body = serde_json::to_vec(m).map_err(|e| Fatal(format!("message not encoded: {e}")))?;
-        let mut framed = Vec::with_capacity(body.len() + 4);
-        framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        framed.extend_from_slice(&body);
+        let mut framed = vec![0; 4];
+        serde_json::to_writer(&mut framed, m).map_err(|e| Fatal(format!("message not encoded: {e}")))?;
+        self.send_packed(framed)
+    }
+
+    /// Sends `framed`: a message after 4 bytes left for its length.
+    fn send_packed(&mut self, mut framed: Vec<u8>) -> std::result::Result<(), Fatal> {
+        let n = (framed.len() - 4) as u32;
+        framed[..4].copy_from_slice(&n.to_le_bytes());
         self.chan.write_all(&framed).map_err(|e| Fatal(format!("cannot be written to ({e})")))
     }
 
     /// The next whole message, or `None` after waiting up to `TICK` (the channel's read timeout);
     /// a worker that exited or closed its end, or sends what is not a message, is fatal.
-    fn poll(&mut self) -> std::result::Result<Option<Value>, Fatal> {
+    fn poll(&mut self) -> std::result::Result<Option<Message>, Fatal> {
         loop {
             if self.pending.len() >= 4 {
                 let n = u32::from_le_bytes(self.pending[..4].try_into().expect("4 bytes")) as usize;
@@ -576,8 +727,14 @@ impl Worker {
                     return Err(Fatal(format!("sent a message of {n} bytes")));
                 }
                 if self.pending.len() >= 4 + n {
-                    let m = serde_json::from_slice(&self.pending[4..4 + n])
-                        .map_err(|e| Fatal(format!("sent a message that is not JSON ({e})")));
+                    let body = &self.pending[4..4 + n];
+                    let m = if body.first() == Some(&DONE) {
+                        Ok(Message::Done(body.to_vec()))
+                    } else {
+                        serde_json::from_slice(body)
+                            .map(Message::Json)
+                            .map_err(|e| Fatal(format!("sent a message that is not JSON ({e})")))
+                    };
                     self.pending.drain(..4 + n);
                     return m.map(Some);
                 }
@@ -607,54 +764,44 @@ impl Worker {
         pages * page
     }
 
-    /// The tensors `described` (name, datatype, shape, offset, size) of the worker's file `file`,
-    /// each counted against `budget` bytes before it is read.
-    fn read_tensors(&mut self, file: &str, described: &Value, budget: &mut u64) -> Result<Vec<Tensor>> {
+    /// The tensors `described` of the worker's file `file`, each counted against `budget` bytes
+    /// before it is read.
+    fn read_tensors(&mut self, file: &str, described: &[Placed], budget: &mut u64) -> Result<Vec<Tensor>> {
         let bad = |what: &str| Error::internal(format!("the Python worker described a tensor badly: {what}"));
-        let Some(list) = described.as_array() else { return Ok(Vec::new()) };
-        if list.is_empty() {
+        if described.is_empty() {
             return Ok(Vec::new());
         }
-        let dir = directory()?;
-        let path = Path::new(file);
-        if path.parent() != Some(dir) {
-            return Err(bad("its file is not in the workers' directory"));
-        }
-        if self.output.as_ref().is_none_or(|(p, _)| p != file) {
+        if self.output.as_ref().is_none_or(|(p, ..)| p != file) {
+            let path = Path::new(file);
+            if path.parent() != Some(directory()?) {
+                return Err(bad("its file is not in the workers' directory"));
+            }
+            // The worker never shrinks a file it wrote to: a new size is a new file.
             let f = std::fs::File::open(path).map_err(|e| bad(&format!("{file}: {e}")))?;
-            self.output = Some((file.to_string(), f));
+            let length = f.metadata().map(|m| m.len()).unwrap_or(0);
+            self.output = Some((file.to_string(), f, length));
         }
-        let (_, f) = self.output.as_ref().expect("opened above");
-        let length = f.metadata().map(|m| m.len()).unwrap_or(0);
-        list.iter()
+        let (_, f, length) = self.output.as_ref().expect("opened above");
+        described
+            .iter()
             .map(|t| {
-                let name = t["name"].as_str().ok_or_else(|| bad("no name"))?;
-                let datatype = t["datatype"]
-                    .as_str()
-                    .and_then(DataType::parse)
+                let name = &t.name;
+                let datatype = t
+                    .datatype
                     .ok_or_else(|| Error::internal(format!("output '{name}': its NumPy type has no Triton type")))?;
-                let shape: Vec<usize> = t["shape"]
-                    .as_array()
-                    .ok_or_else(|| bad("no shape"))?
-                    .iter()
-                    .map(|d| d.as_u64().map(|d| d as usize).ok_or_else(|| bad("a dim")))
-                    .collect::<Result<_>>()?;
-                let (offset, size) = (
-                    t["offset"].as_u64().ok_or_else(|| bad("offset"))?,
-                    t["size"].as_u64().ok_or_else(|| bad("size"))?,
-                );
-                if offset.checked_add(size).is_none_or(|end| end > length) || size > *budget {
+                let (offset, size) = (t.offset, t.size);
+                if offset.checked_add(size).is_none_or(|end| end > *length) || size > *budget {
                     return Err(bad(&format!(
                         "'{name}' of {size} bytes at {offset} is outside its file or over the reply limit"
                     )));
                 }
                 *budget -= size;
-                let count = crate::data::tensor::element_count(&shape, usize::MAX)?;
+                let count = crate::data::tensor::element_count(&t.shape, usize::MAX)?;
                 let mut raw = vec![0u8; size as usize];
                 f.read_exact_at(&mut raw, offset).map_err(|e| bad(&format!("{file}: {e}")))?;
                 let data = TensorData::from_wire(name, datatype, count, Bytes::from(raw))
                     .map_err(|e| Error::internal(format!("the Python model's output: {e}")))?;
-                Ok(Tensor::new(name, datatype, shape, data))
+                Ok(Tensor::new(name, datatype, t.shape.clone(), data))
             })
             .collect()
     }
@@ -687,7 +834,7 @@ impl Worker {
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if let Some((path, _)) = self.output.take() {
+        if let Some((path, ..)) = self.output.take() {
             let _ = std::fs::remove_file(path);
         }
     }
@@ -717,19 +864,30 @@ fn code_of(e: &Error) -> i64 {
 struct InputFile {
     dir: PathBuf,
     path: PathBuf,
-    file: std::fs::File,
+    file: Arc<std::fs::File>,
     capacity: u64,
     /// The end of what the current execute has written.
     end: u64,
     serial: u64,
     /// The file holding the current execute's flags.
-    flags: Option<std::fs::File>,
+    flags: Option<Arc<std::fs::File>>,
+    /// A small execute's flags and tensors, laid out here and written in one call.
+    staged: Vec<u8>,
 }
 
 impl InputFile {
     fn new(dir: &Path) -> Result<InputFile> {
         let (path, file) = Self::create(dir, 0, 1 << 16)?;
-        Ok(InputFile { dir: dir.to_path_buf(), path, file, capacity: 1 << 16, end: 0, serial: 0, flags: None })
+        Ok(InputFile {
+            dir: dir.to_path_buf(),
+            path,
+            file: Arc::new(file),
+            capacity: 1 << 16,
+            end: 0,
+            serial: 0,
+            flags: None,
+            staged: Vec::new(),
+        })
     }
 
     fn create(dir: &Path, serial: u64, size: u64) -> Result<(PathBuf, std::fs::File)> {
@@ -757,7 +915,7 @@ impl InputFile {
             let (path, file) = Self::create(&self.dir, self.serial, size)?;
             let _ = std::fs::remove_file(&self.path);
             self.path = path;
-            self.file = file;
+            self.file = Arc::new(file);
             self.capacity = size;
             self.end = 0;
         }
@@ -788,16 +946,28 @@ impl InputFile {
 
     /// One execute's `requests` flags (from offset 0) and tensors: its path and each blob's place.
     fn write(&mut self, requests: usize, blobs: &[Bytes]) -> Result<(String, Vec<(u64, u64)>)> {
+        /// Up to this much is copied into one buffer and written with one call.
+        const STAGED: u64 = 256 << 10;
         self.end = 0;
-        let (_, need) = Self::layout(requests as u64, blobs);
-        self.room(need, true)?;
         let (places, end) = Self::layout(requests as u64, blobs);
-        self.file
-            .write_all_at(&vec![0u8; requests], 0)
-            .map_err(|e| Error::internal(format!("cannot write the shared file: {e}")))?;
-        self.put(blobs, &places)?;
+        self.room(end, true)?;
+        if end <= STAGED {
+            self.staged.clear();
+            self.staged.resize(end as usize, 0);
+            for (b, (offset, size)) in blobs.iter().zip(&places) {
+                self.staged[*offset as usize..(*offset + *size) as usize].copy_from_slice(b);
+            }
+            self.file
+                .write_all_at(&self.staged, 0)
+                .map_err(|e| Error::internal(format!("cannot write the shared file {}: {e}", self.path.display())))?;
+        } else {
+            self.file
+                .write_all_at(&vec![0u8; requests], 0)
+                .map_err(|e| Error::internal(format!("cannot write the shared file: {e}")))?;
+            self.put(blobs, &places)?;
+        }
         self.end = end;
-        self.flags = self.file.try_clone().ok();
+        self.flags = Some(self.file.clone());
         Ok((self.path.display().to_string(), places))
     }
 
@@ -822,5 +992,79 @@ impl InputFile {
 impl Drop for InputFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An output as the worker packs it: name, datatype, shape, place in its file.
+    type Out<'a> = (&'a str, &'a str, &'a [usize], (u64, u64));
+
+    /// A worker's DONE as `ferrite_python_worker.py` packs it: one response with `outputs`.
+    fn done_of(file: &str, outputs: &[Out<'_>]) -> Vec<u8> {
+        let mut m = Packed::new(DONE);
+        m.str(file).count(1);
+        m.0.push(0);
+        m.count(outputs.len());
+        for (name, datatype, shape, place) in outputs {
+            m.tensor(name, datatype, shape, *place);
+        }
+        m.0.split_off(4)
+    }
+
+    #[test]
+    fn a_packed_answer_reads_back_as_written() {
+        let body = done_of("/f", &[("OUT", "FP32", &[2, 3], (64, 24)), ("T", "BYTES", &[], (128, 9))]);
+        let Ok((file, answers)) = done(&body, 1) else { panic!("not read") };
+        assert_eq!(file, "/f");
+        let [Answer::Outputs(outputs)] = &answers[..] else { panic!("not one answer with outputs") };
+        let placed: Vec<_> =
+            outputs.iter().map(|t| (t.name.as_str(), t.datatype, t.shape.clone(), t.offset, t.size)).collect();
+        assert_eq!(
+            placed,
+            [("OUT", Some(DataType::Fp32), vec![2, 3], 64, 24), ("T", Some(DataType::Bytes), vec![], 128, 9)]
+        );
+        // A NumPy type with no Triton type comes as an empty name: no datatype, an error later.
+        let body = done_of("/f", &[("OUT", "", &[1], (0, 2))]);
+        let Ok((_, answers)) = done(&body, 1) else { panic!("not read") };
+        assert!(matches!(&answers[..], [Answer::Outputs(o)] if o[0].datatype.is_none()));
+    }
+
+    #[test]
+    fn a_packed_error_keeps_its_code_and_message() {
+        let mut m = Packed::new(DONE);
+        m.str("").count(1);
+        m.0.push(1);
+        m.count(3).str("not valid");
+        let Ok((_, answers)) = done(&m.0[4..], 1) else { panic!("not read") };
+        assert!(matches!(&answers[..], [Answer::Error(3, msg)] if msg == "not valid"));
+    }
+
+    #[test]
+    fn a_bad_packed_answer_is_fatal_never_a_panic() {
+        let body = done_of("/f", &[("OUT", "FP32", &[2, 3], (64, 24))]);
+        // Cut anywhere, it is a worker to restart.
+        for n in 1..body.len() {
+            assert!(done(&body[..n], 1).is_err(), "cut at {n}");
+        }
+        // Answers for another number of requests.
+        assert!(done(&body, 2).is_err());
+        // Counts far past the message's end are not allocated for.
+        let mut m = Packed::new(DONE);
+        m.str("/f").count(1);
+        m.0.push(0);
+        m.count(u32::MAX as usize);
+        assert!(done(&m.0[4..], 1).is_err());
+        // A negative dim.
+        let mut body = done_of("/f", &[("OUT", "FP32", &[1], (0, 4))]);
+        let at = body.len() - 16 - 8;
+        body[at..at + 8].copy_from_slice(&(-1i64).to_le_bytes());
+        assert!(done(&body, 1).is_err());
+        // Not UTF-8.
+        let mut body = done_of("/f", &[("OUT", "FP32", &[1], (0, 4))]);
+        body[5] = 0xff;
+        assert!(done(&body, 1).is_err());
     }
 }
