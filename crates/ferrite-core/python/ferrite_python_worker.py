@@ -48,6 +48,12 @@ _NUMPY = {name.encode(): np.dtype(t) for name, (t, _) in pb_utils._V2.items() if
 _NAMES = {}
 
 
+def _text(body, at):
+    """The packed string at `at` in `body`, and where the next field starts."""
+    (n,) = _I.unpack_from(body, at)
+    return body[at + 4:at + 4 + n].decode(), at + 4 + n
+
+
 def _v2_bytes(dtype):
     name = _NAMES.get(dtype)
     if name is None:
@@ -259,13 +265,8 @@ class Worker:
 
     def requests(self, body):
         """The requests of a packed EXECUTE, their arrays mapped from the server's file."""
-        at = 1
-        (n,) = _I.unpack_from(body, at)
-        model = body[at + 4:at + 4 + n].decode()
-        at += 4 + n
-        (n,) = _I.unpack_from(body, at)
-        path = body[at + 4:at + 4 + n].decode()
-        at += 4 + n
+        model, at = _text(body, 1)
+        path, at = _text(body, at)
         flags, count = struct.unpack_from("<II", body, at)
         at += 8
         # Each request's byte in the flags (set when its client leaves) is what is_cancelled() reads.
@@ -273,19 +274,13 @@ class Worker:
         array, tensor = self.inputs.array, pb_utils.Tensor._of
         requests = []
         for i in range(count):
-            (n,) = _I.unpack_from(body, at)
-            request_id = body[at + 4:at + 4 + n].decode()
-            at += 4 + n
-            (n,) = _I.unpack_from(body, at)
-            parameters = body[at + 4:at + 4 + n].decode()
-            at += 4 + n
+            request_id, at = _text(body, at)
+            parameters, at = _text(body, at)
             (k,) = _I.unpack_from(body, at)
             at += 4
             tensors = []
             for _ in range(k):
-                (n,) = _I.unpack_from(body, at)
-                name = body[at + 4:at + 4 + n].decode()
-                at += 4 + n
+                name, at = _text(body, at)
                 n = body[at]
                 datatype = body[at + 1:at + 1 + n]
                 at += 1 + n
