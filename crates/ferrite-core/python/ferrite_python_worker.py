@@ -45,7 +45,7 @@ _QQ = struct.Struct("<QQ")
 _DIMS = [struct.Struct(f"<{n}q") for n in range(65)]
 # Datatype names as they come (bytes) and go (NumPy dtype -> bytes).
 _NUMPY = {name.encode(): np.dtype(t) for name, (t, _) in pb_utils._V2.items() if t is not np.object_}
-_NAMES = {}
+_NAMES = {dtype: name.encode() for dtype, (name, _) in pb_utils._BY_DTYPE.items()}
 
 
 def _text(body, at):
@@ -55,10 +55,9 @@ def _text(body, at):
 
 
 def _v2_bytes(dtype):
+    """The V2 datatype name of a NumPy dtype, as bytes (empty: it has none)."""
     name = _NAMES.get(dtype)
-    if name is None:
-        name = _NAMES[dtype] = (pb_utils._v2_name(dtype) or "").encode()
-    return name
+    return name if name is not None else (pb_utils._v2_name(dtype) or "").encode()
 
 
 class Inputs:
@@ -87,7 +86,7 @@ class Inputs:
                 raise ValueError(f"unknown datatype {datatype!r}")
             items, at, end = [], offset, offset + size
             while at < end:
-                (n,) = struct.unpack_from("<I", buf, at)
+                (n,) = _I.unpack_from(buf, at)
                 items.append(bytes(buf[at + 4:at + 4 + n]))
                 at += 4 + n
             out = np.empty(len(items), dtype=np.object_)
@@ -290,8 +289,10 @@ class Worker:
                 offset, size = _QQ.unpack_from(body, at)
                 at += 16
                 tensors.append(tensor(name, array(path, datatype, shape, offset, size)))
-            requests.append(pb_utils.InferenceRequest._of(model, list(self.output_names), tensors, request_id,
-                                                          parameters, (buf, flags + i)))
+            request = pb_utils.InferenceRequest(model, self.output_names, tensors, request_id=request_id,
+                                                parameters=parameters or "{}")
+            request._cancelled = (buf, flags + i)
+            requests.append(request)
         return requests
 
     def execute(self, body):

@@ -215,22 +215,6 @@ class InferenceRequest:
         self._parameters = "{}" if parameters is None else parameters
         self._cancelled = None  # set by the worker for the requests it gives to execute: (buffer, offset)
 
-    @classmethod
-    def _of(cls, model_name, output_names, inputs, request_id, parameters, cancelled):
-        """A request the worker gives to execute; `parameters` is the request's JSON text."""
-        r = cls.__new__(cls)
-        r._model_name = model_name
-        r._outputs = output_names
-        r._inputs = inputs
-        r._model_version = -1
-        r._flags = 0
-        r._request_id = request_id
-        r._correlation_id = 0
-        r._timeout = 0
-        r._parameters = parameters or "{}"
-        r._cancelled = cancelled
-        return r
-
     def model_name(self):
         return self._model_name
 
