@@ -176,6 +176,36 @@ def reference_classify(encoded):
     return best, labels[best]
 
 
+def test_a_request_id_or_parameters_cannot_reach_into_another_request(served):
+    """Ids and parameters travel to the worker inside each batch's packed message: ones made to
+    look like its length fields, or long, stay their own request's and shift no one's tensors."""
+    errors, done = [], []
+    crafted = "\x00\x00\x00\x00\x01\x04FP32\x01\xff" + "é" * 40
+
+    def one(i):
+        try:
+            c = httpclient.InferenceServerClient(served.url)
+            rows = 1 + i % 3
+            a = np.full((rows, 4), i, np.float32)
+            b = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+            r = c.infer("add_sub", [tensor(httpclient, "INPUT0", a, "FP32"), tensor(httpclient, "INPUT1", b, "FP32")],
+                        request_id=f"{crafted}{i}", parameters={"flavour": crafted * (1 + 200 * (i % 2))})
+            np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + b)
+            done.append(i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(done) == 24
+    c = httpclient.InferenceServerClient(served.url)
+    r = c.infer("faulty", [action(httpclient, "whoami")], request_id=crafted, parameters={"flavour": crafted})
+    assert r.as_numpy("ECHO")[0].decode() == f"{crafted} ECHO {crafted}"
+
+
 @pytest.mark.parametrize("client", CLIENTS)
 def test_ensemble_python_onnx_python_equals_plain_python(served, client):
     c = client_of(served, client)
