@@ -28,6 +28,8 @@ from bench.run import ROOT, RESULTS, WORK, cpu_seconds, free_port, oha_load, per
 # With --pin: the server and the in-process ceiling on core 0, the load generators on core 1, so
 # neither blurs the other's figure (one core of the server against one core of the engine).
 SERVER_CPUS = []
+# The server binary (bench/ab.py points it at each binary it compares).
+BINARY = ROOT / "target/release/ferrite"
 
 KINDS = WORK / "kinds"
 
@@ -113,7 +115,7 @@ def serve(case, args, log_name="kinds"):
         (repo / model / "1").mkdir(parents=True, exist_ok=True)
         os.link(KINDS / model / "1/model.onnx", repo / model / "1" / "model.onnx")
     port, grpc_port = free_port(), free_port()
-    cmd = [*SERVER_CPUS, str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(repo), "--http-port", str(port),
+    cmd = [*SERVER_CPUS, str(BINARY), "serve", "--model-repository", str(repo), "--http-port", str(port),
            "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "info", *args.extra.split()]
     log = open(WORK / f"{log_name}-{case}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

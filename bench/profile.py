@@ -4,7 +4,8 @@ model whose own run is small (so the server's costs show), then sorts the sample
 library and symbol. Writes bench/results/<name>.md: CPU microseconds per request in each bucket.
 
 Usage (after bench/run.sh has built the release binary): python3 bench/profile.py [--name profile]
-[--model tiny|mlp] [--duration 8]"""
+[--model tiny|mlp] [--duration 8] [--clients 8] [--pin] (--pin: the server on core 0, the load generators
+on core 1, as `bench/kinds.py --pin` measures the share of one core's ceiling)"""
 
 import argparse
 import json
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench.kinds  # noqa: E402
+import bench.run  # noqa: E402
 from bench.kinds import CASES, KINDS, bodies, serve  # noqa: E402
 from bench.run import RESULTS, WORK, cpu_seconds, oha_load, perf_analyzer_load  # noqa: E402
 
@@ -52,7 +55,11 @@ def main():
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--extra", default="", help="more `ferrite serve` arguments")
+    ap.add_argument("--pin", action="store_true", help="server on core 0, load generators on core 1")
     args = ap.parse_args()
+    if args.pin:
+        bench.kinds.SERVER_CPUS[:] = ["taskset", "-c", "0"]
+        bench.run.LOADGEN[:] = ["taskset", "-c", "1"]
     if not (KINDS / "tiny/1/model.onnx").exists():
         subprocess.run([sys.executable, str(Path(__file__).parent / "make_models.py"), str(KINDS)], check=True)
     case = args.model
@@ -108,7 +115,7 @@ def write(args, case, rows):
         f"# Where the server's time goes, per front-end (`{args.name}`)",
         "",
         f"`bench/profile.py --model {case}` on {time.strftime('%Y-%m-%d')}: {args.clients} clients sending batch-1 "
-        f"requests for {args.duration} s per front-end; `perf record -g` at 2999 Hz on the server process "
+        f"requests for {args.duration} s per front-end{' (pinned: the server on core 0, the load generators on core 1)' if args.pin else ''}; `perf record -g` at 2999 Hz on the server process "
         f"(`ferrite serve {args.extra or '(defaults)'}`). Each cell: CPU microseconds per request spent there "
         "(the share of samples times the process's CPU time per request).",
         "",

@@ -13,6 +13,7 @@
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
+#        bench/run.sh --ab A B [--models tiny,mlp] (two server binaries alternated, pinned: bench/ab.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
 #        bench/run.sh --python-models [--duration 5] (a model.py's cost per request: bench/python_models.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
@@ -83,6 +84,10 @@ fi
 if [ "${1:-}" = "--python-models" ]; then
     shift
     exec python3 bench/python_models.py "$@"
+fi
+if [ "${1:-}" = "--ab" ]; then
+    shift
+    exec python3 bench/ab.py "$@"
 fi
 if [ "${1:-}" = "--memory" ]; then
     shift

@@ -1,0 +1,139 @@
+"""Two server binaries side by side (bench/run.sh --ab A B): alternated in rounds on the same model
+kinds and loads, pinned (the server on core 0, the load generators on core 1), so that a change is
+measured against the same machine minutes rather than against another run's. Per binary and load:
+requests/s, server CPU microseconds, context switches (all the server's threads, voluntary and not)
+and the mean batch size per request, the median over rounds. Context switches and batch sizes
+depend little on how fast the machine runs that minute; throughput and CPU do, so read those
+through the spread of their rounds (shown).
+
+Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320] [--clients 8,128]
+       [--loads bin,grpc,json] [--rounds 3] [--duration 3] [--name ab]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench.kinds as kinds  # noqa: E402
+import bench.run as run  # noqa: E402
+from bench.run import ROOT, RESULTS, WORK  # noqa: E402
+
+
+def context_switches(pid):
+    n = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            for line in Path(f"/proc/{pid}/task/{t}/status").read_text().splitlines():
+                if "ctxt_switches" in line:
+                    n += int(line.split()[1])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return n
+
+
+def counts(base, model):
+    with urllib.request.urlopen(f"{base}/v2/models/{model}/stats", timeout=10) as r:
+        s = json.loads(r.read())["model_stats"][0]
+    return s["inference_count"], s["execution_count"]
+
+
+def loads(case, base, grpc):
+    model, inputs, _ = kinds.CASES[case]
+    json_body, bin_body, header_len = kinds.bodies(case, f"ab-{case}")
+    infer = f"{base}/v2/models/{model}/infer"
+    pa_extra = ["--input-data", "zero", *[x for i, _, s in inputs for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]
+    return {
+        "bin": lambda c: run.oha_load(infer, bin_body, c, [f"Inference-Header-Content-Length: {header_len}"]),
+        "grpc": lambda c: run.perf_analyzer_load("grpc", grpc, c, model, pa_extra, fatal=False, stability=100),
+        "json": lambda c: run.oha_load(infer, json_body, c, ["Content-Type: application/json"]),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--models", default="tiny,mlp,detector320")
+    ap.add_argument("--clients", default="8,128")
+    ap.add_argument("--loads", default="bin,grpc")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=int, default=3)
+    ap.add_argument("--name", default="ab")
+    ap.add_argument("--extra", default="", help="more `ferrite serve` arguments")
+    args = ap.parse_args()
+    kinds.SERVER_CPUS[:] = ["taskset", "-c", "0"]
+    run.LOADGEN[:] = ["taskset", "-c", "1"]
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not (kinds.KINDS / "detector/1/model.onnx").exists():
+        import subprocess
+
+        subprocess.run([sys.executable, str(ROOT / "bench/make_models.py"), str(kinds.KINDS)], check=True)
+    binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
+    clients = [int(c) for c in args.clients.split(",")]
+    rows = {}
+    started = time.time()
+    for _ in range(args.rounds):
+        for label, binary in binaries.items():
+            kinds.BINARY = binary
+            for case in args.models.split(","):
+                model = kinds.CASES[case][0]
+                proc, base, grpc = kinds.serve(case, args, log_name=f"ab-{label}")
+                try:
+                    for c in clients:
+                        for name, load in loads(case, base, grpc).items():
+                            if name not in args.loads.split(","):
+                                continue
+                            go = load(c)
+                            go(1)  # warm-up
+                            (n0, e0), x0, cpu0, t0 = counts(base, model), context_switches(proc.pid), run.cpu_seconds(proc.pid), time.time()
+                            _, p50, p99, errors = go(args.duration)
+                            (n1, e1), x1, cpu1, t1 = counts(base, model), context_switches(proc.pid), run.cpu_seconds(proc.pid), time.time()
+                            n = max(1, n1 - n0)
+                            row = {"rps": n / (t1 - t0), "cpu_us": (cpu1 - cpu0) / n * 1e6, "switches": (x1 - x0) / n,
+                                   "batch": n / max(1, e1 - e0), "p50_ms": p50, "p99_ms": p99, "errors": errors}
+                            rows.setdefault((case, name, c), {}).setdefault(label, []).append(row)
+                            print(json.dumps({"binary": label, "case": case, "load": name, "clients": c, **row}), flush=True)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+    write(args, binaries, rows, time.time() - started)
+
+
+def write(args, binaries, rows, took):
+    median = lambda xs, f: statistics.median(x[f] for x in xs)  # noqa: E731
+    lines = [
+        f"# Two binaries side by side (`{args.name}`)",
+        "",
+        f"`bench/ab.py` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, {took / 60:.1f} min: A = `{binaries['A'].name}`, "
+        f"B = `{binaries['B'].name}`, alternated A, B in {args.rounds} rounds; batch-1 requests for {args.duration} s per load "
+        "(oha for binary HTTP, perf_analyzer for gRPC), the server pinned to core 0 and the load generators to core 1. "
+        "Each cell: the median over rounds; `switches`: context switches of all the server's threads per request; "
+        "`batch`: requests per batch run. `ferrite serve` arguments: "
+        f"`{args.extra or '(defaults)'}`.",
+        "",
+        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | batch A | B | p99 ms A | B |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (case, load, c), by in rows.items():
+        a, b = by.get("A", []), by.get("B", [])
+        if not a or not b:
+            continue
+        spread = f"{', '.join(str(round(x['rps'])) for x in a)}; {', '.join(str(round(x['rps'])) for x in b)}"
+        lines.append(
+            f"| {case} | {load} | {c} | {median(a, 'rps'):.0f} | {median(b, 'rps'):.0f} | {median(b, 'rps') / median(a, 'rps'):.2f} | {spread} | "
+            f"{median(a, 'cpu_us'):.0f} | {median(b, 'cpu_us'):.0f} | {median(a, 'switches'):.2f} | {median(b, 'switches'):.2f} | "
+            f"{median(a, 'batch'):.1f} | {median(b, 'batch'):.1f} | {median(a, 'p99_ms'):.2f} | {median(b, 'p99_ms'):.2f} |"
+        )
+    path = RESULTS / f"{args.name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
