@@ -440,10 +440,67 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ti
     if let Some(t) = turn.as_mut() {
         t.wait();
     }
+    answer(replies, turn.is_some());
+}
+
+/// Sends a batch's answers. Each answer wakes its caller's task; sent from this thread one by one,
+/// each wake of a runtime that has gone idle is a syscall and, on a core shared with the runtime's
+/// thread, a preemption: the runtime's thread answers one request, sleeps, and is woken again for
+/// the next. Handed to the callers' runtime in one task, the batch costs one wake and the answers
+/// wake their tasks on the runtime's own thread (pinned to one core, the MLP at 128 clients went
+/// from 0.91 to 0.05 context switches per request: `bench/results/answers.md`). Answers whose
+/// callers gave no runtime (`answer_runtime`) are sent here, and so is everything with
+/// `in_order` (`preserve_ordering`: while the batch holds its turn).
+fn answer(replies: Vec<(Pending, Result<Vec<Tensor>>)>, in_order: bool) {
+    let mut runtime = None;
+    let mut handed = Answers(Vec::with_capacity(replies.len()));
+    let mut direct = Answers(Vec::new());
     for (mut p, r) in replies {
         // Places are given back before the answer, so a client's next request finds them free.
         drop(std::mem::take(&mut p.hold));
-        let _ = p.reply.send(r);
+        match p.runtime.take().filter(|_| !in_order) {
+            Some(rt) => {
+                runtime.get_or_insert(rt);
+                handed.0.push((p.reply, r));
+            }
+            None => direct.0.push((p.reply, r)),
+        }
+    }
+    drop(direct);
+    match runtime {
+        // A task the runtime drops unrun (it is shutting down) still sends them, from its drop.
+        Some(rt) if handed.0.len() >= HAND_OVER => drop(rt.spawn(async move { drop(handed) })),
+        _ => drop(handed),
+    }
+}
+
+/// The fewest answers handed to their runtime in one task. Below it the task costs about what it
+/// saves: the tiny model, answered in batches of about two, kept its context switches per request
+/// and spent 4-14 µs more CPU on each when they were handed over (`bench/results/answers.md`).
+const HAND_OVER: usize = 4;
+
+/// The runtime a request submitted now should be answered on (see `answer`): the caller's, when it
+/// is a task of a multi-thread runtime, whose workers run on whatever else happens. Never a
+/// current-thread runtime (a pipeline's or a Python model's worker), which runs tasks only inside
+/// its owner's `block_on`, nor a future polled outside any task (the Python package's calls),
+/// which is best woken directly.
+pub fn answer_runtime() -> Option<tokio::runtime::Handle> {
+    tokio::task::try_id()?;
+    let rt = tokio::runtime::Handle::try_current().ok()?;
+    (rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread).then_some(rt)
+}
+
+/// Answers not yet sent; dropping them sends them.
+struct Answers(Vec<Reply>);
+
+/// Where one answer goes, and the answer.
+type Reply = (tokio::sync::oneshot::Sender<Result<Vec<Tensor>>>, Result<Vec<Tensor>>);
+
+impl Drop for Answers {
+    fn drop(&mut self) {
+        for (reply, r) in self.0.drain(..) {
+            let _ = reply.send(r);
+        }
     }
 }
 
@@ -747,4 +804,106 @@ fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec
         }
     }
     Ok(outputs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{engine::queue::Hold, DataType};
+    use tokio::sync::oneshot;
+
+    /// A one-row request answered on `runtime`, and where its answer arrives.
+    fn pending(runtime: Option<tokio::runtime::Handle>) -> (Pending, oneshot::Receiver<Result<Vec<Tensor>>>) {
+        let (tx, rx) = oneshot::channel();
+        let p = Pending {
+            id: None,
+            parameters: None,
+            inputs: Vec::new(),
+            rows: 1,
+            outputs: None,
+            level: 0,
+            enqueued: Instant::now(),
+            deadline: None,
+            reply: tx,
+            runtime,
+            span: tracing::Span::none(),
+            warmup: false,
+            hold: Hold::default(),
+            heavy: false,
+        };
+        (p, rx)
+    }
+
+    fn answered(i: usize) -> Result<Vec<Tensor>> {
+        Ok(vec![Tensor::from_le("y", DataType::Int64, vec![1], &[i as i64])])
+    }
+
+    fn value(answer: Result<Vec<Tensor>>) -> i64 {
+        let t = answer.unwrap();
+        i64::from_le_bytes(t[0].data.to_wire()[..8].try_into().unwrap())
+    }
+
+    fn multi_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap()
+    }
+
+    #[test]
+    fn only_tasks_of_a_multi_thread_runtime_are_answered_on_it() {
+        assert!(answer_runtime().is_none(), "no runtime");
+        let rt = multi_thread();
+        assert!(
+            rt.block_on(rt.spawn(async { answer_runtime() })).unwrap().is_some(),
+            "a task of a multi-thread runtime"
+        );
+        // A future polled by `block_on` (as the Python package polls its calls) is no task.
+        assert!(rt.block_on(async { answer_runtime() }).is_none(), "block_on's own future");
+        let _entered = rt.enter();
+        assert!(answer_runtime().is_none(), "a thread that only entered the runtime");
+        let local = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert!(local.block_on(local.spawn(async { answer_runtime() })).unwrap().is_none(), "a current-thread runtime");
+    }
+
+    #[test]
+    fn every_answer_of_a_batch_reaches_its_caller_whatever_runtime_it_gave() {
+        let rt = multi_thread();
+        let handle = rt.block_on(rt.spawn(async { answer_runtime() })).unwrap();
+        let local = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        for in_order in [false, true] {
+            let mut replies = Vec::new();
+            let mut waiting = Vec::new();
+            for i in 0..3 * HAND_OVER {
+                // Two callers on the multi-thread runtime's tasks, one beside them with none.
+                let (p, rx) = pending(if i % 3 == 2 { None } else { handle.clone() });
+                replies.push((p, answered(i)));
+                waiting.push(rx);
+            }
+            answer(replies, in_order);
+            // Awaited from a runtime that is not the one answering: nothing here drives those tasks.
+            let got: Vec<i64> = local.block_on(async {
+                let mut got = Vec::new();
+                for rx in waiting {
+                    got.push(value(tokio::time::timeout(Duration::from_secs(10), rx).await.unwrap().unwrap()));
+                }
+                got
+            });
+            assert_eq!(got, (0..3 * HAND_OVER as i64).collect::<Vec<_>>(), "in order: {in_order}");
+        }
+    }
+
+    #[test]
+    fn answers_for_a_runtime_that_shut_down_still_arrive() {
+        let rt = multi_thread();
+        let handle = rt.block_on(rt.spawn(async { answer_runtime() })).unwrap();
+        rt.shutdown_timeout(Duration::from_secs(5));
+        let (replies, waiting): (Vec<_>, Vec<_>) = (0..HAND_OVER)
+            .map(|i| {
+                let (p, rx) = pending(handle.clone());
+                ((p, answered(i)), rx)
+            })
+            .unzip();
+        answer(replies, false);
+        for (i, mut rx) in waiting.into_iter().enumerate() {
+            assert_eq!(value(rx.try_recv().expect("answered when the task was dropped unrun")), i as i64);
+        }
+    }
 }

@@ -45,6 +45,9 @@ pub struct Pending {
     pub enqueued: Instant,
     pub deadline: Option<Instant>,
     pub reply: oneshot::Sender<Result<Vec<Tensor>>>,
+    /// The async runtime whose task awaits `reply`, if any: a batch's answers are handed to it in
+    /// one task rather than each waking it from the batcher's thread (see `batcher::answer`).
+    pub runtime: Option<tokio::runtime::Handle>,
     /// The request's span, which the batch span that serves it links to.
     pub span: tracing::Span,
     /// A load's warm-up request: run at once, and left out of the statistics.
@@ -394,6 +397,7 @@ mod tests {
             enqueued: at,
             deadline: None,
             reply: tx,
+            runtime: None,
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
@@ -509,6 +513,7 @@ mod tests {
             enqueued: t,
             deadline: None,
             reply: tx,
+            runtime: None,
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
@@ -533,6 +538,7 @@ mod tests {
             enqueued: t,
             deadline: Some(t + Duration::from_micros(100)),
             reply: tx,
+            runtime: None,
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
@@ -579,6 +585,7 @@ mod tests {
             enqueued: at,
             deadline: Some(at + Duration::from_micros(timeout_us)),
             reply: tx,
+            runtime: None,
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
@@ -627,6 +634,7 @@ mod tests {
             enqueued: t,
             deadline: None,
             reply: tx,
+            runtime: None,
             span: tracing::Span::none(),
             warmup: false,
             hold: Hold::default(),
