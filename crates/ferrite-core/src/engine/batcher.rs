@@ -41,9 +41,9 @@ struct Shared {
     /// Bumped on every submit, so a spinning worker sees new work without taking the lock.
     submitted: std::sync::atomic::AtomicU64,
     queue: Mutex<Queue>,
-    wake: Condvar,
+    wake: Wake,
     /// The solo instance's own (see the module), so a submit wakes only the worker whose turn it is.
-    wake_solo: Condvar,
+    wake_solo: Wake,
     /// Signalled when a batch finishes or the queue empties, for shutdown's wait.
     idle: Condvar,
     closed: std::sync::atomic::AtomicBool,
@@ -97,7 +97,7 @@ impl Shared {
         costs.batch_limit(self.spec.batch.merge_limit, head.row_elements(), explore)
     }
 
-    fn condvar(&self, role: Role) -> &Condvar {
+    fn condvar(&self, role: Role) -> &Wake {
         if role == Role::Solo {
             &self.wake_solo
         } else {
@@ -105,23 +105,58 @@ impl Shared {
         }
     }
 
-    /// The condvar of the workers whose turn the work in `q` is, if any is queued (decided under
-    /// the queue's lock; notified after it is released, so the woken worker does not wait on it).
-    fn next_turn(&self, q: &Queue) -> Option<&Condvar> {
+    /// The condvar of the workers whose turn the work in `q` is, if any is queued and one of them
+    /// sleeps (decided under the queue's lock; notified after it is released, so the woken worker
+    /// does not wait on it).
+    fn next_turn(&self, q: &Queue) -> Option<&Wake> {
         if q.is_empty() {
             return None;
         }
-        if !self.has_solo {
-            return Some(&self.wake);
-        }
-        let limit = self.limit(q);
-        if my_turn(self, q, Role::Solo, limit) {
-            Some(&self.wake_solo)
-        } else if my_turn(self, q, Role::Narrow, limit) {
-            Some(&self.wake)
+        let wake = if !self.has_solo {
+            &self.wake
         } else {
-            None
-        }
+            let limit = self.limit(q);
+            if my_turn(self, q, Role::Solo, limit) {
+                &self.wake_solo
+            } else if my_turn(self, q, Role::Narrow, limit) {
+                &self.wake
+            } else {
+                return None;
+            }
+        };
+        wake.anyone().then_some(wake)
+    }
+}
+
+/// A condvar that knows whether a worker sleeps on it. std's `notify_one` enters the kernel even
+/// when no one waits, and under load a submit mostly finds the workers busy: that was one futex
+/// call per request, a third of the server's system calls (MLP over binary HTTP at 128 clients).
+#[derive(Default)]
+struct Wake {
+    condvar: Condvar,
+    /// Workers sleeping on `condvar`; changed and read under the queue's lock only.
+    sleeping: AtomicUsize,
+}
+
+impl Wake {
+    /// Sleeps until notified or `timeout` passes, counted as sleeping meanwhile.
+    fn sleep<'a>(&self, q: MutexGuard<'a, Queue>, timeout: Option<Duration>) -> MutexGuard<'a, Queue> {
+        self.sleeping.fetch_add(1, Ordering::Relaxed);
+        let q = match timeout {
+            None => self.condvar.wait(q).unwrap_or_else(|e| e.into_inner()),
+            Some(t) => self.condvar.wait_timeout(q, t).unwrap_or_else(|e| e.into_inner()).0,
+        };
+        self.sleeping.fetch_sub(1, Ordering::Relaxed);
+        q
+    }
+
+    /// Whether a worker sleeps here (ask under the queue's lock: the count changes only under it).
+    fn anyone(&self) -> bool {
+        self.sleeping.load(Ordering::Relaxed) > 0
+    }
+
+    fn notify_one(&self) {
+        self.condvar.notify_one();
     }
 }
 
@@ -154,8 +189,8 @@ impl Batcher {
             tickets: Default::default(),
             answered: Mutex::new(0),
             answered_turn: Condvar::new(),
-            wake: Condvar::new(),
-            wake_solo: Condvar::new(),
+            wake: Wake::default(),
+            wake_solo: Wake::default(),
             idle: Condvar::new(),
             closed: Default::default(),
             running: AtomicUsize::new(0),
@@ -256,8 +291,8 @@ impl Batcher {
         let q = self.shared.lock();
         self.shared.closed.store(true, Ordering::Release);
         drop(q);
-        self.shared.wake.notify_all();
-        self.shared.wake_solo.notify_all();
+        self.shared.wake.condvar.notify_all();
+        self.shared.wake_solo.condvar.notify_all();
     }
 
     /// Waits until nothing is queued or running, at most until `deadline`. True if drained.
@@ -339,7 +374,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     // The other kind of instance takes this work, or is running: wait for a
                     // submit or a finished batch to change that (the timeout only guards).
                     let turn = Duration::from_millis(50);
-                    q = shared.condvar(role).wait_timeout(q, turn).unwrap_or_else(|e| e.into_inner()).0;
+                    q = shared.condvar(role).sleep(q, Some(turn));
                     continue;
                 }
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
@@ -363,7 +398,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
-                        q = shared.condvar(role).wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
+                        q = shared.condvar(role).sleep(q, Some(wait));
                     }
                     Decision::Idle => {
                         shared.idle.notify_all();
@@ -384,7 +419,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
-                            q = shared.condvar(role).wait(q).unwrap_or_else(|e| e.into_inner());
+                            q = shared.condvar(role).sleep(q, None);
                         }
                     }
                 }
