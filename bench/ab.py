@@ -1,10 +1,10 @@
 """Two server binaries side by side (bench/run.sh --ab A B): alternated in rounds on the same model
 kinds and loads, pinned (the server on core 0, the load generators on core 1), so that a change is
 measured against the same machine minutes rather than against another run's. Per binary and load:
-requests/s, server CPU microseconds, context switches (all the server's threads, voluntary and not)
-and the mean batch size per request, the median over rounds. Context switches and batch sizes
-depend little on how fast the machine runs that minute; throughput and CPU do, so read those
-through the spread of their rounds (shown).
+requests/s, server CPU microseconds, context switches (all the server's threads, voluntary and not),
+system calls (`perf stat`, when perf is installed) and the mean batch size per request, the median
+over rounds. Context switches, system calls and batch sizes depend little on how fast the machine
+runs that minute; throughput and CPU do, so read those through the spread of their rounds (shown).
 
 Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320] [--clients 8,128]
        [--loads bin,grpc,json] [--rounds 3] [--duration 3] [--name ab]
@@ -12,8 +12,12 @@ Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320] [--
 
 import argparse
 import json
+import math
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -35,6 +39,24 @@ def context_switches(pid):
         except OSError:
             pass  # a thread that ended meanwhile
     return n
+
+
+def system_calls(pid, go):
+    """Runs `go()` while perf counts the system calls of process `pid`; (go's result, count or NaN)."""
+    if not shutil.which("perf"):
+        return go(), math.nan
+    perf = subprocess.Popen(["perf", "stat", "-x", ",", "-e", "raw_syscalls:sys_enter", "-p", str(pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # attached before the window opens
+    try:
+        out = go()
+    finally:
+        perf.send_signal(signal.SIGINT)
+        err = perf.communicate(timeout=30)[1]
+    for line in err.splitlines():
+        if "raw_syscalls" in line and line.split(",")[0].isdigit():
+            return out, int(line.split(",")[0])
+    return out, math.nan
 
 
 def counts(base, model):
@@ -92,11 +114,11 @@ def main():
                             go = load(c)
                             go(1)  # warm-up
                             (n0, e0), x0, cpu0, t0 = counts(base, model), context_switches(proc.pid), run.cpu_seconds(proc.pid), time.time()
-                            _, p50, p99, errors = go(args.duration)
+                            (_, p50, p99, errors), calls = system_calls(proc.pid, lambda: go(args.duration))
                             (n1, e1), x1, cpu1, t1 = counts(base, model), context_switches(proc.pid), run.cpu_seconds(proc.pid), time.time()
                             n = max(1, n1 - n0)
                             row = {"rps": n / (t1 - t0), "cpu_us": (cpu1 - cpu0) / n * 1e6, "switches": (x1 - x0) / n,
-                                   "batch": n / max(1, e1 - e0), "p50_ms": p50, "p99_ms": p99, "errors": errors}
+                                   "syscalls": calls / n, "batch": n / max(1, e1 - e0), "p50_ms": p50, "p99_ms": p99, "errors": errors}
                             rows.setdefault((case, name, c), {}).setdefault(label, []).append(row)
                             print(json.dumps({"binary": label, "case": case, "load": name, "clients": c, **row}), flush=True)
                 finally:
@@ -114,11 +136,11 @@ def write(args, binaries, rows, took):
         f"B = `{binaries['B'].name}`, alternated A, B in {args.rounds} rounds; batch-1 requests for {args.duration} s per load "
         "(oha for binary HTTP, perf_analyzer for gRPC), the server pinned to core 0 and the load generators to core 1. "
         "Each cell: the median over rounds; `switches`: context switches of all the server's threads per request; "
-        "`batch`: requests per batch run. `ferrite serve` arguments: "
+        "`syscalls`: the server's system calls per request; `batch`: requests per batch run. `ferrite serve` arguments: "
         f"`{args.extra or '(defaults)'}`.",
         "",
-        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | batch A | B | p99 ms A | B |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | syscalls/req A | B | batch A | B | p99 ms A | B |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (case, load, c), by in rows.items():
         a, b = by.get("A", []), by.get("B", [])
@@ -128,6 +150,7 @@ def write(args, binaries, rows, took):
         lines.append(
             f"| {case} | {load} | {c} | {median(a, 'rps'):.0f} | {median(b, 'rps'):.0f} | {median(b, 'rps') / median(a, 'rps'):.2f} | {spread} | "
             f"{median(a, 'cpu_us'):.0f} | {median(b, 'cpu_us'):.0f} | {median(a, 'switches'):.2f} | {median(b, 'switches'):.2f} | "
+            f"{median(a, 'syscalls'):.2f} | {median(b, 'syscalls'):.2f} | "
             f"{median(a, 'batch'):.1f} | {median(b, 'batch'):.1f} | {median(a, 'p99_ms'):.2f} | {median(b, 'p99_ms'):.2f} |"
         )
     path = RESULTS / f"{args.name}.md"

@@ -70,7 +70,7 @@ if [ "${1:-}" = "--kinds" ]; then
     shift
     exec python3 bench/kinds.py "$@"
 fi
-if [ "${1:-}" = "--profile" ] || [ "${1:-}" = "--all" ]; then
+if [ "${1:-}" = "--profile" ] || [ "${1:-}" = "--all" ] || [ "${1:-}" = "--ab" ]; then
     command -v perf >/dev/null || { apt-get update -qq && apt-get install -y -qq linux-perf; }
 fi
 if [ "${1:-}" = "--profile" ]; then
