@@ -66,10 +66,10 @@ def counts(base, model):
 
 
 def loads(case, base, grpc):
-    model, inputs, _ = kinds.CASES[case]
+    model = kinds.CASES[case][0]
     json_body, bin_body, header_len = kinds.bodies(case, f"ab-{case}")
     infer = f"{base}/v2/models/{model}/infer"
-    pa_extra = ["--input-data", "zero", *[x for i, _, s in inputs for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]
+    pa_extra = kinds.perf_analyzer_args(case)
     return {
         "bin": lambda c: run.oha_load(infer, bin_body, c, [f"Inference-Header-Content-Length: {header_len}"]),
         "grpc": lambda c: run.perf_analyzer_load("grpc", grpc, c, model, pa_extra, fatal=False, stability=100),
@@ -89,13 +89,9 @@ def main():
     ap.add_argument("--name", default="ab")
     ap.add_argument("--extra", default="", help="more `ferrite serve` arguments")
     args = ap.parse_args()
-    kinds.SERVER_CPUS[:] = ["taskset", "-c", "0"]
-    run.LOADGEN[:] = ["taskset", "-c", "1"]
+    kinds.pin()
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (kinds.KINDS / "detector/1/model.onnx").exists():
-        import subprocess
-
-        subprocess.run([sys.executable, str(ROOT / "bench/make_models.py"), str(kinds.KINDS)], check=True)
+    kinds.make_models()
     binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     clients = [int(c) for c in args.clients.split(",")]
     rows = {}

@@ -45,6 +45,24 @@ CASES = {
 TARGET_RATIO, TARGET_RATIO_JSON, TARGET_P50_EXTRA_MS, TARGET_RSS_EXTRA_MB = 0.85, 0.7, 0.15, 60
 
 
+def pin():
+    """The server (and the in-process ceiling) on core 0, the load generators on core 1."""
+    SERVER_CPUS[:] = ["taskset", "-c", "0"]
+    bench.run.LOADGEN[:] = ["taskset", "-c", "1"]
+
+
+def make_models():
+    """Writes the model kinds (bench/make_models.py) unless they are there."""
+    if not (KINDS / "bert_classify/1/model.onnx").exists():
+        subprocess.run([sys.executable, str(ROOT / "bench/make_models.py"), str(KINDS)], check=True)
+
+
+def perf_analyzer_args(case):
+    """perf_analyzer's input arguments for `case`: zeros of each input's shape."""
+    return ["--input-data", "zero",
+            *[x for i, _, s in CASES[case][1] for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]
+
+
 def status(pid, key):
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -157,12 +175,10 @@ def main():
     ap.add_argument("--pin", action="store_true", help="server and ceiling on core 0, load generators on core 1")
     args = ap.parse_args()
     if args.pin:
-        SERVER_CPUS[:] = ["taskset", "-c", "0"]
-        bench.run.LOADGEN[:] = ["taskset", "-c", "1"]
+        pin()
     WORK.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    if not (KINDS / "bert/1/model.onnx").exists():
-        subprocess.run([sys.executable, str(ROOT / "bench/make_models.py"), str(KINDS)], check=True)
+    make_models()
     clients = [int(c) for c in args.clients.split(",")]
     started = time.time()
     results = {}
@@ -171,7 +187,7 @@ def main():
         best, floor_ms, points = ceiling(case, args.ceiling_secs)
         print(json.dumps({"case": case, "ceiling": best, "batch1_ms": floor_ms}), flush=True)
         json_body, bin_body, header_len = bodies(case, f"kinds-{case}")
-        pa_extra = ["--input-data", "zero", *[x for i, _, s in inputs for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]
+        pa_extra = perf_analyzer_args(case)
         proc, base, grpc = serve(case, args)
         infer = f"{base}/v2/models/{model}/infer"
         try:

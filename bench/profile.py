@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench.kinds  # noqa: E402
-import bench.run  # noqa: E402
-from bench.kinds import CASES, KINDS, bodies, serve  # noqa: E402
+from bench.kinds import CASES, bodies, make_models, perf_analyzer_args, pin, serve  # noqa: E402
 from bench.run import RESULTS, WORK, cpu_seconds, oha_load, perf_analyzer_load  # noqa: E402
 
 # (bucket, test on "dso symbol"), first match wins; order matters.
@@ -58,10 +56,8 @@ def main():
     ap.add_argument("--pin", action="store_true", help="server on core 0, load generators on core 1")
     args = ap.parse_args()
     if args.pin:
-        bench.kinds.SERVER_CPUS[:] = ["taskset", "-c", "0"]
-        bench.run.LOADGEN[:] = ["taskset", "-c", "1"]
-    if not (KINDS / "tiny/1/model.onnx").exists():
-        subprocess.run([sys.executable, str(Path(__file__).parent / "make_models.py"), str(KINDS)], check=True)
+        pin()
+    make_models()
     case = args.model
     model, inputs, _ = CASES[case]
     json_body, bin_body, header_len = bodies(case, f"profile-{case}")
@@ -69,7 +65,7 @@ def main():
     proc, base, grpc = serve(case, args, "profile")
     try:
         infer = f"{base}/v2/models/{model}/infer"
-        pa_extra = ["--input-data", "zero", *[x for i, _, s in inputs for x in ("--shape", f"{i}:{','.join(map(str, s))}")]]
+        pa_extra = perf_analyzer_args(case)
         loads = [
             ("REST-JSON (oha)", oha_load(infer, json_body, args.clients, ["Content-Type: application/json"])),
             ("REST-binary (oha)", oha_load(infer, bin_body, args.clients, [f"Inference-Header-Content-Length: {header_len}"])),
