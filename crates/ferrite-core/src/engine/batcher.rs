@@ -97,7 +97,8 @@ impl Shared {
         costs.batch_limit(self.spec.batch.merge_limit, head.row_elements(), explore)
     }
 
-    fn condvar(&self, role: Role) -> &Wake {
+    /// Where the workers of `role` sleep.
+    fn wake(&self, role: Role) -> &Wake {
         if role == Role::Solo {
             &self.wake_solo
         } else {
@@ -374,7 +375,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     // The other kind of instance takes this work, or is running: wait for a
                     // submit or a finished batch to change that (the timeout only guards).
                     let turn = Duration::from_millis(50);
-                    q = shared.condvar(role).sleep(q, Some(turn));
+                    q = shared.wake(role).sleep(q, Some(turn));
                     continue;
                 }
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
@@ -398,7 +399,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
-                        q = shared.condvar(role).sleep(q, Some(wait));
+                        q = shared.wake(role).sleep(q, Some(wait));
                     }
                     Decision::Idle => {
                         shared.idle.notify_all();
@@ -419,7 +420,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
-                            q = shared.condvar(role).sleep(q, None);
+                            q = shared.wake(role).sleep(q, None);
                         }
                     }
                 }
