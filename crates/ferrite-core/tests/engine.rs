@@ -778,6 +778,87 @@ impl Instance for SleepyInstance {
     }
 }
 
+/// A backend whose instances hold "memory" after each run and ask to give it back 300 ms later:
+/// counts the runs and give-backs, and whether one came before it was due.
+#[derive(Default)]
+struct Holding {
+    runs: std::sync::atomic::AtomicUsize,
+    gave_back: std::sync::atomic::AtomicUsize,
+    early: std::sync::atomic::AtomicBool,
+}
+struct Holder(Vec<TensorSpec>, Arc<Holding>);
+struct HolderInstance(Arc<Holding>, Option<Instant>);
+
+impl Backend for Holder {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok(Box::new(HolderInstance(self.1.clone(), None)))
+    }
+}
+
+impl Instance for HolderInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        self.0.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.1 = Some(Instant::now() + Duration::from_millis(300));
+        Ok(vec![Tensor::new("x", DataType::Fp32, inputs[0].shape.clone(), inputs[0].parts[0].clone())])
+    }
+    fn give_back_due(&self) -> Option<Instant> {
+        self.1
+    }
+    fn give_back(&mut self) {
+        if self.1.is_none_or(|at| Instant::now() < at) {
+            self.0.early.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.1 = None;
+        self.0.gave_back.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_instance_gives_back_what_it_holds_when_due_and_serves_after() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let config: ModelConfig = toml::from_str("max_batch_size = 8\ninstance_count = 1\n[dynamic_batching]").unwrap();
+    let spec = ModelSpec::resolve("holder", 1, &config, &specs, &specs, 1).unwrap();
+    let holding = Arc::new(Holding::default());
+    let model = Arc::new(Model::start(spec, &Holder(specs, holding.clone()), None).unwrap());
+    let core =
+        Arc::new(Core::from_models([("holder".to_string(), model)].into(), Default::default(), Limits::default()));
+    let one = |v: f32| {
+        let core = core.clone();
+        async move {
+            let r = InferRequest {
+                model_name: "holder".into(),
+                inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[v])],
+                ..Default::default()
+            };
+            core.infer(r).await.unwrap().outputs[0].clone()
+        }
+    };
+    for round in 1..=3 {
+        // Traffic closer together than the 300 ms: nothing is given back while it lasts.
+        for i in 0..5 {
+            assert_eq!(one(i as f32).await, Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[i as f32]));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(holding.gave_back.load(SeqCst), round - 1, "given back while in use");
+        // Idle: given back once, when due, with no request to wake the worker.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while holding.gave_back.load(SeqCst) < round && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(holding.gave_back.load(SeqCst), round, "round {round}");
+    }
+    assert_eq!(holding.runs.load(SeqCst), 15);
+    assert!(!holding.early.load(SeqCst), "given back before it was due");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preserve_ordering_answers_in_the_order_requests_left_the_queue() {
     for preserve in [false, true] {

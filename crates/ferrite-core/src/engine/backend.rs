@@ -4,7 +4,7 @@
 //! that runs batches (one ONNX Runtime session each). Nothing here is async: instances live on the
 //! batcher's own OS threads.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::{engine::spec::TensorSpec, DataType, Result, Tensor, TensorData};
 
@@ -140,6 +140,15 @@ pub trait Instance: Send {
     /// larger than the model's batches usually are (one exploring the limit), and an arena left
     /// grown to it would hold that memory for good.
     fn shrink_after_next(&mut self) {}
+
+    /// When this instance, idle, should give back engine memory that a burst grew and no run has
+    /// needed since (by `give_back`); `None`: it holds none worth that.
+    fn give_back_due(&self) -> Option<Instant> {
+        None
+    }
+
+    /// Gives back what `give_back_due` named; called only while the instance is idle.
+    fn give_back(&mut self) {}
 
     /// How long the last `run` spent writing its inputs into the engine's own buffers (Triton's
     /// `compute_input`); the rest of the run counts as inference.

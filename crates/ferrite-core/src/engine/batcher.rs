@@ -420,7 +420,17 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
-                            q = shared.wake(role).sleep(q, None);
+                            // Idle: sleep until work comes, or until memory a burst grew is due
+                            // back (given back outside the lock; the loop then looks again).
+                            match instance.give_back_due().map(|at| at.checked_duration_since(Instant::now())) {
+                                None => q = shared.wake(role).sleep(q, None),
+                                Some(Some(wait)) => q = shared.wake(role).sleep(q, Some(wait)),
+                                Some(None) => {
+                                    drop(q);
+                                    instance.give_back();
+                                    q = shared.lock();
+                                }
+                            }
                         }
                     }
                 }

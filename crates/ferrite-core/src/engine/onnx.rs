@@ -601,6 +601,9 @@ impl Backend for OnnxBackend {
             run_options,
             shrink,
             shrink_next: false,
+            // An arena kept between runs (the default) is what a burst can leave grown.
+            held: (self.options.mem_arena && !self.options.arena_shrinkage).then(Held::default),
+            sample: None,
             zipmaps,
         }))
     }
@@ -615,11 +618,65 @@ struct OnnxInstance {
     /// Options that give back the arena's growth, for the run after `shrink_after_next`.
     shrink: RunOptions,
     shrink_next: bool,
+    /// What the arena holds beyond what recent runs needed; `None` without an arena kept between
+    /// runs (none at all, or one that shrinks after each).
+    held: Option<Held>,
+    /// The smallest inputs run so far (and their bytes), to give the arena back with while idle.
+    sample: Option<(usize, Vec<(String, DynValue)>)>,
     zipmaps: std::sync::Arc<ZipMaps>,
 }
 
+/// How long an instance's arena may hold memory that no run has needed since: a burst's growth
+/// is given back this long after the last run that used it (by one run with the arena's shrinkage
+/// on: the next run if traffic goes on, else one of the smallest inputs run so far while idle),
+/// and the server's periodic trim hands the freed heap to the system.
+const GIVE_BACK_AFTER: Duration = Duration::from_secs(20);
+
+/// The most input bytes kept as the sample an idle instance runs to give its arena back (a
+/// detector's one image at 1280x1280 is 19 MB; the arena it frees is many times that).
+const SAMPLE_BYTES: usize = 32 << 20;
+
+/// What an ONNX Runtime arena holds, told by the input bytes of the runs that grew it (a proxy:
+/// the intermediate tensors it keeps grow with the inputs). It grows to a run's needs and keeps
+/// them: a burst of long texts or large images would otherwise hold its memory for good.
+#[derive(Debug, Default)]
+struct Held {
+    /// Input bytes of the largest run since the arena last gave back (0: nothing held).
+    bytes: usize,
+    /// When a run last needed at least half of that.
+    used: Option<Instant>,
+}
+
+impl Held {
+    /// Records a run of `bytes` inputs at `now`; `true` when it should give back what the arena
+    /// holds (after the run): it needs less than half of it, and no run has needed more for
+    /// `GIVE_BACK_AFTER`.
+    fn run(&mut self, bytes: usize, now: Instant) -> bool {
+        if bytes.saturating_mul(2) >= self.bytes {
+            self.bytes = self.bytes.max(bytes);
+            self.used = Some(now);
+            return false;
+        }
+        let stale = self.used.is_none_or(|u| now.saturating_duration_since(u) >= GIVE_BACK_AFTER);
+        if stale {
+            self.gave_back();
+        }
+        stale
+    }
+
+    /// When an idle instance should give its arena back, by a run of `sample` bytes: only when
+    /// the arena holds several times what that run needs.
+    fn due(&self, sample: usize) -> Option<Instant> {
+        (self.bytes > sample.saturating_mul(4)).then(|| self.used.map_or_else(Instant::now, |u| u + GIVE_BACK_AFTER))
+    }
+
+    fn gave_back(&mut self) {
+        *self = Held::default();
+    }
+}
+
 /// Writes the parts of `input` into one ONNX Runtime tensor: the only copy on the way in.
-fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
+fn input_value(input: &BatchInput<'_>) -> Result<DynValue> {
     if input.datatype == DataType::Bytes {
         // Owned: ort's string tensors take only 'static element types (and copy each again into a
         // C string); text models spend this per token list, not per token.
@@ -635,7 +692,7 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
             }
         }
         let t = OrtTensor::from_string_array((input.shape.clone(), strings.as_slice())).map_err(ort_err)?;
-        return Ok(t.into_dyn().into());
+        return Ok(t.into_dyn());
     }
     let mut t = DynTensor::new(&Allocator::default(), to_ort(input.datatype), input.shape.clone()).map_err(ort_err)?;
     let total: usize = input.parts.iter().map(|p| if let TensorData::Fixed(b) = p { b.len() } else { 0 }).sum();
@@ -652,7 +709,7 @@ fn input_value(input: &BatchInput<'_>) -> Result<SessionInputValue<'static>> {
             off += b.len();
         }
     }
-    Ok(t.into_dyn().into())
+    Ok(t.into_dyn())
 }
 
 impl Instance for OnnxInstance {
@@ -664,18 +721,45 @@ impl Instance for OnnxInstance {
         self.shrink_next = true;
     }
 
+    fn give_back_due(&self) -> Option<Instant> {
+        self.held.as_ref()?.due(self.sample.as_ref()?.0)
+    }
+
+    fn give_back(&mut self) {
+        let Some((_, sample)) = &self.sample else { return };
+        let values: Vec<(&str, SessionInputValue<'_>)> = sample.iter().map(|(n, v)| (n.as_str(), v.into())).collect();
+        if let Err(e) = self.session.run_with_options(values, &self.shrink) {
+            // The sample ran before; if it no longer does, keep the memory rather than try again.
+            tracing::warn!(error = %e, "the run that gives an idle arena back failed");
+            self.sample = None;
+        }
+        self.held.as_mut().map(Held::gave_back);
+    }
+
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
         let copying = Instant::now();
-        let values: Vec<(String, SessionInputValue<'static>)> =
+        let values: Vec<(String, DynValue)> =
             inputs.iter().map(|i| Ok((i.name.to_string(), input_value(i)?))).collect::<Result<_>>()?;
         self.input_time = copying.elapsed();
-        let options =
-            if std::mem::take(&mut self.shrink_next) { Some(&self.shrink) } else { self.run_options.as_ref() };
+        let bytes = inputs.iter().map(|i| i.shape.iter().product::<usize>() * i.datatype.size().unwrap_or(8)).sum();
+        let asked = std::mem::take(&mut self.shrink_next);
+        let options = match &mut self.held {
+            None => self.run_options.as_ref(),
+            Some(held) if asked => {
+                held.gave_back();
+                Some(&self.shrink)
+            }
+            Some(held) => held.run(bytes, copying).then_some(&self.shrink),
+        };
+        let views = || values.iter().map(|(n, v)| (n.as_str(), SessionInputValue::from(v))).collect::<Vec<_>>();
         let mut outputs = match options {
-            Some(o) => self.session.run_with_options(values, o),
-            None => self.session.run(values),
+            Some(o) => self.session.run_with_options(views(), o),
+            None => self.session.run(views()),
         }
         .map_err(run_err)?;
+        if self.held.is_some() && bytes <= SAMPLE_BYTES && self.sample.as_ref().is_none_or(|s| bytes < s.0) {
+            self.sample = Some((bytes, values));
+        }
         let mut result = Vec::with_capacity(self.output_names.len());
         for name in &self.output_names {
             let value = outputs.remove(name.as_str()).ok_or_else(|| Error::internal(format!("no output '{name}'")))?;
@@ -707,5 +791,52 @@ impl Instance for OnnxInstance {
             result.push(Tensor { name: name.clone(), datatype, shape, data });
         }
         Ok(result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: usize = 1 << 20;
+
+    #[test]
+    fn growth_is_given_back_only_once_no_run_has_needed_it_for_the_period() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut held = Held::default();
+        assert!(!held.run(MB, at(0)), "a first run holds what it grew");
+        assert!(!held.run(64 * MB, at(1)), "a burst grows the arena");
+        assert!(!held.run(MB, at(2)), "small runs soon after keep it: the burst may go on");
+        assert!(!held.run(40 * MB, at(15)), "a run needing over half of it uses it");
+        assert!(!held.run(MB, at(15 + GIVE_BACK_AFTER.as_secs() - 1)));
+        assert!(held.run(MB, at(15 + GIVE_BACK_AFTER.as_secs())), "then the next small run gives it back");
+        assert_eq!(held.bytes, 0);
+        assert!(!held.run(MB, at(40)), "and what that run regrows is held anew");
+        assert_eq!(held.bytes, MB);
+    }
+
+    #[test]
+    fn steady_runs_of_varying_size_never_give_back() {
+        let t0 = Instant::now();
+        let mut held = Held::default();
+        for i in 0..1000u64 {
+            // Batches of 1 to 64 rows, a large one at least every few seconds.
+            let rows = [1, 64, 8, 40, 2, 33][i as usize % 6];
+            assert!(!held.run(rows * MB, t0 + Duration::from_millis(i * 500)), "run {i}");
+        }
+    }
+
+    #[test]
+    fn an_idle_instance_gives_back_only_what_is_many_times_its_smallest_run() {
+        let t0 = Instant::now();
+        let mut held = Held::default();
+        held.run(MB, t0);
+        assert_eq!(held.due(MB), None, "steady small runs hold nothing worth a run");
+        held.run(64 * MB, t0);
+        assert_eq!(held.due(MB), Some(t0 + GIVE_BACK_AFTER), "a burst is due back a period after its last run");
+        assert_eq!(held.due(32 * MB), None, "unless the smallest run needs a good part of it");
+        held.gave_back();
+        assert_eq!(held.due(MB), None);
     }
 }
