@@ -190,3 +190,40 @@ fn shared_weights_give_the_answers_of_a_session_of_its_own() {
         assert_eq!(run(&shared, &input).unwrap(), expected);
     }
 }
+
+#[test]
+fn an_arena_given_back_after_a_burst_answers_alike_and_can_give_back_again() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
+    // An MLP (a batch of many rows) and a conv net at a large size (any H/W).
+    for (model, small, big) in [
+        ("models/mlp/1/model.onnx", vec![1, 512], vec![64, 512]),
+        ("tests/models/fpn/1/model.onnx", vec![1, 1, 16, 16], vec![2, 1, 256, 256]),
+    ] {
+        let backend = OnnxBackend::load(&repo(model), OnnxOptions { intra_threads: 1, ..Default::default() }).unwrap();
+        let name = backend.inputs()[0].name.clone();
+        let data = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+            Tensor::from_le("", DataType::Fp32, shape.to_vec(), &values).data
+        };
+        let (small_data, big_data) = (data(&small), data(&big));
+        let input = |shape: &[usize], d| {
+            vec![BatchInput { name: &name, datatype: DataType::Fp32, shape: shape.to_vec(), parts: vec![d] }]
+        };
+        let mut instance = backend.instance().unwrap();
+        let expected = instance.run(&input(&small, &small_data)).unwrap();
+        assert_eq!(instance.give_back_due(), None, "{model}: nothing grown yet");
+        // A batch larger than usual: given back right after it, by a run of the sample.
+        instance.shrink_after_next();
+        let big_answer = instance.run(&input(&big, &big_data)).unwrap();
+        assert!(instance.give_back_due().is_some_and(|at| at <= std::time::Instant::now()), "{model}");
+        instance.give_back();
+        assert_eq!(instance.give_back_due(), None, "{model}: given back");
+        assert_eq!(instance.run(&input(&small, &small_data)).unwrap(), expected, "{model}: after giving back");
+        assert_eq!(instance.run(&input(&big, &big_data)).unwrap(), big_answer, "{model}");
+        // The sample still runs: the next burst is due back a while after its last run.
+        assert!(instance.give_back_due().is_some_and(|at| at > std::time::Instant::now()), "{model}: sample lost");
+        instance.give_back();
+        assert_eq!(instance.run(&input(&small, &small_data)).unwrap(), expected, "{model}");
+    }
+}

@@ -136,9 +136,9 @@ pub trait Instance: Send {
         Err(crate::Error::internal("this backend answers batches as a whole"))
     }
 
-    /// Asks that the next run, once done, give back what it grew the engine's memory by: it is
-    /// larger than the model's batches usually are (one exploring the limit), and an arena left
-    /// grown to it would hold that memory for good.
+    /// Asks that what the next run grows the engine's memory by be given back right after it
+    /// (`give_back_due` says so): it is larger than the model's batches usually are (one
+    /// exploring the limit), and an arena left grown to it would hold that memory.
     fn shrink_after_next(&mut self) {}
 
     /// When this instance, idle, should give back engine memory that a burst grew and no run has

@@ -457,6 +457,11 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
             shared.running.fetch_sub(1, Ordering::AcqRel);
         }
         shared.idle.notify_all();
+        // Memory a burst grew and no batch has needed since, or that this batch grew beyond
+        // what the model's batches usually need: given back before the next batch.
+        if instance.give_back_due().is_some_and(|at| at <= Instant::now()) {
+            instance.give_back();
+        }
     }
 }
 

@@ -3,14 +3,19 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
-    sync::{Mutex, OnceLock},
+    sync::{
+        atomic::{AtomicUsize, Ordering::Relaxed},
+        Mutex, OnceLock,
+    },
     time::{Duration, Instant},
 };
 
 use ort::{
     environment::Environment,
     memory::Allocator,
-    session::{builder::GraphOptimizationLevel, RunOptions, Session, SessionInputValue},
+    session::{
+        builder::GraphOptimizationLevel, HasSelectedOutputs, RunOptions, Session, SessionInputValue, SessionOutputs,
+    },
     value::{
         DynMapValueType, DynSequenceValueType, DynTensor, DynTensorValueType, DynValue, Tensor as OrtTensor,
         TensorElementType, ValueType,
@@ -463,6 +468,8 @@ pub struct OnnxBackend {
     external: bool,
     /// The file's xxh3 hash, as read at load.
     content: Option<u64>,
+    /// Shared by every instance of the model, whatever its options.
+    sample: std::sync::Arc<Sample>,
 }
 
 impl OnnxBackend {
@@ -483,7 +490,8 @@ impl OnnxBackend {
             session.outputs().iter().map(|o| spec(o.name(), o.dtype(), &parts.zipmaps)).collect::<Result<_>>()?;
         let (path, first) = (path.to_path_buf(), Mutex::new(Some(session)));
         let (zipmaps, weights) = (std::sync::Arc::new(parts.zipmaps), std::sync::Arc::new(parts.weights));
-        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external: parts.external, content })
+        let (external, sample) = (parts.external, Default::default());
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external, content, sample })
     }
 
     /// The same model, with one copy of its weights (and of the forms ONNX Runtime pre-packs them
@@ -509,6 +517,7 @@ impl OnnxBackend {
             weights,
             external: false,
             content: self.content,
+            sample: self.sample.clone(),
         })
     }
 
@@ -531,8 +540,8 @@ impl OnnxBackend {
         let first = Mutex::new(Some(open(&self.path, &options, &self.weights)?));
         let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
         let (path, zipmaps, weights) = (self.path.clone(), self.zipmaps.clone(), self.weights.clone());
-        let (external, content) = (self.external, self.content);
-        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external, content })
+        let (external, content, sample) = (self.external, self.content, self.sample.clone());
+        Ok(OnnxBackend { path, options, inputs, outputs, first, zipmaps, weights, external, content, sample })
     }
 
     pub fn options(&self) -> &OnnxOptions {
@@ -593,17 +602,15 @@ impl Backend for OnnxBackend {
             Ok(o)
         };
         let run_options = if self.options.arena_shrinkage { Some(shrinking()?) } else { None };
-        let (shrink, zipmaps) = (shrinking()?, self.zipmaps.clone());
+        let zipmaps = self.zipmaps.clone();
         Ok(Box::new(OnnxInstance {
             session,
             output_names,
             input_time: Duration::ZERO,
             run_options,
-            shrink,
-            shrink_next: false,
             // An arena kept between runs (the default) is what a burst can leave grown.
             held: (self.options.mem_arena && !self.options.arena_shrinkage).then(Held::default),
-            sample: None,
+            sample: self.sample.clone(),
             zipmaps,
         }))
     }
@@ -615,26 +622,90 @@ struct OnnxInstance {
     input_time: Duration,
     /// Set when the arena gives back its growth after each run.
     run_options: Option<RunOptions>,
-    /// Options that give back the arena's growth, for the run after `shrink_after_next`.
-    shrink: RunOptions,
-    shrink_next: bool,
     /// What the arena holds beyond what recent runs needed; `None` without an arena kept between
     /// runs (none at all, or one that shrinks after each).
     held: Option<Held>,
-    /// The smallest inputs run so far (and their bytes), to give the arena back with while idle.
-    sample: Option<(usize, Vec<(String, DynValue)>)>,
+    sample: std::sync::Arc<Sample>,
     zipmaps: std::sync::Arc<ZipMaps>,
 }
 
 /// How long an instance's arena may hold memory that no run has needed since: a burst's growth
-/// is given back this long after the last run that used it (by one run with the arena's shrinkage
-/// on: the next run if traffic goes on, else one of the smallest inputs run so far while idle),
-/// and the server's periodic trim hands the freed heap to the system.
+/// is given back this long after the last run that used it (after the next batch if traffic goes
+/// on, else while idle), and the server's periodic trim hands the freed heap to the system.
 const GIVE_BACK_AFTER: Duration = Duration::from_secs(20);
 
-/// The most input bytes kept as the sample an idle instance runs to give its arena back (a
-/// detector's one image at 1280x1280 is 19 MB; the arena it frees is many times that).
+/// The most input bytes kept as the sample that gives an arena back (a detector's one image at
+/// 1280x1280 is 19 MB; the arena it frees is many times that).
 const SAMPLE_BYTES: usize = 32 << 20;
+
+/// How an arena is given back: the smallest inputs any instance of the model has run, run again
+/// with the arena's shrinkage on. ONNX Runtime frees, at the end of such a run, each region of the
+/// arena with nothing in use; an output it returns is in use, and pins its region (after a burst,
+/// the region the burst grew). So this run's outputs are written into tensors of its own,
+/// outside the arena, and nothing of it is left in the arena when it shrinks. Shared by a model's
+/// instances: one that served only a burst has nothing smaller of its own.
+struct Sample {
+    /// The inputs' bytes (`usize::MAX` while there are none).
+    bytes: AtomicUsize,
+    run: Mutex<Option<SampleRun>>,
+}
+
+struct SampleRun {
+    inputs: Vec<(String, DynValue)>,
+    /// Shrinkage on, and the outputs preallocated.
+    options: RunOptions<HasSelectedOutputs>,
+}
+
+impl Default for Sample {
+    fn default() -> Sample {
+        Sample { bytes: AtomicUsize::new(usize::MAX), run: Mutex::default() }
+    }
+}
+
+impl Sample {
+    fn bytes(&self) -> usize {
+        self.bytes.load(Relaxed)
+    }
+
+    /// Keeps `inputs`, which gave `outputs`, if they are smaller than the sample (and not too
+    /// large); skipped while another instance runs the sample.
+    fn offer(&self, bytes: usize, inputs: Vec<(String, DynValue)>, outputs: &SessionOutputs<'_>, names: &[String]) {
+        if bytes > SAMPLE_BYTES || bytes >= self.bytes() {
+            return;
+        }
+        let Ok(mut kept) = self.run.try_lock() else { return };
+        if let Ok(options) = sample_options(outputs, names) {
+            *kept = Some(SampleRun { inputs, options });
+            self.bytes.store(bytes, Relaxed);
+        }
+    }
+}
+
+/// Run options that shrink the arena after the run and write its outputs into tensors outside
+/// the arena, shaped as `outputs` (those of the sample's first run). Outputs no tensor can hold
+/// beforehand (strings, maps) are left out, but for a model that has no other.
+fn sample_options(outputs: &SessionOutputs<'_>, names: &[String]) -> Result<RunOptions<HasSelectedOutputs>> {
+    let mut selector = ort::session::OutputSelector::no_default();
+    let mut any = false;
+    for name in names {
+        let Some(ValueType::Tensor { ty, shape, .. }) = outputs.get(name.as_str()).map(|v| v.dtype()) else {
+            continue;
+        };
+        if *ty == TensorElementType::String {
+            continue;
+        }
+        let shape: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+        let tensor = DynTensor::new(&Allocator::default(), *ty, shape).map_err(ort_err)?;
+        selector = selector.with(name.as_str()).preallocate(name.as_str(), tensor);
+        any = true;
+    }
+    if !any {
+        selector = ort::session::OutputSelector::default();
+    }
+    let mut options = RunOptions::new().map_err(ort_err)?;
+    options.set("memory.enable_memory_arena_shrinkage", "cpu:0").map_err(ort_err)?;
+    Ok(options.with_outputs(selector))
+}
 
 /// What an ONNX Runtime arena holds, told by the input bytes of the runs that grew it (a proxy:
 /// the intermediate tensors it keeps grow with the inputs). It grows to a run's needs and keeps
@@ -645,29 +716,28 @@ struct Held {
     bytes: usize,
     /// When a run last needed at least half of that.
     used: Option<Instant>,
+    /// A run was larger than the model's batches usually are: give back right after it.
+    asked: bool,
 }
 
 impl Held {
-    /// Records a run of `bytes` inputs at `now`; `true` when it should give back what the arena
-    /// holds (after the run): it needs less than half of it, and no run has needed more for
-    /// `GIVE_BACK_AFTER`.
-    fn run(&mut self, bytes: usize, now: Instant) -> bool {
+    /// Records a run of `bytes` inputs at `now`.
+    fn run(&mut self, bytes: usize, now: Instant) {
         if bytes.saturating_mul(2) >= self.bytes {
             self.bytes = self.bytes.max(bytes);
             self.used = Some(now);
-            return false;
         }
-        let stale = self.used.is_none_or(|u| now.saturating_duration_since(u) >= GIVE_BACK_AFTER);
-        if stale {
-            self.gave_back();
-        }
-        stale
     }
 
-    /// When an idle instance should give its arena back, by a run of `sample` bytes: only when
-    /// the arena holds several times what that run needs.
+    /// When the arena should be given back by a run of `sample` bytes: right after a run that
+    /// asked for it, else `GIVE_BACK_AFTER` after the last run that needed at least half of what
+    /// it holds, when that is several times what the sample needs.
     fn due(&self, sample: usize) -> Option<Instant> {
-        (self.bytes > sample.saturating_mul(4)).then(|| self.used.map_or_else(Instant::now, |u| u + GIVE_BACK_AFTER))
+        let used = self.used?;
+        if self.asked {
+            return Some(used);
+        }
+        (self.bytes > sample.saturating_mul(4)).then_some(used + GIVE_BACK_AFTER)
     }
 
     fn gave_back(&mut self) {
@@ -718,22 +788,31 @@ impl Instance for OnnxInstance {
     }
 
     fn shrink_after_next(&mut self) {
-        self.shrink_next = true;
+        if let Some(held) = &mut self.held {
+            held.asked = true;
+        }
     }
 
     fn give_back_due(&self) -> Option<Instant> {
-        self.held.as_ref()?.due(self.sample.as_ref()?.0)
+        self.held.as_ref()?.due(self.sample.bytes())
     }
 
     fn give_back(&mut self) {
-        let Some((_, sample)) = &self.sample else { return };
-        let values: Vec<(&str, SessionInputValue<'_>)> = sample.iter().map(|(n, v)| (n.as_str(), v.into())).collect();
-        if let Err(e) = self.session.run_with_options(values, &self.shrink) {
-            // The sample ran before; if it no longer does, keep the memory rather than try again.
-            tracing::warn!(error = %e, "the run that gives an idle arena back failed");
-            self.sample = None;
+        let mut kept = self.sample.run.lock().unwrap_or_else(|e| e.into_inner());
+        let failed = kept.as_ref().and_then(|sample| {
+            let inputs: Vec<(&str, SessionInputValue<'_>)> =
+                sample.inputs.iter().map(|(n, v)| (n.as_str(), v.into())).collect();
+            self.session.run_with_options(inputs, &sample.options).err()
+        });
+        if let Some(e) = failed {
+            // It ran before; if it no longer does, keep the memory rather than try again.
+            tracing::warn!(error = %e, "the run that gives an arena back failed");
+            *kept = None;
+            self.sample.bytes.store(usize::MAX, Relaxed);
         }
-        self.held.as_mut().map(Held::gave_back);
+        if let Some(held) = &mut self.held {
+            held.gave_back();
+        }
     }
 
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
@@ -741,24 +820,16 @@ impl Instance for OnnxInstance {
         let values: Vec<(String, DynValue)> =
             inputs.iter().map(|i| Ok((i.name.to_string(), input_value(i)?))).collect::<Result<_>>()?;
         self.input_time = copying.elapsed();
-        let bytes = inputs.iter().map(|i| i.shape.iter().product::<usize>() * i.datatype.size().unwrap_or(8)).sum();
-        let asked = std::mem::take(&mut self.shrink_next);
-        let options = match &mut self.held {
-            None => self.run_options.as_ref(),
-            Some(held) if asked => {
-                held.gave_back();
-                Some(&self.shrink)
-            }
-            Some(held) => held.run(bytes, copying).then_some(&self.shrink),
-        };
-        let views = || values.iter().map(|(n, v)| (n.as_str(), SessionInputValue::from(v))).collect::<Vec<_>>();
-        let mut outputs = match options {
-            Some(o) => self.session.run_with_options(views(), o),
-            None => self.session.run(views()),
+        let views = values.iter().map(|(n, v)| (n.as_str(), SessionInputValue::from(v))).collect::<Vec<_>>();
+        let mut outputs = match &self.run_options {
+            Some(o) => self.session.run_with_options(views, o),
+            None => self.session.run(views),
         }
         .map_err(run_err)?;
-        if self.held.is_some() && bytes <= SAMPLE_BYTES && self.sample.as_ref().is_none_or(|s| bytes < s.0) {
-            self.sample = Some((bytes, values));
+        if let Some(held) = &mut self.held {
+            let bytes = inputs.iter().map(|i| i.shape.iter().product::<usize>() * i.datatype.size().unwrap_or(8)).sum();
+            held.run(bytes, copying);
+            self.sample.offer(bytes, values, &outputs, &self.output_names);
         }
         let mut result = Vec::with_capacity(self.output_names.len());
         for name in &self.output_names {
@@ -801,41 +872,44 @@ mod tests {
     const MB: usize = 1 << 20;
 
     #[test]
-    fn growth_is_given_back_only_once_no_run_has_needed_it_for_the_period() {
+    fn growth_is_due_back_a_period_after_the_last_run_that_needed_it() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let mut held = Held::default();
-        assert!(!held.run(MB, at(0)), "a first run holds what it grew");
-        assert!(!held.run(64 * MB, at(1)), "a burst grows the arena");
-        assert!(!held.run(MB, at(2)), "small runs soon after keep it: the burst may go on");
-        assert!(!held.run(40 * MB, at(15)), "a run needing over half of it uses it");
-        assert!(!held.run(MB, at(15 + GIVE_BACK_AFTER.as_secs() - 1)));
-        assert!(held.run(MB, at(15 + GIVE_BACK_AFTER.as_secs())), "then the next small run gives it back");
-        assert_eq!(held.bytes, 0);
-        assert!(!held.run(MB, at(40)), "and what that run regrows is held anew");
-        assert_eq!(held.bytes, MB);
+        held.run(MB, at(0));
+        assert_eq!(held.due(MB), None, "runs of the sample's size hold nothing worth giving back");
+        held.run(64 * MB, at(1));
+        assert_eq!(held.due(MB), Some(at(1) + GIVE_BACK_AFTER), "a burst grows the arena");
+        held.run(MB, at(2));
+        assert_eq!(held.due(MB), Some(at(1) + GIVE_BACK_AFTER), "small runs after it do not use it");
+        held.run(40 * MB, at(15));
+        assert_eq!(held.due(MB), Some(at(15) + GIVE_BACK_AFTER), "a run needing over half of it does");
+        assert_eq!(held.due(32 * MB), None, "not worth it when the sample needs a good part of it");
+        held.gave_back();
+        assert_eq!(held.due(MB), None);
+        held.run(MB, at(40));
+        assert_eq!(held.due(MB), None, "what the next run regrows is held anew");
     }
 
     #[test]
-    fn steady_runs_of_varying_size_never_give_back() {
+    fn steady_runs_of_varying_size_are_never_due_back() {
         let t0 = Instant::now();
         let mut held = Held::default();
         for i in 0..1000u64 {
             // Batches of 1 to 64 rows, a large one at least every few seconds.
-            let rows = [1, 64, 8, 40, 2, 33][i as usize % 6];
-            assert!(!held.run(rows * MB, t0 + Duration::from_millis(i * 500)), "run {i}");
+            let now = t0 + Duration::from_millis(i * 500);
+            held.run([1, 64, 8, 40, 2, 33][i as usize % 6] * MB, now);
+            assert!(held.due(MB).is_none_or(|at| at > now), "run {i}");
         }
     }
 
     #[test]
-    fn an_idle_instance_gives_back_only_what_is_many_times_its_smallest_run() {
+    fn a_run_larger_than_usual_is_given_back_right_after() {
         let t0 = Instant::now();
-        let mut held = Held::default();
-        held.run(MB, t0);
-        assert_eq!(held.due(MB), None, "steady small runs hold nothing worth a run");
-        held.run(64 * MB, t0);
-        assert_eq!(held.due(MB), Some(t0 + GIVE_BACK_AFTER), "a burst is due back a period after its last run");
-        assert_eq!(held.due(32 * MB), None, "unless the smallest run needs a good part of it");
+        let mut held = Held { asked: true, ..Held::default() };
+        assert_eq!(held.due(MB), None, "asked before its run: due once it has run");
+        held.run(2 * MB, t0);
+        assert_eq!(held.due(MB), Some(t0), "due at once, even when small beside the sample");
         held.gave_back();
         assert_eq!(held.due(MB), None);
     }
