@@ -13,6 +13,7 @@
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
+#        bench/run.sh --bursts [A B]            (memory a burst leaves behind, per binary given: bench/bursts.py)
 #        bench/run.sh --ab A B [--models tiny,mlp] (two server binaries alternated, pinned: bench/ab.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
 #        bench/run.sh --python-models [--duration 5] (a model.py's cost per request: bench/python_models.py)
@@ -92,6 +93,10 @@ fi
 if [ "${1:-}" = "--memory" ]; then
     shift
     exec python3 bench/memory.py "$@"
+fi
+if [ "${1:-}" = "--bursts" ]; then
+    shift
+    exec python3 bench/bursts.py "$@"
 fi
 if [ "${1:-}" = "--hostile" ]; then
     shift
