@@ -141,13 +141,14 @@ pub trait Instance: Send {
     /// exploring the limit), and an arena left grown to it would hold that memory.
     fn shrink_after_next(&mut self) {}
 
-    /// When this instance, idle, should give back engine memory that a burst grew and no run has
-    /// needed since (by `give_back`); `None`: it holds none worth that.
+    /// When this instance should give back engine memory that a burst grew and no run has needed
+    /// since, or that `shrink_after_next` asked for (by `give_back`); `None`: it holds none worth
+    /// that.
     fn give_back_due(&self) -> Option<Instant> {
         None
     }
 
-    /// Gives back what `give_back_due` named; called only while the instance is idle.
+    /// Gives back what `give_back_due` named; called between batches, never beside a run.
     fn give_back(&mut self) {}
 
     /// How long the last `run` spent writing its inputs into the engine's own buffers (Triton's
