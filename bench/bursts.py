@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.kinds import KINDS, make_models, status  # noqa: E402
+from bench.kinds import KINDS, make_models, status, values  # noqa: E402
 from bench.run import RESULTS, ROOT, WORK, free_port, wait_ready  # noqa: E402
 
 # kind -> (inputs as (name, datatype, shape of one row), small rows and shapes, burst rows and shapes):
@@ -45,8 +45,7 @@ def body(kind, rows, shapes):
     for name, dt, shape in inputs:
         shape = shapes.get(name, shape)
         n = rows * int(eval("*".join(map(str, shape))))
-        data = struct.pack(f"<{n}f", *[(i % 97) / 97 for i in range(n)]) if dt == "FP32" else \
-            struct.pack(f"<{n}q", *[1 + i % 1000 for i in range(n)])
+        data = struct.pack(f"<{n}{'f' if dt == 'FP32' else 'q'}", *values(dt, n))
         header.append({"name": name, "shape": [rows, *shape], "datatype": dt, "parameters": {"binary_data_size": len(data)}})
         raw += data
     head = json.dumps({"inputs": header, "parameters": {"binary_data_output": True}}).encode()
