@@ -3,8 +3,9 @@ kinds and loads, pinned (the server on core 0, the load generators on core 1), s
 measured against the same machine minutes rather than against another run's. Per binary and load:
 requests/s, server CPU microseconds, context switches (all the server's threads, voluntary and not),
 system calls (`perf stat`, when perf is installed) and the mean batch size per request, the median
-over rounds. Context switches, system calls and batch sizes depend little on how fast the machine
-runs that minute; throughput and CPU do, so read those through the spread of their rounds (shown).
+over rounds; per model, the server's peak and final resident memory. Context switches, system
+calls and batch sizes depend little on how fast the machine runs that minute; throughput and CPU
+do, so read those through the spread of their rounds (shown).
 
 Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320] [--clients 8,128]
        [--loads bin,grpc,json] [--rounds 3] [--duration 3] [--name ab]
@@ -94,7 +95,7 @@ def main():
     kinds.make_models()
     binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     clients = [int(c) for c in args.clients.split(",")]
-    rows = {}
+    rows, rss = {}, {}
     started = time.time()
     for _ in range(args.rounds):
         for label, binary in binaries.items():
@@ -117,13 +118,15 @@ def main():
                                    "syscalls": calls / n, "batch": n / max(1, e1 - e0), "p50_ms": p50, "p99_ms": p99, "errors": errors}
                             rows.setdefault((case, name, c), {}).setdefault(label, []).append(row)
                             print(json.dumps({"binary": label, "case": case, "load": name, "clients": c, **row}), flush=True)
+                    rss.setdefault(case, {}).setdefault(label, []).append(
+                        (kinds.status(proc.pid, "VmHWM") / 1024, kinds.status(proc.pid, "VmRSS") / 1024))
                 finally:
                     proc.terminate()
                     proc.wait(30)
-    write(args, binaries, rows, time.time() - started)
+    write(args, binaries, rows, rss, time.time() - started)
 
 
-def write(args, binaries, rows, took):
+def write(args, binaries, rows, rss, took):
     median = lambda xs, f: statistics.median(x[f] for x in xs)  # noqa: E731
     lines = [
         f"# Two binaries side by side (`{args.name}`)",
@@ -149,6 +152,18 @@ def write(args, binaries, rows, took):
             f"{median(a, 'syscalls'):.2f} | {median(b, 'syscalls'):.2f} | "
             f"{median(a, 'batch'):.1f} | {median(b, 'batch'):.1f} | {median(a, 'p99_ms'):.2f} | {median(b, 'p99_ms'):.2f} |"
         )
+    lines += [
+        "",
+        "Resident memory of the server per model, after all its loads (MB, median over rounds): the peak (VmHWM) and what it held at the end (VmRSS).",
+        "",
+        "| model | peak A | peak B | end A | end B |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for case, by in rss.items():
+        a, b = by.get("A", []), by.get("B", [])
+        if a and b:
+            m = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+            lines.append(f"| {case} | {m(a, 0):.0f} | {m(b, 0):.0f} | {m(a, 1):.0f} | {m(b, 1):.0f} |")
     path = RESULTS / f"{args.name}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
