@@ -63,23 +63,38 @@ impl RequestParams {
     }
 }
 
-/// Request parameters as one JSON object (what a Python model's `request.parameters()` gives).
-/// `None` when there are none.
+/// Request parameters as one JSON object (what a Python model's `request.parameters()` gives), keys
+/// sorted, a key given twice with its last value. `None` when there are none. Written straight out:
+/// most requests carry one or two (`binary_data_output`), so no map is built for them.
 pub fn parameters_json<'a>(params: impl IntoIterator<Item = (&'a str, Param<'a>)>) -> Option<String> {
-    let object: serde_json::Map<String, serde_json::Value> = params
-        .into_iter()
-        .map(|(k, v)| {
-            let v = match v {
-                Param::Bool(b) => serde_json::Value::from(b),
-                Param::Int(n) => serde_json::Value::from(n),
-                Param::Uint(n) => serde_json::Value::from(n),
-                Param::Double(x) => serde_json::Value::from(x),
-                Param::Str(s) => serde_json::Value::from(s),
-            };
-            (k.to_string(), v)
-        })
-        .collect();
-    (!object.is_empty()).then(|| serde_json::Value::Object(object).to_string())
+    let mut params: Vec<_> = params.into_iter().collect();
+    if params.is_empty() {
+        return None;
+    }
+    // Latest first, then a stable sort: each key's first entry is its last value.
+    params.reverse();
+    params.sort_by_key(|(k, _)| *k);
+    params.dedup_by_key(|(k, _)| *k);
+    let mut out = Vec::with_capacity(16 * params.len() + 2);
+    out.push(b'{');
+    for (i, (k, v)) in params.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        let written = serde_json::to_writer(&mut out, k).and_then(|()| {
+            out.push(b':');
+            match v {
+                Param::Bool(b) => serde_json::to_writer(&mut out, &b),
+                Param::Int(n) => serde_json::to_writer(&mut out, &n),
+                Param::Uint(n) => serde_json::to_writer(&mut out, &n),
+                Param::Double(x) => serde_json::to_writer(&mut out, &x),
+                Param::Str(s) => serde_json::to_writer(&mut out, s),
+            }
+        });
+        written.expect("writing JSON into a Vec cannot fail");
+    }
+    out.push(b'}');
+    Some(String::from_utf8(out).expect("serde_json writes UTF-8"))
 }
 
 /// An output's `classification` parameter (Triton's classification extension): the number of
@@ -165,5 +180,22 @@ mod tests {
             let e = parse(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{k}: {e}");
         }
+    }
+
+    #[test]
+    fn parameters_are_one_json_object_with_sorted_keys_and_each_key_s_last_value() {
+        assert_eq!(parameters_json([]), None);
+        let json = parameters_json([
+            ("z\"q", Param::Str("a\nb")),
+            ("b", Param::Int(-1)),
+            ("a", Param::Uint(u64::MAX)),
+            ("b", Param::Bool(true)),
+            ("x", Param::Double(0.25)),
+            ("n", Param::Double(f64::NAN)),
+        ])
+        .unwrap();
+        assert_eq!(json, r#"{"a":18446744073709551615,"b":true,"n":null,"x":0.25,"z\"q":"a\nb"}"#);
+        let back: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(back["z\"q"], "a\nb");
     }
 }

@@ -14,9 +14,9 @@ use serde::{
     Deserialize, Deserializer,
 };
 
-/// A request, input or output parameter value.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(untagged)]
+/// A request, input or output parameter value: a boolean, a whole number (`U64` when it is not
+/// negative), a float or a string; anything else is refused.
+#[derive(Debug, Clone, PartialEq)]
 pub enum Param {
     Bool(bool),
     U64(u64),
@@ -25,7 +25,83 @@ pub enum Param {
     Str(String),
 }
 
-pub type Params = HashMap<String, Param>;
+/// Read by its own visitor rather than `#[serde(untagged)]`, which buffers each value and builds an
+/// error for every variant it tries first: two parameters a request, on the hot path.
+impl<'de> Deserialize<'de> for Param {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ParamVisitor;
+        impl Visitor<'_> for ParamVisitor {
+            type Value = Param;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a boolean, number or string")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Param, E> {
+                Ok(Param::Bool(v))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Param, E> {
+                Ok(Param::U64(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Param, E> {
+                Ok(u64::try_from(v).map_or(Param::I64(v), Param::U64))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Param, E> {
+                Ok(Param::F64(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Param, E> {
+                Ok(Param::Str(v.to_owned()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Param, E> {
+                Ok(Param::Str(v))
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Param, E> {
+                std::str::from_utf8(v)
+                    .map(|s| Param::Str(s.to_owned()))
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Bytes(v), &self))
+            }
+        }
+        d.deserialize_any(ParamVisitor)
+    }
+}
+
+/// A body's `parameters`, in the order sent: a handful a request, so a list looked through beats a
+/// hashed map. A key sent twice counts as its last value, as when a JSON object is read into a map.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Params(Vec<(String, Param)>);
+
+impl Params {
+    pub fn get(&self, key: &str) -> Option<&Param> {
+        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// Each key once, with its last value.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Param)> {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(i, (k, _))| !self.0[i + 1..].iter().any(|(later, _)| later == k))
+            .map(|(_, (k, v))| (k.as_str(), v))
+    }
+}
+
+impl<'de> Deserialize<'de> for Params {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ParamsVisitor;
+        impl<'de> Visitor<'de> for ParamsVisitor {
+            type Value = Params;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object of parameters")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Params, A::Error> {
+                let mut params = Vec::with_capacity(map.size_hint().unwrap_or(0).min(16));
+                while let Some(entry) = map.next_entry::<String, Param>()? {
+                    params.push(entry);
+                }
+                Ok(Params(params))
+            }
+        }
+        d.deserialize_map(ParamsVisitor)
+    }
+}
 
 pub fn param_u64(params: &Params, key: &str) -> Result<Option<u64>, Error> {
     match params.get(key) {
@@ -60,7 +136,7 @@ fn as_wire(p: &Param) -> WireParam<'_> {
 
 /// The request's parameters as one JSON object (see the core's `wire::parameters_json`).
 pub fn parameters_json(params: &Params) -> Option<String> {
-    ferrite_core::wire::parameters_json(params.iter().map(|(k, v)| (k.as_str(), as_wire(v))))
+    ferrite_core::wire::parameters_json(params.iter().map(|(k, v)| (k, as_wire(v))))
 }
 
 /// The request parameters the core honours, read as every front-end reads them.
@@ -270,5 +346,48 @@ pub struct BinaryOutputs {
 impl BinaryOutputs {
     pub fn is_binary(&self, name: &str) -> bool {
         self.named.get(name).copied().unwrap_or(self.default)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parameter_is_read_as_the_kind_of_value_it_is_and_anything_else_is_refused() {
+        let json = |s: &str| serde_json::from_str::<Param>(s);
+        assert_eq!(json("true").unwrap(), Param::Bool(true));
+        assert_eq!(json("5").unwrap(), Param::U64(5));
+        assert_eq!(json("18446744073709551615").unwrap(), Param::U64(u64::MAX));
+        assert_eq!(json("-3").unwrap(), Param::I64(-3));
+        assert_eq!(json("1.5").unwrap(), Param::F64(1.5));
+        assert_eq!(json(r#""a\"b""#).unwrap(), Param::Str("a\"b".into()));
+        for bad in ["null", "[1]", r#"{"a": 1}"#] {
+            assert!(json(bad).is_err(), "{bad}");
+        }
+        // MessagePack: a non-negative number written as a signed one is still U64, and a string
+        // sent as bin is read as text when it is UTF-8.
+        let pack = |write: &dyn Fn(&mut Vec<u8>)| {
+            let mut buf = Vec::new();
+            write(&mut buf);
+            rmp_serde::from_slice::<Param>(&buf)
+        };
+        assert_eq!(pack(&|b| rmp::encode::write_i64(b, 7).unwrap()).unwrap(), Param::U64(7));
+        assert_eq!(pack(&|b| rmp::encode::write_i64(b, -7).unwrap()).unwrap(), Param::I64(-7));
+        assert_eq!(pack(&|b| rmp::encode::write_f32(b, 0.5).unwrap()).unwrap(), Param::F64(0.5));
+        assert_eq!(pack(&|b| rmp::encode::write_bin(b, b"ab").unwrap()).unwrap(), Param::Str("ab".into()));
+        assert!(pack(&|b| rmp::encode::write_bin(b, &[0xff]).unwrap()).is_err());
+        assert!(pack(&|b| rmp::encode::write_nil(b).unwrap()).is_err());
+    }
+
+    #[test]
+    fn parameters_keep_their_order_and_a_key_sent_twice_counts_as_its_last_value() {
+        let p: Params = serde_json::from_str(r#"{"b": 1, "a": true, "b": "x"}"#).unwrap();
+        assert_eq!(p.get("b"), Some(&Param::Str("x".into())));
+        assert_eq!(p.get("a"), Some(&Param::Bool(true)));
+        assert_eq!(p.get("c"), None);
+        assert_eq!(p.iter().map(|(k, _)| k).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(parameters_json(&p).as_deref(), Some(r#"{"a":true,"b":"x"}"#));
+        assert!(serde_json::from_str::<Params>("[]").is_err());
     }
 }
