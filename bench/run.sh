@@ -15,6 +15,8 @@
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
 #        bench/run.sh --bursts [A B]            (memory a burst leaves behind, per binary given: bench/bursts.py)
 #        bench/run.sh --ab A B [--models tiny,mlp] (two server binaries alternated, pinned: bench/ab.py)
+#        bench/run.sh --instructions A [B] [--models tiny,mlp] (the server's own instructions per request
+#                                              under callgrind, one client: bench/instructions.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
 #        bench/run.sh --python-models [--duration 5] (a model.py's cost per request: bench/python_models.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
@@ -97,6 +99,11 @@ fi
 if [ "${1:-}" = "--bursts" ]; then
     shift
     exec python3 bench/bursts.py "$@"
+fi
+if [ "${1:-}" = "--instructions" ]; then
+    shift
+    command -v callgrind_control >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
+    exec python3 bench/instructions.py "$@"
 fi
 if [ "${1:-}" = "--hostile" ]; then
     shift

@@ -37,6 +37,16 @@ use crate::{
 /// picked up without that wake-up (see the `roundtrip` example).
 const IDLE_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
+/// Watches `submitted` move past `seen` for up to [`IDLE_SPIN`]. A function of its own so that a
+/// profile can tell this wait from the work around it (`bench/instructions.py` leaves it out).
+#[inline(never)]
+fn spin_for_next(submitted: &std::sync::atomic::AtomicU64, seen: u64) {
+    let spin_until = Instant::now() + IDLE_SPIN;
+    while submitted.load(Ordering::Acquire) == seen && Instant::now() < spin_until {
+        std::hint::spin_loop();
+    }
+}
+
 struct Shared {
     /// Bumped on every submit, so a spinning worker sees new work without taking the lock.
     submitted: std::sync::atomic::AtomicU64,
@@ -412,10 +422,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         // cores are better left to the front-ends.
                         if last_requests <= 1 {
                             drop(q);
-                            let spin_until = Instant::now() + IDLE_SPIN;
-                            while shared.submitted.load(Ordering::Acquire) == seen && Instant::now() < spin_until {
-                                std::hint::spin_loop();
-                            }
+                            spin_for_next(&shared.submitted, seen);
                             q = shared.lock();
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
