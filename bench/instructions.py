@@ -15,7 +15,7 @@ clients (one client makes batches of one). The plan is fixed (`--calibrate false
 ONNX Runtime's own share is the same for both binaries.
 
 Usage: python3 bench/instructions.py BINARY_A [BINARY_B] [--models tiny,mlp] [--loads json,bin,grpc]
-       [--requests 1000] [--rounds 2] [--name instructions]
+       [--requests 300] [--rounds 2] [--name instructions]
 """
 
 import argparse
@@ -122,7 +122,7 @@ def main():
     ap.add_argument("binaries", nargs="+")
     ap.add_argument("--models", default="tiny,mlp")
     ap.add_argument("--loads", default="json,bin,grpc")
-    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="instructions")
     args = ap.parse_args()
