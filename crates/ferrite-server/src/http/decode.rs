@@ -73,13 +73,10 @@ impl Params {
         self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
-    /// Each key once, with its last value.
+    /// Every entry in the order sent, a key sent twice included twice (the core's
+    /// `parameters_json` keeps its last value, in one sort rather than a search per entry).
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Param)> {
-        self.0
-            .iter()
-            .enumerate()
-            .filter(|(i, (k, _))| !self.0[i + 1..].iter().any(|(later, _)| later == k))
-            .map(|(_, (k, v))| (k.as_str(), v))
+        self.0.iter().map(|(k, v)| (k.as_str(), v))
     }
 }
 
@@ -386,7 +383,7 @@ mod tests {
         assert_eq!(p.get("b"), Some(&Param::Str("x".into())));
         assert_eq!(p.get("a"), Some(&Param::Bool(true)));
         assert_eq!(p.get("c"), None);
-        assert_eq!(p.iter().map(|(k, _)| k).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(p.iter().map(|(k, _)| k).collect::<Vec<_>>(), ["b", "a", "b"]);
         assert_eq!(parameters_json(&p).as_deref(), Some(r#"{"a":true,"b":"x"}"#));
         assert!(serde_json::from_str::<Params>("[]").is_err());
     }
