@@ -175,10 +175,26 @@ impl Sink {
 
     /// Decodes `data` (a scalar, a nested array, or MessagePack `bin`) with `de`.
     pub fn fill<'de, D: Deserializer<'de>>(&mut self, de: D) -> Result<(), Error> {
-        let result = Flatten(self).deserialize(de);
+        let result = self.seed().deserialize(de);
         if let Err(e) = result {
-            return Err(Error::invalid(self.error.take().unwrap_or_else(|| format!("input '{}': {e}", self.name))));
+            return Err(self.reason().unwrap_or_else(|| Error::invalid(format!("input '{}': {e}", self.name))));
         }
+        self.check_end()
+    }
+
+    /// What reads `data` into this sink, for a deserializer that is already inside the input (a
+    /// map's next value); then `check_end`, or `reason` when it fails.
+    pub fn seed(&mut self) -> impl for<'de> DeserializeSeed<'de, Value = ()> + '_ {
+        Flatten(self)
+    }
+
+    /// Why reading failed, when the data itself was wrong (not the JSON around it).
+    pub fn reason(&mut self) -> Option<Error> {
+        self.error.take().map(Error::invalid)
+    }
+
+    /// Whether the data read holds whole elements, as many as the shape says.
+    pub fn check_end(&self) -> Result<(), Error> {
         if let Some(size) = self.datatype.size().filter(|&s| !self.raw.len().is_multiple_of(s)) {
             return Err(Error::invalid(format!(
                 "input '{}': {} raw bytes are not whole {} elements ({size} bytes each)",

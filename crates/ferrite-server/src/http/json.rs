@@ -31,19 +31,122 @@ pub struct JsonRequest<'a> {
 
 /// An input of a V2 inference request: `data` row-major (nested lists are accepted), or
 /// `parameters.binary_data_size` bytes after the JSON (the binary extension).
-#[derive(Deserialize, utoipa::ToSchema)]
+#[derive(utoipa::ToSchema)]
 #[schema(as = RequestInput)]
 pub struct JsonInput<'a> {
     pub name: String,
     pub shape: Vec<i64>,
     #[schema(value_type = super::bodies::Datatype)]
     pub datatype: String,
-    #[serde(default)]
-    #[schema(value_type = Object)]
+    #[schema(value_type = Object, required = false)]
     pub parameters: Params,
-    #[serde(borrow, default)]
     #[schema(value_type = Option<Vec<Value>>)]
-    pub data: Option<&'a RawValue>,
+    pub data: Option<InputData<'a>>,
+}
+
+/// An input's `data`: decoded as it was read, when the input's name, datatype and shape came
+/// before it (as clients write them) and `parse` gave the element limit; otherwise kept as the raw
+/// JSON, decoded once they are known. Reading it raw is a whole pass over the numbers (a third of
+/// decoding a 512-float input).
+pub enum InputData<'a> {
+    Read(TensorData),
+    Raw(&'a RawValue),
+}
+
+thread_local! {
+    /// While `parse` reads a body on this thread: the element limit an input's data is decoded
+    /// under, and the precise reason when that data was wrong (serde would wrap it in positions).
+    static READING: std::cell::RefCell<Option<(usize, Option<Error>)>> = const { std::cell::RefCell::new(None) };
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for JsonInput<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(field_identifier, rename_all = "lowercase")]
+        enum Field {
+            Name,
+            Shape,
+            Datatype,
+            Parameters,
+            Data,
+            #[serde(other)]
+            Other,
+        }
+        struct InputVisitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for InputVisitor<'a> {
+            type Value = JsonInput<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an input object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<JsonInput<'a>, A::Error> {
+                use serde::de::Error as _;
+                fn once<T, E: serde::de::Error>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), E> {
+                    match slot.replace(value) {
+                        Some(_) => Err(E::duplicate_field(field)),
+                        None => Ok(()),
+                    }
+                }
+                let (mut name, mut shape, mut datatype, mut parameters, mut data) = (None, None, None, None, None);
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::Name => once(&mut name, map.next_value::<String>()?, "name")?,
+                        Field::Shape => once(&mut shape, map.next_value::<Vec<i64>>()?, "shape")?,
+                        Field::Datatype => once(&mut datatype, map.next_value::<String>()?, "datatype")?,
+                        Field::Parameters => once(&mut parameters, map.next_value::<Params>()?, "parameters")?,
+                        Field::Data => {
+                            if data.is_some() {
+                                return Err(A::Error::duplicate_field("data"));
+                            }
+                            let limit = READING.with(|r| r.borrow().as_ref().map(|(max, _)| *max));
+                            let sink = match (&name, &datatype, &shape, limit) {
+                                (Some(n), Some(dt), Some(s), Some(max)) => {
+                                    parse_header(n, dt, s, max).ok().map(|(dt, _, count)| Sink::new(n, dt, count))
+                                }
+                                // Not known yet, or wrong (decode_input says how, in input order).
+                                _ => None,
+                            };
+                            data = Some(match sink {
+                                None => InputData::Raw(map.next_value::<&'de RawValue>()?),
+                                Some(mut sink) => {
+                                    let failed = match map.next_value_seed(sink.seed()) {
+                                        Err(e) => match sink.reason() {
+                                            Some(reason) => Some((reason, e)),
+                                            // The JSON around the numbers (or a bare NaN): parse's to say.
+                                            None => return Err(e),
+                                        },
+                                        Ok(()) => sink.check_end().err().map(|reason| {
+                                            let e = A::Error::custom(&reason);
+                                            (reason, e)
+                                        }),
+                                    };
+                                    if let Some((reason, e)) = failed {
+                                        READING.with(|r| {
+                                            if let Some((_, why)) = r.borrow_mut().as_mut() {
+                                                *why = Some(reason);
+                                            }
+                                        });
+                                        return Err(e);
+                                    }
+                                    InputData::Read(sink.finish())
+                                }
+                            });
+                        }
+                        Field::Other => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(JsonInput {
+                    name: name.ok_or_else(|| A::Error::missing_field("name"))?,
+                    shape: shape.ok_or_else(|| A::Error::missing_field("shape"))?,
+                    datatype: datatype.ok_or_else(|| A::Error::missing_field("datatype"))?,
+                    parameters: parameters.unwrap_or_default(),
+                    data,
+                })
+            }
+        }
+        d.deserialize_map(InputVisitor(std::marker::PhantomData))
+    }
 }
 
 pub use super::bodies::JsonOutput;
@@ -85,11 +188,12 @@ pub fn parse(
     binary: Option<Bytes>,
     max_elements: usize,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
-    let req: JsonRequest<'_> = match serde_json::from_slice(json) {
+    let req = match read(json, max_elements) {
         Ok(req) => req,
+        Err((_, Some(reason))) => return Err(reason),
         // Python's `json` (and so tritonclient) writes non-finite floats as bare NaN/Infinity
         // tokens, as our responses do; accept them by quoting them, off the hot path.
-        Err(e) => match quote_non_finite(json) {
+        Err((e, None)) => match quote_non_finite(json) {
             Some(quoted) => return parse(model, version, &quoted, binary, max_elements),
             None => return Err(Error::invalid(format!("invalid JSON request: {e}"))),
         },
@@ -140,6 +244,15 @@ pub fn parse(
     Ok((req, binary_outputs))
 }
 
+/// Reads a request, its inputs' data decoded under `max_elements` as they are read; on failure,
+/// the precise reason when an input's data was wrong.
+fn read(json: &[u8], max_elements: usize) -> Result<JsonRequest<'_>, (serde_json::Error, Option<Error>)> {
+    READING.with(|r| *r.borrow_mut() = Some((max_elements, None)));
+    let req = serde_json::from_slice(json);
+    let reason = READING.with(|r| r.borrow_mut().take()).and_then(|(_, why)| why);
+    req.map_err(|e| (e, reason))
+}
+
 fn decode_input(input: JsonInput<'_>, binary: &mut Bytes, max_elements: usize) -> Result<Tensor, Error> {
     let name = input.name;
     let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
@@ -157,7 +270,8 @@ fn decode_input(input: JsonInput<'_>, binary: &mut Bytes, max_elements: usize) -
             }
             TensorData::from_wire(&name, datatype, count, binary.split_to(size))?
         }
-        (None, Some(raw)) => {
+        (None, Some(InputData::Read(data))) => data,
+        (None, Some(InputData::Raw(raw))) => {
             let mut sink = Sink::new(&name, datatype, count);
             sink.fill(&mut serde_json::Deserializer::from_str(raw.get()))?;
             sink.finish()
@@ -267,9 +381,16 @@ mod tests {
     use super::*;
     use serde_json::Value;
 
+    /// Decodes one input both ways: kept raw and decoded after (as when `data` comes before the
+    /// input's datatype and shape), and read as the request is parsed; they must agree.
     fn decode(json: &str, max: usize) -> Result<Tensor, Error> {
         let input: JsonInput<'_> = serde_json::from_str(json).unwrap();
-        decode_input(input, &mut Bytes::new(), max)
+        assert!(matches!(input.data, None | Some(InputData::Raw(_))));
+        let raw = decode_input(input, &mut Bytes::new(), max);
+        let request = format!(r#"{{"inputs":[{json}]}}"#);
+        let read = parse("m", None, request.as_bytes(), None, max).map(|(mut r, _)| r.inputs.remove(0));
+        assert_eq!(read.as_ref().map_err(ToString::to_string), raw.as_ref().map_err(ToString::to_string), "{json}");
+        raw
     }
 
     fn write(resp: &InferResponse) -> String {
@@ -397,5 +518,50 @@ mod tests {
             let again = decode(&out.to_string(), 10).unwrap();
             assert_eq!(again.data, t.data, "{dt}: {body}");
         }
+    }
+
+    #[test]
+    fn data_is_read_as_parsed_when_the_input_says_what_it_holds_first_and_kept_raw_otherwise() {
+        let first = r#"{"name":"x","shape":[2],"datatype":"FP32","data":[1,2]}"#;
+        let last = r#"{"data":[1,2],"datatype":"FP32","shape":[2],"name":"x"}"#;
+        let expected = Tensor::from_le("x", DataType::Fp32, vec![2], &[1f32, 2.0]);
+        for json in [first, last] {
+            let (req, _) = parse("m", None, format!(r#"{{"inputs":[{json}]}}"#).as_bytes(), None, 100).unwrap();
+            assert_eq!(req.inputs, std::slice::from_ref(&expected), "{json}");
+        }
+        READING.with(|r| *r.borrow_mut() = Some((100, None)));
+        let input: JsonInput<'_> = serde_json::from_str(first).unwrap();
+        assert!(matches!(input.data, Some(InputData::Read(_))));
+        let input: JsonInput<'_> = serde_json::from_str(last).unwrap();
+        assert!(matches!(input.data, Some(InputData::Raw(_))));
+        READING.with(|r| *r.borrow_mut() = None);
+        // Read as parsed: bare non-finite tokens still go through the quoting fallback, and what
+        // the raw way refuses is refused alike.
+        let (req, _) = parse(
+            "m",
+            None,
+            br#"{"inputs":[{"name":"x","shape":[3],"datatype":"FP32","data":[NaN,-Infinity,1]}]}"#,
+            None,
+            100,
+        )
+        .unwrap();
+        assert!(matches!(&req.inputs[0].data, TensorData::Fixed(b) if b.len() == 12));
+        for (json, needle) in [
+            (
+                r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"data":[2]}]}"#,
+                "duplicate field `data`",
+            ),
+            (
+                r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"parameters":{"binary_data_size":4}}]}"#,
+                "both 'data' and binary_data_size",
+            ),
+            (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1,2]}]}"#, "more than the 1"),
+            (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]},"#, "invalid JSON request"),
+        ] {
+            let err =
+                parse("m", None, json.as_bytes(), Some(Bytes::from_static(&[0; 4])), 100).unwrap_err().to_string();
+            assert!(err.contains(needle), "{json}: {err}");
+        }
+        assert!(READING.with(|r| r.borrow().is_none()), "parse leaves no limit behind");
     }
 }
