@@ -1,8 +1,9 @@
 //! The V2 JSON body, with Triton's binary tensor extension: decoding requests, writing responses.
 //!
-//! Tensor `data` is kept as raw JSON until the input's datatype and shape are known, so decoding
-//! allocates exactly what the (already capped) shape calls for and stops at the first extra value.
-//! Binary inputs are slices of the request body, not copies.
+//! Tensor `data` is decoded once the input's datatype and shape are known (as it is read when they
+//! come before it, else from the raw JSON kept until they do), so decoding allocates exactly what
+//! the (already capped) shape calls for and stops at the first extra value. Binary inputs are
+//! slices of the request body, not copies.
 
 use bytes::Bytes;
 use ferrite_core::{dispatch, DataType, Element, Error, InferRequest, InferResponse, Number, Tensor, TensorData};
