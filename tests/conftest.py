@@ -23,10 +23,20 @@ os.environ.setdefault("FERRITE_CALIBRATE", "false")
 os.environ.setdefault("FERRITE_SHUTDOWN_GRACE_SECS", "0")
 
 
+# Ports free_port has handed out in this run (and ones reserved beside them).
+GIVEN_PORTS = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port this run has not handed out before: the kernel may give the same free port to
+    two binds in a row, and two servers (or Redis nodes) of one test would then collide."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in GIVEN_PORTS:
+            GIVEN_PORTS.add(port)
+            return port
 
 
 def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):

@@ -12,18 +12,19 @@ import time
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import GIVEN_PORTS, free_port
 from test_cache import cached_repo, mlp_infer, stats, wait_for
 
 
 def cluster_port():
-    """A free port whose cluster bus port (+10000) is free too."""
+    """A free port whose cluster bus port (+10000) is free too, and not another node's."""
     while True:
         p = free_port()
-        if p + 10000 < 65536:
+        if p + 10000 < 65536 and p + 10000 not in GIVEN_PORTS:
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p + 10000))
+                    GIVEN_PORTS.add(p + 10000)
                     return p
                 except OSError:
                     pass
