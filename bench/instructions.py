@@ -126,9 +126,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="instructions")
     args = ap.parse_args()
+    if len(args.binaries) > 2:
+        ap.error("one binary, or two to compare")
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
-    binaries = dict(zip("AB", (Path(b).resolve() for b in args.binaries[:2])))
+    binaries = dict(zip("AB", (Path(b).resolve() for b in args.binaries)))
     started = time.time()
     results = collections.defaultdict(list)
     for _ in range(args.rounds):
