@@ -40,8 +40,11 @@ CASES = {
     "resnet": ("resnet", [("images", "FP32", [3, 224, 224])], False),
     "detector320": ("detector", [("images", "FP32", [3, 320, 320])], False),
     "detector640": ("detector", [("images", "FP32", [3, 640, 640])], False),
+    "yolo320": ("yolo", [("images", "FP32", [3, 320, 320])], False),
     "bert": ("bert", [("input_ids", "INT64", [128]), ("attention_mask", "INT64", [128])], False),
 }
+# Models with variable H/W: the ceiling is told the size they are served at.
+VARIABLE_HW = ("detector", "yolo")
 TARGET_RATIO, TARGET_RATIO_JSON, TARGET_P50_EXTRA_MS, TARGET_RSS_EXTRA_MB = 0.85, 0.7, 0.15, 60
 
 
@@ -53,7 +56,7 @@ def pin():
 
 def make_models():
     """Writes the model kinds (bench/make_models.py) unless they are there."""
-    if not (KINDS / "bert_classify/1/model.onnx").exists():
+    if not (KINDS / "yolo/1/model.onnx").exists():
         subprocess.run([sys.executable, str(ROOT / "bench/make_models.py"), str(KINDS)], check=True)
 
 
@@ -95,7 +98,7 @@ def bodies(case, name):
 def ceiling(case, secs):
     model, inputs, _ = CASES[case]
     cmd = [*SERVER_CPUS, str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
-    if model == "detector":
+    if model in VARIABLE_HW:
         cmd.append(",".join(map(str, inputs[0][2])))
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     points = [json.loads(line) for line in out.splitlines()]
@@ -112,18 +115,26 @@ def reachable(points, clients):
     return max(fit) if fit else min(p["rows_per_sec"] for p in points)
 
 
-def engine_rss(case, parameters, secs=2.0):
-    """ONNX Runtime's own peak RSS in-process for the plan and batch limit the server chose."""
+def engine_plan(case, parameters):
+    """The plan and batch limit the server chose (from its config's parameters), as the ceiling's
+    CEILING_MODELS entry `MODEL.onnx|INSTANCES,THREADS,BATCH[|DIMS]` and in words."""
     model, inputs, _ = CASES[case]
     m = re.match(r"(\d+) instance\(s\) x (\d+) thread", parameters.get("calibrated", ""))
     instances, threads = (int(m.group(1)), int(m.group(2))) if m else (1, int(parameters.get("intra_op_thread_count", 1)))
     batch = max(1, int(parameters.get("batch_merge_limit", 1)))
-    cmd = [*SERVER_CPUS, str(ROOT / "target/release/examples/ceiling"), str(KINDS / model / "1/model.onnx"), str(secs)]
-    if model == "detector":
-        cmd.append(",".join(map(str, inputs[0][2])))
-    env = dict(os.environ, CEILING_PLAN=f"{instances},{threads},{batch}")
+    entry = f"{KINDS / model / '1/model.onnx'}|{instances},{threads},{batch}"
+    if model in VARIABLE_HW:
+        entry += "|" + ",".join(map(str, inputs[0][2]))
+    return entry, f"{instances} x {threads} threads, batch {batch}"
+
+
+def engine_rss(plans, secs=2.0):
+    """ONNX Runtime's own peak RSS in-process, MB, holding every plan of `plans` (engine_plan's
+    entries) at once and running each at its batch limit."""
+    cmd = [*SERVER_CPUS, str(ROOT / "target/release/examples/ceiling"), str(secs)]
+    env = dict(os.environ, CEILING_MODELS=";".join(plans))
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out.splitlines()[-1])["peak_rss_mb"], f"{instances} x {threads} threads, batch {batch}"
+    return json.loads(out.splitlines()[-1])["peak_rss_mb"]
 
 
 def serve(case, args, log_name="kinds"):
@@ -212,7 +223,8 @@ def main():
             proc.terminate()
             proc.wait(30)
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        rss, plan = engine_rss(case, parameters)
+        entry, plan = engine_plan(case, parameters)
+        rss = engine_rss([entry])
         results[case] = {"ceiling": best, "batch1_ms": floor_ms, "idle": idle, "rows": rows, "parameters": parameters,
                          "engine_rss_mb": rss, "engine_plan": plan,
                          "onnx_mb": (KINDS / model / "1/model.onnx").stat().st_size / 2**20,

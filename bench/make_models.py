@@ -134,6 +134,29 @@ def detector(path):
            [helper.make_tensor_value_info("maps", TensorProto.FLOAT, ["N", 1, "H4", "W4"])], path)
 
 
+def yolo(path):
+    """YOLOv8n's output layout at about its size (2.4 M weights to its 3.2 M): images [N,3,H,W] ->
+    output0 [N, 84, anchors], 8400 anchors at 640x640. A backbone at strides 2-32 with two 3x3 convs a
+    level, a head per level at strides 8, 16 and 32 (3x3 conv, then 1x1 to 4 box + 80 class
+    channels), flattened and concatenated along the anchors. Not YOLOv8's blocks, only its scale."""
+    g = Graph(4)
+    x = g.conv("images", 3, 16, stride=2)
+    levels, cin = [], 16
+    for cout in (32, 64, 128, 256):
+        x = g.conv(x, cin, cout, stride=2)
+        x = g.conv(g.conv(x, cout, cout), cout, cout)
+        levels.append((x, cout))
+        cin = cout
+    heads = []
+    for feat, c in levels[1:]:
+        y = g.conv(g.conv(feat, c, 96), 96, 84, k=1, relu=False)
+        heads.append(g.op("Reshape", [y, g.const(np.array([0, 84, -1], np.int64), "shape")]))
+    y = g.op("Sigmoid", [g.op("Concat", heads, axis=2)])
+    rename_output(g, y, "output0")
+    g.save([helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+           [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["N", 84, "A"])], path)
+
+
 def bert(path, layers=6, hidden=384, heads=6, ffn=1536, vocab=30522, seq=128, labels=None, pairs=False):
     """`seq` None: any sequence length up to 512 (positions gathered for the length given).
     `labels`: a sequence classifier (a cross-encoder with 1), the [CLS] token through a linear
@@ -204,6 +227,7 @@ def main():
     tiny(model("tiny"))
     resnet(model("resnet"))
     detector(model("detector"))
+    yolo(model("yolo"))
     bert(model("bert"))
     bert(model("bert_var"), seq=None)
     bert(model("bert_rerank"), seq=None, labels=1, pairs=True)

@@ -97,7 +97,7 @@ def perf_analyzer_load(protocol, url, clients, model="mlp", extra=(), fatal=True
     that gives no result reports NaN instead of ending the benchmark."""
 
     def run(duration):
-        csv = WORK / "perf_analyzer.csv"
+        csv = WORK / f"perf_analyzer-{model}.csv"  # one per model: loads on several models run at once
         out = subprocess.run(
             [*LOADGEN, str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients), *extra,
              # Three windows that agree within `stability`% make a result; they add up to `duration`.

@@ -4,11 +4,13 @@
 //! ceiling a server can reach, and batch 1's time as the latency floor. Guards against a server
 //! that falls far below its own engine.
 //!
-//! Usage: ceiling MODEL.onnx [SECONDS_PER_POINT] [DIMS]
+//! Usage: ceiling MODEL.onnx [SECONDS_PER_POINT] [DIMS], or CEILING_MODELS=... ceiling [SECONDS_PER_POINT]
 //! DIMS (e.g. 3,320,320) replace the first input's dims after the batch dim, for variable ones.
-//! With CEILING_PLAN=INSTANCES,THREADS,BATCH it runs that one plan and batch size instead and
-//! prints the process's peak resident memory: ONNX Runtime's own footprint for what a server
-//! chose, the reference for the server's memory.
+//! With CEILING_MODELS=MODEL.onnx|INSTANCES,THREADS,BATCH[|DIMS];... (and no MODEL argument) it
+//! loads every model listed with its plan, keeps all their instances at once (as a server holding
+//! them does), runs each instance at its batch for SECONDS_PER_POINT, and prints the peak
+//! resident memory: ONNX Runtime's own need for what a server chose for its models, the
+//! reference for the server's memory.
 
 use std::time::{Duration, Instant};
 
@@ -77,27 +79,68 @@ fn rate(backend: &OnnxBackend, instances: usize, batch: usize, dims: &Option<Vec
     rows as f64 / start.elapsed().as_secs_f64()
 }
 
+fn peak_rss_mb() -> f64 {
+    let kb = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0u64);
+    kb as f64 / 1024.0
+}
+
+/// CEILING_MODELS: every model's instances alive together, each run at its plan's batch.
+fn models_together(list: &str, secs: f64) {
+    let mut held = Vec::new();
+    for entry in list.split(';').filter(|e| !e.is_empty()) {
+        let mut fields = entry.split('|');
+        let path = fields.next().expect("MODEL.onnx");
+        let plan: Vec<usize> = fields
+            .next()
+            .expect("INSTANCES,THREADS,BATCH")
+            .split(',')
+            .map(|x| x.parse().expect("INSTANCES,THREADS,BATCH"))
+            .collect();
+        let dims = fields.next().map(|d| d.split(',').map(|x| x.parse().expect("DIMS like 3,320,320")).collect());
+        let options = OnnxOptions { intra_threads: plan[1], ..Default::default() };
+        let backend = OnnxBackend::load(path.as_ref(), options).unwrap();
+        let tensors = inputs(&backend, plan[2], &dims);
+        let instances: Vec<_> = (0..plan[0]).map(|_| backend.instance().unwrap()).collect();
+        held.push((backend, tensors, instances));
+    }
+    for (backend, tensors, instances) in &mut held {
+        let batch_inputs: Vec<BatchInput<'_>> = backend
+            .inputs()
+            .iter()
+            .zip(tensors.iter())
+            .map(|(s, t)| BatchInput {
+                name: &s.name,
+                datatype: s.datatype,
+                shape: t.shape.clone(),
+                parts: vec![&t.data],
+            })
+            .collect();
+        for instance in instances.iter_mut() {
+            let began = Instant::now();
+            while began.elapsed() < Duration::from_secs_f64(secs) {
+                instance.run(&batch_inputs).unwrap();
+            }
+        }
+    }
+    println!("{{\"models\": {}, \"peak_rss_mb\": {:.1}}}", held.len(), peak_rss_mb());
+}
+
 fn main() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let mut args = std::env::args().skip(1);
+    if let Ok(list) = std::env::var("CEILING_MODELS") {
+        let secs: f64 = args.next().map_or(1.0, |s| s.parse().expect("seconds"));
+        return models_together(&list, secs);
+    }
     let path = args.next().expect("usage: ceiling MODEL.onnx [SECONDS_PER_POINT] [DIMS]");
     let secs: f64 = args.next().map_or(1.0, |s| s.parse().expect("seconds"));
     let dims: Option<Vec<usize>> =
         args.next().map(|d| d.split(',').map(|x| x.parse().expect("DIMS like 3,320,320")).collect());
-    if let Ok(plan) = std::env::var("CEILING_PLAN") {
-        let p: Vec<usize> = plan.split(',').map(|x| x.parse().expect("CEILING_PLAN=INSTANCES,THREADS,BATCH")).collect();
-        let options = OnnxOptions { intra_threads: p[1], ..Default::default() };
-        let backend = OnnxBackend::load(path.as_ref(), options).unwrap();
-        let r = rate(&backend, p[0], p[2], &dims, secs);
-        let peak_kb = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| {
-                s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            })
-            .unwrap_or(0u64);
-        println!("{{\"rows_per_sec\": {r:.1}, \"peak_rss_mb\": {:.1}}}", peak_kb as f64 / 1024.0);
-        return;
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut plans = vec![(1, cores)];
     if cores > 1 {
