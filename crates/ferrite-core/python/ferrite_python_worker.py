@@ -27,9 +27,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 ALIGN = 64
-# How long a worker polls for the next message before it sleeps (the server's batcher threads
-# spin as long for theirs): under load the next batch comes within it.
-SPIN_SECONDS = float(os.environ.get("FERRITE_PYTHON_SPIN_US", "50")) / 1e6
+# How long a worker polls for the next message before it sleeps: twice the recent wait between
+# messages (a moving average), at least SPIN_MIN and at most SPIN_MAX; only SPIN_MIN when the
+# waits are longer than SPIN_MAX (a model called now and then). Waking a sleeping process costs
+# tens of microseconds twice a request; polling, which yields the core at each turn to whatever
+# else wants it there, costs only a core that would have been idle.
+SPIN_MIN, SPIN_MAX = 50e-6, 500e-6
 
 
 # The packed messages, little-endian. A string is its length (u32; u8 for a datatype) then its
@@ -178,6 +181,8 @@ class Worker:
         self.flags = None
         self.output_names = []
         self.loop = None
+        # The moving average of the waits for a message (seconds).
+        self.gap = SPIN_MAX
 
     # The channel.
     def send(self, message):
@@ -199,15 +204,19 @@ class Worker:
             self.pending += chunk
 
     def _read(self):
-        # Requests often follow each other closely: a moment of polling before sleeping saves
-        # the wake-up of a sleeping process (tens of microseconds) when the next one is near.
-        deadline = time.perf_counter() + SPIN_SECONDS
-        while time.perf_counter() < deadline:
+        # Polls for up to the spin the recent waits call for (see SPIN_MIN), then sleeps.
+        start = time.perf_counter()
+        deadline = start + (min(SPIN_MAX, max(SPIN_MIN, 2 * self.gap)) if self.gap <= SPIN_MAX else SPIN_MIN)
+        chunk = None
+        while chunk is None and time.perf_counter() < deadline:
             try:
-                return self.chan.recv(1 << 20, socket.MSG_DONTWAIT)
+                chunk = self.chan.recv(1 << 20, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                pass
-        return self.chan.recv(1 << 20)
+                os.sched_yield()
+        if chunk is None:
+            chunk = self.chan.recv(1 << 20)
+        self.gap += (min(time.perf_counter() - start, 1.0) - self.gap) / 8
+        return chunk
 
     # What pb_utils asks of the worker.
     def log(self, level, message):

@@ -4,7 +4,10 @@
 //! that runs batches (one ONNX Runtime session each). Nothing here is async: instances live on the
 //! batcher's own OS threads.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
 
 use crate::{engine::spec::TensorSpec, DataType, Result, Tensor, TensorData};
 
@@ -59,12 +62,14 @@ pub struct Live<'a> {
     /// Whether the client of request `i` (in batch order) still waits.
     awaited: &'a dyn Fn(usize) -> bool,
     ids: Vec<(&'a str, &'a str)>,
+    /// The model's submit count and its value when the batch was taken (see `alone`).
+    quiet: Option<(&'a AtomicU64, u64)>,
 }
 
 impl<'a> Live<'a> {
     /// A batch of one request whose caller always waits (warm-ups, calibration, tests).
     pub fn everyone() -> Live<'static> {
-        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new() }
+        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new(), quiet: None }
     }
 
     /// Requests of `rows` rows each, in batch order; `awaited(i)` tells whether request i's
@@ -79,7 +84,7 @@ impl<'a> Live<'a> {
                 first
             })
             .collect();
-        Live { starts, awaited, ids: Vec::new() }
+        Live { starts, awaited, ids: Vec::new(), quiet: None }
     }
 
     /// The index of the request row `row` belongs to.
@@ -92,6 +97,21 @@ impl<'a> Live<'a> {
     pub fn with_ids(mut self, ids: Vec<(&'a str, &'a str)>) -> Live<'a> {
         self.ids = ids;
         self
+    }
+
+    /// The batch is a lone request that left its model's queue empty; `submitted` is the model's
+    /// submit count, `seen` its value then.
+    pub fn with_quiet(mut self, submitted: &'a AtomicU64, seen: u64) -> Live<'a> {
+        self.quiet = Some((submitted, seen));
+        self
+    }
+
+    /// Whether this batch's caller is alone: a lone request taken from a queue it left empty, and
+    /// no request has come for the model since. A backend waiting on another process may then
+    /// poll for the answer rather than sleep: no one else needs the core, and a wake-up costs as
+    /// much as a quick model's whole run.
+    pub fn alone(&self) -> bool {
+        self.quiet.is_some_and(|(submitted, seen)| submitted.load(Ordering::Acquire) == seen)
     }
 
     /// Request `i`'s id ("" when it has none).
@@ -162,5 +182,22 @@ pub trait Instance: Send {
     /// requests those rows belong to and runs the others again. Empty: the batch failed as a whole.
     fn failed_rows(&mut self) -> Vec<(usize, crate::Error)> {
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caller_is_alone_until_another_request_comes() {
+        let submitted = AtomicU64::new(7);
+        let awaited = |_: usize| true;
+        assert!(!Live::new([1], &awaited).alone(), "a batch taken with others waiting is never alone");
+        let live = Live::new([1], &awaited).with_quiet(&submitted, 7);
+        assert!(live.alone());
+        submitted.fetch_add(1, Ordering::Release);
+        assert!(!live.alone());
+        assert!(!Live::everyone().alone());
     }
 }

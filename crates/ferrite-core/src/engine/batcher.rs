@@ -405,7 +405,11 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         if let Some(c) = shared.next_turn(&q) {
                             c.notify_one();
                         }
-                        break (batch, ticket);
+                        // A lone request that left the queue empty: its backend may poll for
+                        // its answer while no other request comes (`Live::alone`).
+                        let quiet =
+                            (batch.len() == 1 && q.is_empty()).then(|| shared.submitted.load(Ordering::Acquire));
+                        break (batch, ticket, quiet);
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
@@ -443,10 +447,10 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
             }
         };
-        let (batch, ticket) = batch;
+        let (batch, ticket, quiet) = batch;
         last_requests = batch.len();
         let heavy = batch.iter().any(|p| p.heavy);
-        execute(shared, instance.as_mut(), batch, ticket);
+        execute(shared, instance.as_mut(), batch, ticket, quiet);
         if heavy {
             shared.heavy_running.fetch_sub(1, Ordering::AcqRel);
         }
@@ -474,7 +478,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
 
 /// Runs one batch and answers every request in it (after the batches before it, with
 /// `preserve_ordering`).
-fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ticket: u64) {
+fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ticket: u64, quiet: Option<u64>) {
     // Held from here, so that a batch that unwinds still passes the turn on (its drop waits for
     // it): a lost turn would stall every later batch of the model.
     let mut turn = shared.spec.batch.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
@@ -494,7 +498,7 @@ fn execute(shared: &Shared, instance: &mut dyn Instance, batch: Vec<Pending>, ti
         tracing::Span::none()
     };
     let _entered = batch_span.enter();
-    let replies = run_isolated(shared, instance, batch);
+    let replies = run_isolated(shared, instance, batch, quiet);
     if let Some(t) = turn.as_mut() {
         t.wait();
     }
@@ -597,6 +601,7 @@ fn run_isolated(
     shared: &Shared,
     instance: &mut dyn Instance,
     mut batch: Vec<Pending>,
+    quiet: Option<u64>,
 ) -> Vec<(Pending, Result<Vec<Tensor>>)> {
     // A request whose client left while it queued, or while an earlier part of its batch ran, is
     // not run (warm-ups have no client to leave).
@@ -606,11 +611,11 @@ fn run_isolated(
         let mut replies: Vec<_> =
             gone.into_iter().map(|p| (p, Err(Error::unavailable("the client left", None)))).collect();
         if !kept.is_empty() {
-            replies.extend(run_isolated(shared, instance, kept));
+            replies.extend(run_isolated(shared, instance, kept, None));
         }
         return replies;
     }
-    let result = run(shared, instance, &batch);
+    let result = run(shared, instance, &batch, quiet);
     let rows = if result.is_err() && !shared.each { instance.failed_rows() } else { Vec::new() };
     if !rows.is_empty() {
         return run_without(shared, instance, batch, rows);
@@ -624,8 +629,8 @@ fn run_isolated(
         Err(e) => {
             tracing::debug!(model = %shared.spec.name, error = %e, requests = batch.len(), "batch failed; running its halves apart");
             let second = batch.split_off(batch.len() / 2);
-            let mut replies = run_isolated(shared, instance, batch);
-            replies.extend(run_isolated(shared, instance, second));
+            let mut replies = run_isolated(shared, instance, batch, None);
+            replies.extend(run_isolated(shared, instance, second, None));
             replies
         }
     }
@@ -661,15 +666,21 @@ fn run_without(
         return rest.into_iter().map(|p| (p, Err(e.clone()))).collect();
     }
     if !rest.is_empty() {
-        failed.extend(run_isolated(shared, instance, rest));
+        failed.extend(run_isolated(shared, instance, rest, None));
     }
     failed
 }
 
 /// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;
 /// returns each request's outputs (those it asked for), in order, or (a backend that answers each
-/// request apart) its own error.
-fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Result<Vec<Result<Vec<Tensor>>>> {
+/// request apart) its own error. `quiet`: the model's submit count when `group` (a lone request)
+/// left its queue empty.
+fn run(
+    shared: &Shared,
+    instance: &mut dyn Instance,
+    group: &[Pending],
+    quiet: Option<u64>,
+) -> Result<Vec<Result<Vec<Tensor>>>> {
     let start = Instant::now();
     let spec = &shared.spec;
     let rows: usize = group.iter().map(|p| p.rows).sum();
@@ -683,6 +694,9 @@ fn run(shared: &Shared, instance: &mut dyn Instance, group: &[Pending]) -> Resul
     }
     let awaited = |i: usize| group.get(i).is_none_or(|p| p.warmup || !p.reply.is_closed());
     let mut live = Live::new(group.iter().map(|p| p.rows), &awaited);
+    if let Some(seen) = quiet {
+        live = live.with_quiet(&shared.submitted, seen);
+    }
     if shared.each {
         live = live.with_ids(
             group

@@ -18,6 +18,7 @@ use std::{
     io::{Read, Write},
     os::unix::{
         fs::{DirBuilderExt, FileExt, OpenOptionsExt},
+        io::AsRawFd,
         net::UnixStream,
     },
     path::{Path, PathBuf},
@@ -45,6 +46,12 @@ const UTILS: &str = include_str!("../../python/triton_python_backend_utils.py");
 const ALIGN: u64 = 64;
 /// How often a waiting instance looks at its worker (alive, in time, in memory, clients there).
 const TICK: Duration = Duration::from_millis(20);
+/// A batcher thread polls for its worker's reply, rather than sleeping, when recent replies came
+/// within this and its caller is alone (`Live::alone`): waking a sleeping thread costs tens of
+/// microseconds, as much as a quick model's whole `execute`. Under load it sleeps: the worker and
+/// the server's I/O threads need the cores. It yields its core at each turn meanwhile; a model
+/// slower than this is slept for from the start.
+const REPLY_SPIN: Duration = Duration::from_micros(250);
 /// The largest control message either side accepts.
 const MAX_MESSAGE: usize = 64 << 20;
 /// The most bytes of outputs one reply (or BLS call) may bring back.
@@ -159,7 +166,8 @@ impl Backend for PythonBackend {
             .enable_time()
             .build()
             .map_err(|e| Error::internal(format!("cannot start a Python instance's runtime: {e}")))?;
-        let mut instance = PythonInstance { shared: self.shared.clone(), name, worker: None, runtime };
+        let mut instance =
+            PythonInstance { shared: self.shared.clone(), name, worker: None, runtime, reply: REPLY_SPIN };
         instance.worker = Some(instance.start()?);
         Ok(Box::new(instance))
     }
@@ -177,6 +185,8 @@ struct PythonInstance {
     worker: Option<Worker>,
     /// Where BLS calls wait for the models they call.
     runtime: tokio::runtime::Runtime,
+    /// The moving average of the time the worker took to reply (see REPLY_SPIN).
+    reply: Duration,
 }
 
 impl PythonInstance {
@@ -294,13 +304,17 @@ impl PythonInstance {
         let limit = self.shared.options.memory_limit;
         let timeout = self.shared.options.execute_timeout;
         let worker = self.worker.as_mut().expect("running");
-        // The reply is slept for, not polled for: a batcher thread spinning while its worker runs
-        // took the core the worker (and the server's I/O) needed, for no gain in latency
-        // (bench/results/python_models.md).
+        let started = Instant::now();
+        let spin_until = started + reply_spin(self.reply);
         let reply = loop {
-            match worker.poll()? {
+            let spinning = Instant::now() < spin_until && live.alone();
+            match worker.poll(!spinning)? {
                 Some(Message::Json(m)) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
                 Some(m) => break m,
+                None if spinning => {
+                    std::thread::yield_now();
+                    continue;
+                }
                 None => {}
             }
             if Instant::now() > deadline {
@@ -319,6 +333,9 @@ impl PythonInstance {
                 }
             }
         };
+        // A moving average (1/8 of each reply), so one slow call does not end the polling.
+        let took = started.elapsed().min(Duration::from_secs(1));
+        self.reply = (self.reply * 7 + took) / 8;
         Ok(reply)
     }
 
@@ -374,7 +391,7 @@ impl Drop for PythonInstance {
             if w.send(&json!({"op": "finalize"})).is_ok() {
                 let deadline = Instant::now() + self.shared.options.finalize_timeout;
                 while Instant::now() < deadline {
-                    match w.poll() {
+                    match w.poll(true) {
                         Ok(Some(Message::Json(m))) if m["op"] == "log" => log(&self.shared.name, &self.name, &m),
                         Ok(Some(_)) | Err(_) => break,
                         Ok(None) => {}
@@ -560,6 +577,17 @@ fn part_shape(input: &BatchInput<'_>, part: &TensorData) -> Vec<usize> {
 }
 
 /// A model's error for one request (`TritonError`), by Triton's codes.
+/// How long to poll for a reply, given the moving average of recent ones: twice that, up to
+/// REPLY_SPIN, when they come within REPLY_SPIN (a model as quick as an identity); not at all
+/// when they take longer (polling a part of a long wait only burns a core).
+fn reply_spin(recent: Duration) -> Duration {
+    if recent <= REPLY_SPIN {
+        (recent * 2).min(REPLY_SPIN)
+    } else {
+        Duration::ZERO
+    }
+}
+
 fn model_error(message: &str, code: i64) -> Error {
     let message = message.to_string();
     match code {
@@ -684,7 +712,7 @@ impl Worker {
         .map_err(|Fatal(w)| Error::invalid(w))?;
         let deadline = Instant::now() + timeout;
         loop {
-            match self.poll() {
+            match self.poll(true) {
                 Ok(Some(Message::Json(m))) if m["op"] == "log" => log(who.0, who.1, &m),
                 Ok(Some(Message::Json(m))) if m["op"] == "error" => {
                     let tb = m["traceback"].as_str().unwrap_or_default();
@@ -717,9 +745,10 @@ impl Worker {
         self.chan.write_all(&framed).map_err(|e| Fatal(format!("cannot be written to ({e})")))
     }
 
-    /// The next whole message, or `None` after waiting up to `TICK` (the channel's read timeout);
-    /// a worker that exited or closed its end, or sends what is not a message, is fatal.
-    fn poll(&mut self) -> std::result::Result<Option<Message>, Fatal> {
+    /// The next whole message, or `None` after waiting up to `TICK` (the channel's read timeout),
+    /// or at once without `block`; a worker that exited or closed its end, or sends what is not a
+    /// message, is fatal.
+    fn poll(&mut self, block: bool) -> std::result::Result<Option<Message>, Fatal> {
         loop {
             if self.pending.len() >= 4 {
                 let n = u32::from_le_bytes(self.pending[..4].try_into().expect("4 bytes")) as usize;
@@ -740,7 +769,20 @@ impl Worker {
                 }
             }
             let mut buf = [0u8; 16 << 10];
-            match self.chan.read(&mut buf) {
+            let read = if block {
+                self.chan.read(&mut buf)
+            } else {
+                // SAFETY: `buf` is writable for its length; the descriptor is our end of the channel.
+                let n = unsafe {
+                    libc::recv(self.chan.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+                };
+                if n < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            };
+            match read {
                 Ok(0) => {
                     let status = self.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
                     return Err(Fatal(format!("exited ({status})")));
@@ -1012,6 +1054,15 @@ mod tests {
             m.tensor(name, datatype, shape, *place);
         }
         m.0.split_off(4)
+    }
+
+    #[test]
+    fn replies_are_polled_for_only_when_they_come_quickly() {
+        assert_eq!(reply_spin(Duration::from_micros(60)), Duration::from_micros(120));
+        assert_eq!(reply_spin(Duration::from_micros(200)), REPLY_SPIN);
+        assert_eq!(reply_spin(REPLY_SPIN), REPLY_SPIN);
+        assert_eq!(reply_spin(REPLY_SPIN + Duration::from_micros(1)), Duration::ZERO);
+        assert_eq!(reply_spin(Duration::from_millis(30)), Duration::ZERO);
     }
 
     #[test]
