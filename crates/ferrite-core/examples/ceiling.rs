@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use ferrite_core::{
     engine::backend::{Backend, BatchInput},
     engine::onnx::{OnnxBackend, OnnxOptions},
+    engine::spec::TensorSpec,
     DataType, Tensor, TensorData,
 };
 
@@ -41,6 +42,20 @@ fn inputs(backend: &OnnxBackend, batch: usize, dims: &Option<Vec<usize>>) -> Vec
         .collect()
 }
 
+/// `tensors` (one per input spec, in order) as one batch.
+fn batch_of<'a>(specs: &'a [TensorSpec], tensors: &'a [Tensor]) -> Vec<BatchInput<'a>> {
+    specs
+        .iter()
+        .zip(tensors)
+        .map(|(s, t)| BatchInput {
+            name: &s.name,
+            datatype: s.datatype,
+            shape: t.shape.clone(),
+            parts: vec![&t.data as &TensorData],
+        })
+        .collect()
+}
+
 /// Rows per second of `instances` instances of `backend` each running batches of `batch` rows
 /// side by side for `secs`.
 fn rate(backend: &OnnxBackend, instances: usize, batch: usize, dims: &Option<Vec<usize>>, secs: f64) -> f64 {
@@ -53,16 +68,7 @@ fn rate(backend: &OnnxBackend, instances: usize, batch: usize, dims: &Option<Vec
                 let tensors = &tensors;
                 scope.spawn(move || {
                     let mut instance = backend.instance().unwrap();
-                    let batch_inputs: Vec<BatchInput<'_>> = specs
-                        .iter()
-                        .zip(tensors)
-                        .map(|(s, t)| BatchInput {
-                            name: &s.name,
-                            datatype: s.datatype,
-                            shape: t.shape.clone(),
-                            parts: vec![&t.data as &TensorData],
-                        })
-                        .collect();
+                    let batch_inputs = batch_of(specs, tensors);
                     instance.run(&batch_inputs).unwrap();
                     let began = Instant::now();
                     let mut rows = 0;
@@ -109,17 +115,7 @@ fn models_together(list: &str, secs: f64) {
         held.push((backend, tensors, instances));
     }
     for (backend, tensors, instances) in &mut held {
-        let batch_inputs: Vec<BatchInput<'_>> = backend
-            .inputs()
-            .iter()
-            .zip(tensors.iter())
-            .map(|(s, t)| BatchInput {
-                name: &s.name,
-                datatype: s.datatype,
-                shape: t.shape.clone(),
-                parts: vec![&t.data],
-            })
-            .collect();
+        let batch_inputs = batch_of(backend.inputs(), tensors);
         for instance in instances.iter_mut() {
             let began = Instant::now();
             while began.elapsed() < Duration::from_secs_f64(secs) {
