@@ -8,7 +8,7 @@ calls and batch sizes depend little on how fast the machine runs that minute; th
 do, so read those through the spread of their rounds (shown).
 
 Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320] [--clients 8,128]
-       [--loads bin,grpc,json] [--rounds 3] [--duration 3] [--name ab]
+       [--loads bin,grpc,json] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
 """
 
 import argparse
@@ -89,8 +89,10 @@ def main():
     ap.add_argument("--duration", type=int, default=3)
     ap.add_argument("--name", default="ab")
     ap.add_argument("--extra", default="", help="more `ferrite serve` arguments")
+    ap.add_argument("--no-pin", action="store_true", help="the server and the load generators on any core")
     args = ap.parse_args()
-    kinds.pin()
+    if not args.no_pin:
+        kinds.pin()
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
     binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
@@ -133,13 +135,13 @@ def write(args, binaries, rows, rss, took):
         "",
         f"`bench/ab.py` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, {took / 60:.1f} min: A = `{binaries['A'].name}`, "
         f"B = `{binaries['B'].name}`, alternated A, B in {args.rounds} rounds; batch-1 requests for {args.duration} s per load "
-        "(oha for binary HTTP, perf_analyzer for gRPC), the server pinned to core 0 and the load generators to core 1. "
+        f"(oha for binary HTTP, perf_analyzer for gRPC), {'not pinned' if args.no_pin else 'the server pinned to core 0 and the load generators to core 1'}. "
         "Each cell: the median over rounds; `switches`: context switches of all the server's threads per request; "
         "`syscalls`: the server's system calls per request; `batch`: requests per batch run. `ferrite serve` arguments: "
         f"`{args.extra or '(defaults)'}`.",
         "",
-        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | syscalls/req A | B | batch A | B | p99 ms A | B |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | syscalls/req A | B | batch A | B | p50 ms A | B | p99 ms A | B |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (case, load, c), by in rows.items():
         a, b = by.get("A", []), by.get("B", [])
@@ -150,7 +152,7 @@ def write(args, binaries, rows, rss, took):
             f"| {case} | {load} | {c} | {median(a, 'rps'):.0f} | {median(b, 'rps'):.0f} | {median(b, 'rps') / median(a, 'rps'):.2f} | {spread} | "
             f"{median(a, 'cpu_us'):.0f} | {median(b, 'cpu_us'):.0f} | {median(a, 'switches'):.2f} | {median(b, 'switches'):.2f} | "
             f"{median(a, 'syscalls'):.2f} | {median(b, 'syscalls'):.2f} | "
-            f"{median(a, 'batch'):.1f} | {median(b, 'batch'):.1f} | {median(a, 'p99_ms'):.2f} | {median(b, 'p99_ms'):.2f} |"
+            f"{median(a, 'batch'):.1f} | {median(b, 'batch'):.1f} | {median(a, 'p50_ms'):.3f} | {median(b, 'p50_ms'):.3f} | {median(a, 'p99_ms'):.2f} | {median(b, 'p99_ms'):.2f} |"
         )
     lines += [
         "",

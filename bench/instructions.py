@@ -8,7 +8,7 @@ Instruction counts do not move with the machine's pace or with what the other co
 change of a few percent in the server's own cost shows here where throughput on this machine
 (20-30% run to run) cannot show it. They still move a little between rounds, since how often the
 server's threads wake and poll depends on timing (the binaries alternate, the rounds are shown).
-The batcher's idle spin after a lone request (`spin_for_next`, up to 50 µs of watching for the
+The batcher's idle spin after a lone request (`spin_for_next`, 50-500 µs of watching for the
 next one) is not counted: it is time spent waiting, and how much of it runs depends on timing. What they leave out: the kernel (system calls, wake-ups:
 `bench/ab.py` counts those), cache misses and stalls, and the batcher's behaviour under many
 clients (one client makes batches of one). The plan is fixed (`--calibrate false --threads 1`), so

@@ -15,6 +15,8 @@
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
 #        bench/run.sh --bursts [A B]            (memory a burst leaves behind, per binary given: bench/bursts.py)
 #        bench/run.sh --ab A B [--models tiny,mlp] (two server binaries alternated, pinned: bench/ab.py)
+#        bench/run.sh --together A B [--clients 1] (two binaries served at once, one load alternating
+#                                              between them in short windows: bench/together.py)
 #        bench/run.sh --instructions A [B] [--models tiny,mlp] (the server's own instructions per request
 #                                              under callgrind, one client: bench/instructions.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
@@ -91,6 +93,10 @@ fi
 if [ "${1:-}" = "--ab" ]; then
     shift
     exec python3 bench/ab.py "$@"
+fi
+if [ "${1:-}" = "--together" ]; then
+    shift
+    exec python3 bench/together.py "$@"
 fi
 if [ "${1:-}" = "--memory" ]; then
     shift

@@ -32,18 +32,50 @@ use crate::{
     Backend, Error, Result, Tensor,
 };
 
-/// How long an idle worker watches for the next request before sleeping on the condvar. Waking a
-/// sleeping thread costs tens of microseconds on a VM; a request arriving within this window is
-/// picked up without that wake-up (see the `roundtrip` example).
-const IDLE_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+/// How long an idle worker watches for the next request before sleeping on the condvar, at least.
+/// Waking a sleeping thread costs tens of microseconds on a VM; a request arriving within this
+/// window is picked up without that wake-up (see the `roundtrip` example).
+const IDLE_SPIN: Duration = Duration::from_micros(50);
+/// The longest it watches: a lone client's next request comes one round trip after its answer
+/// (150-300 µs here over HTTP or gRPC), longer than `IDLE_SPIN`, so it is watched for twice the
+/// recent gaps up to this, yielding the core after the first `IDLE_SPIN` (see `idle_spin`).
+const IDLE_SPIN_MAX: Duration = Duration::from_micros(500);
+/// Batches of one request in a row before the watch grows past `IDLE_SPIN`: one client's. Under
+/// many clients whose I/O keeps the cores busy, a lone batch comes now and then, and watching
+/// longer there took the I/O threads' CPU (gRPC at 128 clients lost a tenth of its requests).
+const LONE_STREAK: u32 = 8;
 
-/// Watches `submitted` move past `seen` for up to [`IDLE_SPIN`]. A function of its own so that a
-/// profile can tell this wait from the work around it (`bench/instructions.py` leaves it out).
+/// How long to watch for the next request, given the moving average of recent gaps between a
+/// lone request's answer and the next request: twice that, within [`IDLE_SPIN`, `IDLE_SPIN_MAX`],
+/// while the gaps are within `IDLE_SPIN_MAX`; `IDLE_SPIN` when they are longer (a model called now
+/// and then, whose next request no watching would catch).
+fn idle_spin(recent_gap: Duration) -> Duration {
+    if recent_gap <= IDLE_SPIN_MAX {
+        (recent_gap * 2).clamp(IDLE_SPIN, IDLE_SPIN_MAX)
+    } else {
+        IDLE_SPIN
+    }
+}
+
+/// Watches `submitted` move past `seen` for `spin`: busy for the first [`IDLE_SPIN`], then
+/// yielding the core between looks (to the I/O threads, which may share it). A function of its
+/// own so that a profile can tell this wait from the work around it (`bench/instructions.py` leaves
+/// it out).
 #[inline(never)]
-fn spin_for_next(submitted: &std::sync::atomic::AtomicU64, seen: u64) {
-    let spin_until = Instant::now() + IDLE_SPIN;
-    while submitted.load(Ordering::Acquire) == seen && Instant::now() < spin_until {
-        std::hint::spin_loop();
+fn spin_for_next(submitted: &std::sync::atomic::AtomicU64, seen: u64, spin: Duration) {
+    let start = Instant::now();
+    let busy_until = start + IDLE_SPIN.min(spin);
+    let spin_until = start + spin;
+    while submitted.load(Ordering::Acquire) == seen {
+        let now = Instant::now();
+        if now >= spin_until {
+            return;
+        }
+        if now < busy_until {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
     }
 }
 
@@ -376,6 +408,11 @@ fn my_turn(shared: &Shared, q: &Queue, role: Role, limit: usize) -> bool {
 
 fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
     let mut last_requests = 0;
+    // When this worker went idle after a lone request, and the moving average of how long the next
+    // request then took to come (see `idle_spin`).
+    let mut idle_since = None;
+    let mut recent_gap = IDLE_SPIN;
+    let mut lone_streak = 0;
     loop {
         let batch = {
             let mut q = shared.lock();
@@ -395,6 +432,12 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 match decision {
                     Decision::Run(batch) => {
                         shared.formed.fetch_add(1, Ordering::Relaxed);
+                        if let Some(since) = idle_since.take() {
+                            // Weight 1/8, capped, so that one pause of the client's does not end
+                            // the watching.
+                            let gap = Instant::now().saturating_duration_since(since).min(IDLE_SPIN_MAX * 2);
+                            recent_gap = (recent_gap * 7 + gap) / 8;
+                        }
                         if batch.iter().any(|p| p.heavy) {
                             shared.heavy_running.fetch_add(1, Ordering::AcqRel);
                         }
@@ -425,8 +468,10 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         // before it sends the next. Under load, batches are larger and the
                         // cores are better left to the front-ends.
                         if last_requests <= 1 {
+                            idle_since.get_or_insert_with(Instant::now);
                             drop(q);
-                            spin_for_next(&shared.submitted, seen);
+                            let spin = if lone_streak >= LONE_STREAK { idle_spin(recent_gap) } else { IDLE_SPIN };
+                            spin_for_next(&shared.submitted, seen, spin);
                             q = shared.lock();
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
@@ -449,6 +494,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
         };
         let (batch, ticket, quiet) = batch;
         last_requests = batch.len();
+        lone_streak = if last_requests == 1 { lone_streak.saturating_add(1) } else { 0 };
         let heavy = batch.iter().any(|p| p.heavy);
         execute(shared, instance.as_mut(), batch, ticket, quiet);
         if heavy {
@@ -883,6 +929,17 @@ mod tests {
     use super::*;
     use crate::{engine::queue::Hold, DataType};
     use tokio::sync::oneshot;
+
+    #[test]
+    fn idle_spin_follows_a_lone_clients_gaps_within_bounds() {
+        let us = Duration::from_micros;
+        assert_eq!(idle_spin(us(10)), IDLE_SPIN, "never shorter than the fixed watch");
+        assert_eq!(idle_spin(us(120)), us(240));
+        assert_eq!(idle_spin(us(300)), IDLE_SPIN_MAX, "never longer than the cap");
+        assert_eq!(idle_spin(IDLE_SPIN_MAX), IDLE_SPIN_MAX);
+        assert_eq!(idle_spin(IDLE_SPIN_MAX + us(1)), IDLE_SPIN, "gaps no watching would catch");
+        assert_eq!(idle_spin(Duration::from_secs(2)), IDLE_SPIN);
+    }
 
     /// A one-row request answered on `runtime`, and where its answer arrives.
     fn pending(runtime: Option<tokio::runtime::Handle>) -> (Pending, oneshot::Receiver<Result<Vec<Tensor>>>) {
