@@ -44,6 +44,10 @@ const IDLE_SPIN_MAX: Duration = Duration::from_micros(500);
 /// many clients whose I/O keeps the cores busy, a lone batch comes now and then, and watching
 /// longer there took the I/O threads' CPU (gRPC at 128 clients lost a tenth of its requests).
 const LONE_STREAK: u32 = 8;
+/// Nor does it grow for a model whose batches take longer than this: a wake-up is then a small
+/// share of each request, and the watch took CPU its client and I/O needed (a ResNet-style model
+/// answered one client 0.1-0.9 ms later).
+const WATCH_BELOW: Duration = Duration::from_millis(2);
 
 /// How long to watch for the next request, given the moving average of recent gaps between a
 /// lone request's answer and the next request: twice that, within [`IDLE_SPIN`, `IDLE_SPIN_MAX`],
@@ -470,7 +474,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         if last_requests <= 1 {
                             idle_since.get_or_insert_with(Instant::now);
                             drop(q);
-                            let spin = if lone_streak >= LONE_STREAK { idle_spin(recent_gap) } else { IDLE_SPIN };
+                            let quick = shared.batch_time.recent() <= WATCH_BELOW;
+                            let spin = if lone_streak >= LONE_STREAK && quick { idle_spin(recent_gap) } else { IDLE_SPIN };
                             spin_for_next(&shared.submitted, seen, spin);
                             q = shared.lock();
                         }

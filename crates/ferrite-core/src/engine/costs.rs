@@ -187,6 +187,11 @@ impl BatchTime {
         self.at.store(since_start(now), Ordering::Relaxed);
     }
 
+    /// The moving average itself (zero before the first batch).
+    pub fn recent(&self) -> Duration {
+        Duration::from_nanos(self.ns.load(Ordering::Relaxed))
+    }
+
     /// A lower bound on how long a request queued now waits for its answer: `batches_ahead`
     /// shared among `instances`, plus its own batch. `None` before the first batch has run, and
     /// when no batch has run for `STALE_AFTER`.
