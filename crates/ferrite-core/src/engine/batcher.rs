@@ -475,7 +475,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                             idle_since.get_or_insert_with(Instant::now);
                             drop(q);
                             let quick = shared.batch_time.recent() <= WATCH_BELOW;
-                            let spin = if lone_streak >= LONE_STREAK && quick { idle_spin(recent_gap) } else { IDLE_SPIN };
+                            let spin =
+                                if lone_streak >= LONE_STREAK && quick { idle_spin(recent_gap) } else { IDLE_SPIN };
                             spin_for_next(&shared.submitted, seen, spin);
                             q = shared.lock();
                         }
