@@ -61,6 +61,18 @@ fn idle_spin(recent_gap: Duration) -> Duration {
     }
 }
 
+/// How long an idle worker watches for the next request after `lone_streak` batches of one request
+/// in a row, the model's batches taking `batch_time` and the next request coming `recent_gap` after
+/// the answer: longer than [`IDLE_SPIN`] only for one quick model's lone client (see `LONE_STREAK`
+/// and `WATCH_BELOW`).
+fn watch_for(lone_streak: u32, batch_time: Duration, recent_gap: Duration) -> Duration {
+    if lone_streak >= LONE_STREAK && batch_time <= WATCH_BELOW {
+        idle_spin(recent_gap)
+    } else {
+        IDLE_SPIN
+    }
+}
+
 /// Watches `submitted` move past `seen` for `spin`: busy for the first [`IDLE_SPIN`], then
 /// yielding the core between looks (to the I/O threads, which may share it). A function of its
 /// own so that a profile can tell this wait from the work around it (`bench/instructions.py` leaves
@@ -474,9 +486,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         if last_requests <= 1 {
                             idle_since.get_or_insert_with(Instant::now);
                             drop(q);
-                            let quick = shared.batch_time.recent() <= WATCH_BELOW;
-                            let spin =
-                                if lone_streak >= LONE_STREAK && quick { idle_spin(recent_gap) } else { IDLE_SPIN };
+                            let spin = watch_for(lone_streak, shared.batch_time.recent(), recent_gap);
                             spin_for_next(&shared.submitted, seen, spin);
                             q = shared.lock();
                         }
@@ -945,6 +955,16 @@ mod tests {
         assert_eq!(idle_spin(IDLE_SPIN_MAX), IDLE_SPIN_MAX);
         assert_eq!(idle_spin(IDLE_SPIN_MAX + us(1)), IDLE_SPIN, "gaps no watching would catch");
         assert_eq!(idle_spin(Duration::from_secs(2)), IDLE_SPIN);
+    }
+
+    #[test]
+    fn the_watch_grows_only_for_one_quick_models_lone_client() {
+        let (us, ms) = (Duration::from_micros, Duration::from_millis);
+        assert_eq!(watch_for(LONE_STREAK, us(300), us(150)), us(300), "a lone client of a quick model");
+        assert_eq!(watch_for(LONE_STREAK - 1, us(300), us(150)), IDLE_SPIN, "a lone batch now and then");
+        assert_eq!(watch_for(u32::MAX, WATCH_BELOW, us(150)), us(300));
+        assert_eq!(watch_for(LONE_STREAK, ms(5), us(150)), IDLE_SPIN, "a conv net: a wake-up is a small share");
+        assert_eq!(watch_for(LONE_STREAK, us(300), ms(3)), IDLE_SPIN, "a client that pauses");
     }
 
     /// A one-row request answered on `runtime`, and where its answer arrives.
