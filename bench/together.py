@@ -7,14 +7,18 @@ and the server's CPU microseconds per request, beside the engine's own batch-1 l
 cores the servers have), so that a calibration that chose differently in one binary's start does
 not pass for the change.
 
+With `--beside CASE:CLIENTS` each server also serves CASE's model, which CLIENTS binary-HTTP clients
+flood during every window of the measured load: what a change does to a neighbour's requests.
+
 Usage: python3 bench/together.py BINARY_A BINARY_B [--models tiny,mlp,detector320,bert] [--loads bin,grpc]
-       [--clients 1] [--windows 8] [--window 2] [--pin] [--name together]
+       [--clients 1] [--windows 8] [--window 2] [--pin] [--beside bert:8] [--name together]
 """
 
 import argparse
 import json
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 import sys
@@ -35,6 +39,7 @@ def main():
     ap.add_argument("--windows", type=int, default=8, help="windows per binary, model and load")
     ap.add_argument("--window", type=int, default=2, help="seconds of one window")
     ap.add_argument("--pin", action="store_true", help="servers and ceiling on core 0, the client on core 1")
+    ap.add_argument("--beside", help="CASE:CLIENTS: a flood of another model on the same server meanwhile")
     ap.add_argument("--name", default="together")
     args = ap.parse_args()
     threads = 1 if args.pin else os.cpu_count()
@@ -44,6 +49,7 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
     binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
+    beside, beside_clients = (args.beside.split(":") + ["8"])[:2] if args.beside else (None, 0)
     rows, floors = {}, {}
     started = time.time()
     for case in args.models.split(","):
@@ -53,8 +59,14 @@ def main():
         try:
             for label, binary in binaries.items():
                 kinds.BINARY = binary
-                servers[label] = kinds.serve(case, args, log_name=f"together-{label}")
+                servers[label] = kinds.serve(case, args, log_name=f"together-{label}", beside=beside)
             json_body, bin_body, header_len = kinds.bodies(case, f"together-{case}")
+            flood = {}
+            if beside:
+                _, flood_body, flood_header = kinds.bodies(beside, f"together-{beside}")
+                for label, (_, base, _) in servers.items():
+                    flood[label] = run.oha_load(f"{base}/v2/models/{kinds.CASES[beside][0]}/infer", flood_body,
+                                                int(beside_clients), [f"Inference-Header-Content-Length: {flood_header}"])
             for load, clients in ((x, int(c)) for c in args.clients.split(",") for x in args.loads.split(",")):
                 go = {}
                 for label, (proc, base, grpc) in servers.items():
@@ -69,9 +81,19 @@ def main():
                     for label in (("A", "B") if w % 2 == 0 else ("B", "A")):
                         proc = servers[label][0]
                         cpu0 = run.cpu_seconds(proc.pid)
+                        flooding = None
+                        if beside:
+                            # The flood starts first and outlasts the window.
+                            flooding = threading.Thread(target=lambda: flooded.update(r=flood[label](args.window + 1)))
+                            flooded = {}
+                            flooding.start()
+                            time.sleep(0.5)
                         rps, p50, p99, errors = go[label](args.window)
                         cpu_us = (run.cpu_seconds(proc.pid) - cpu0) / max(1.0, rps * args.window) * 1e6
                         row = {"rps": rps, "p50_ms": p50, "p99_ms": p99, "cpu_us": cpu_us, "errors": errors}
+                        if flooding:
+                            flooding.join()
+                            row["beside_rps"], _, row["beside_p99_ms"], row["beside_errors"] = flooded["r"]
                         rows.setdefault((case, load, clients), {}).setdefault(label, []).append(row)
                         print(json.dumps({"binary": label, "case": case, "load": load, "clients": clients, **row}), flush=True)
         finally:
@@ -107,6 +129,20 @@ def write(args, binaries, rows, floors, threads, took):
             f"{(pa - floor) * 1000:+.0f}; {(pb - floor) * 1000:+.0f} | {diffs} | {med(a, 'p99_ms'):.2f} | {med(b, 'p99_ms'):.2f} | "
             f"{med(a, 'rps'):.0f} | {med(b, 'rps'):.0f} | {med(a, 'cpu_us'):.0f} | {med(b, 'cpu_us'):.0f} |"
         )
+    if args.beside:
+        lines += [
+            "",
+            f"Beside each window, {args.beside.split(':')[-1]} binary-HTTP clients flooded `{args.beside.split(':')[0]}` on the "
+            "same server (the CPU column counts both loads). The flood, median over windows:",
+            "",
+            "| model | load | clients | flood req/s A | B | flood p99 ms A | B |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for (case, load, clients), by in rows.items():
+            a, b = by.get("A", []), by.get("B", [])
+            if a and b:
+                lines.append(f"| {case} | {load} | {clients} | {med(a, 'beside_rps'):.1f} | {med(b, 'beside_rps'):.1f} | "
+                             f"{med(a, 'beside_p99_ms'):.1f} | {med(b, 'beside_p99_ms'):.1f} |")
     path = RESULTS / f"{args.name}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")

@@ -151,6 +151,15 @@ fn onnxruntime_backend_conforms() {
 }
 
 #[test]
+fn onnxruntime_backend_spinning_within_runs_conforms() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
+    suite(|path| {
+        let options = OnnxOptions { intra_threads: 2, spin_in_run: true, ..Default::default() };
+        Box::new(OnnxBackend::load(path, options).unwrap())
+    });
+}
+
+#[test]
 fn onnxruntime_refuses_a_file_that_is_not_onnx() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = std::env::temp_dir().join(format!("ferrite-bad-{}", std::process::id()));

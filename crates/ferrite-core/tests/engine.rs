@@ -562,6 +562,28 @@ fn calibration_measures_the_model_and_config_values_win() {
 }
 
 #[tokio::test]
+async fn spinning_within_runs_is_asked_for_and_kept_from_short_runs() {
+    runtime();
+    // Asked for on the command line (a config's `spinning = false` keeps it out) and in a config.
+    let dir = repo(&[
+        ("mlp", None),
+        ("fpn", Some("[onnxruntime]\nspinning = false\n")),
+        ("identity", Some("[onnxruntime]\nspin_in_run = true\nintra_op_thread_count = 1\n")),
+    ]);
+    let options = LoadOptions { threads: 2, spin_in_run: true, ..Default::default() };
+    let core = Core::load(dir.path(), &options, Limits::default()).unwrap();
+    assert!(core.failed().is_empty(), "{:?}", core.failed());
+    let spins = |name: &str| core.model(name, None).unwrap().spec.onnx.spin_in_run;
+    // The MLP's one-row run takes microseconds, far under the 2 ms line; the identity has one
+    // thread; the fpn's config said no spinning.
+    assert!(!spins("mlp") && !spins("identity") && !spins("fpn"));
+    let mlp = core.model("mlp", None).unwrap();
+    assert!(mlp.spec.parameters().contains(&("spin_in_run".to_string(), "false".to_string())));
+    let answer = core.infer(mlp_request(1.0)).await.unwrap();
+    assert_eq!(answer.outputs.len(), 1);
+}
+
+#[tokio::test]
 async fn a_variable_hw_model_whose_graph_refuses_1x1_loads_and_answers() {
     // The concat of upsampled feature maps needs even H and W: a synthetic 1x1 warm-up would fail.
     let dir = repo(&[("fpn", None)]);

@@ -145,6 +145,11 @@ struct ServeArgs {
     /// Let idle ONNX Runtime threads spin (lower hand-off latency, more CPU).
     #[arg(long, env = "FERRITE_SPIN")]
     spin: bool,
+    /// Let a slow model's ONNX Runtime threads (a run of one row takes 2 ms or more, on several
+    /// threads) spin between the operators of a run, not between runs: faster answers for a model
+    /// served alone, at a cost to other models on the same cores.
+    #[arg(long, env = "FERRITE_SPIN_IN_RUN")]
+    spin_in_run: bool,
     /// Measure each model at load (about two seconds) and choose from its own run times how its
     /// instances use the CPUs (instances x threads, spinning) and the largest batch to merge,
     /// where its config leaves them open (`calibrate = false` in a config skips one model).
@@ -417,6 +422,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let mut options = LoadOptions {
         spinning: args.spin,
+        spin_in_run: args.spin_in_run,
         calibrate: args.calibrate,
         cache: Some(Arc::new(cache)),
         python: args.python.clone(),

@@ -207,6 +207,8 @@ pub struct OnnxRuntimeConfig {
     pub enable_mem_pattern: Option<bool>,
     pub enable_memory_arena_shrinkage: Option<bool>,
     pub spinning: Option<bool>,
+    /// Slow runs' threads spin between their operators, not between runs (`--spin-in-run`).
+    pub spin_in_run: Option<bool>,
     /// `session.intra_op_thread_affinities`, e.g. "1;2".
     pub intra_op_thread_affinity: Option<String>,
     /// false: each session keeps its own copy of the weights.

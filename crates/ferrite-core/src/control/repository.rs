@@ -26,6 +26,9 @@ pub struct LoadOptions {
     /// threads / N, unless its config says otherwise.
     pub threads: usize,
     pub spinning: bool,
+    /// Let slow models' threads spin within runs (see `tuning::spins_in_run`), where a model's
+    /// config does not say.
+    pub spin_in_run: bool,
     /// Calibrate spinning and the batch limit at load where a model's config leaves them open.
     pub calibrate: bool,
     /// The process's response cache, used by models whose config enables it.
@@ -39,6 +42,7 @@ impl Default for LoadOptions {
         LoadOptions {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             spinning: false,
+            spin_in_run: false,
             calibrate: false,
             cache: None,
             python: PathBuf::from("python3"),
@@ -725,6 +729,20 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
             );
             tracing::info!(model = %name, version, %chosen, "calibrated");
             spec.load.calibrated = Some(chosen);
+        }
+    }
+    // Asked for, a slow model's threads spin between the operators of a run (not between runs).
+    // Not by default: it costs the other models on the same cores (README "Self-tuning").
+    let spin_in_run = ort.spin_in_run.unwrap_or(options.spin_in_run && ort.spinning != Some(false));
+    if spin_in_run && !spec.onnx.spinning && spec.onnx.intra_threads > 1 {
+        let one_row = tuning::one_row_time(&backend, &spec).unwrap_or_default();
+        let one_row_ms = one_row.as_secs_f64() * 1e3;
+        if tuning::spins_in_run(spec.onnx.intra_threads, one_row) {
+            tracing::info!(model = %name, version, one_row_ms, "threads spin within runs");
+            backend = backend.with_options(OnnxOptions { spin_in_run: true, ..spec.onnx.clone() })?;
+            spec.onnx = backend.options().clone();
+        } else {
+            tracing::info!(model = %name, version, one_row_ms, "runs too short to spin within (under 2 ms)");
         }
     }
     if spec.instance_count + usize::from(spec.solo_threads > 0) >= 2 {

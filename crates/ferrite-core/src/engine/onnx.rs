@@ -420,6 +420,10 @@ pub struct OnnxOptions {
     pub inter_threads: usize,
     /// Let idle intra-op threads spin (faster hand-off, burns CPU on a shared host).
     pub spinning: bool,
+    /// Let idle intra-op threads spin within a run only, between its operators, and sleep between
+    /// runs (`session.force_spinning_stop`): a slow model's run no longer waits for a sleeping
+    /// thread at each operator, and no core burns while the model is idle.
+    pub spin_in_run: bool,
     /// Run independent nodes in parallel (`execution_mode = "parallel"`) rather than in order.
     pub parallel: bool,
     /// 0 disabled, 1 basic, 2 extended, 3 all (ONNX Runtime's graph optimization levels).
@@ -443,6 +447,7 @@ impl Default for OnnxOptions {
             intra_threads: 1,
             inter_threads: 1,
             spinning: false,
+            spin_in_run: false,
             parallel: false,
             optimization_level: 3,
             mem_arena: true,
@@ -566,8 +571,12 @@ fn open(path: &Path, options: &OnnxOptions, weights: &Weights) -> Result<Session
     let builder = builder
         .with_execution_providers([ort::ep::CPU::default().with_arena_allocator(options.mem_arena).build()])
         .map_err(ort_err)?;
-    let builder = builder.with_intra_op_spinning(options.spinning).map_err(ort_err)?;
+    let spin_in_run = options.spin_in_run && !options.spinning && options.intra_threads > 1;
+    let builder = builder.with_intra_op_spinning(options.spinning || spin_in_run).map_err(ort_err)?;
     let mut builder = builder.with_inter_op_spinning(false).map_err(ort_err)?;
+    if spin_in_run {
+        builder = builder.with_config_entry("session.force_spinning_stop", "1").map_err(ort_err)?;
+    }
     if let Some(affinity) = &options.intra_thread_affinity {
         builder = builder.with_config_entry("session.intra_op_thread_affinities", affinity).map_err(ort_err)?;
     }

@@ -259,6 +259,7 @@ impl ModelSpec {
             ("enable_mem_pattern", o.mem_pattern.to_string()),
             ("memory.enable_memory_arena_shrinkage", o.arena_shrinkage.to_string()),
             ("spinning", o.spinning.to_string()),
+            ("spin_in_run", o.spin_in_run.to_string()),
             ("share_weights", o.share_weights.to_string()),
             ("batch_merge_limit", self.batch.merge_limit.to_string()),
         ];

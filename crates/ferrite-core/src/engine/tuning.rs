@@ -284,6 +284,40 @@ fn concrete(backend: &OnnxBackend, spec: &ModelSpec) -> Option<ModelSpec> {
     })
 }
 
+/// Asked to (`--spin-in-run`), a model whose run of one row takes at least this on several threads
+/// lets them spin within its runs (`OnnxOptions::spin_in_run`): its operators hand work to the
+/// other threads hundreds of times a run, and each hand-off to a sleeping thread costs a wake-up.
+/// Below it (an MLP's run is one or two operators) the spinning costs more than it saves: an MLP
+/// spinning within runs served a quarter of its requests at 32 clients. Measured side by side in
+/// bench/results/together-spin-in-run*.md.
+pub const SPIN_IN_RUN_FROM: Duration = Duration::from_millis(2);
+
+/// Whether a model run on `threads` threads whose one-row run takes `one_row` spins within runs.
+pub fn spins_in_run(threads: usize, one_row: Duration) -> bool {
+    threads > 1 && one_row >= SPIN_IN_RUN_FROM
+}
+
+/// The time of one run of one row on `backend`'s settings, at the sizes calibration uses for
+/// variable dims: the fastest of up to five runs (after an untimed one, within about a second), so
+/// that a busy moment at load (another model or process starting) does not pass for a slow model
+/// (an MLP timed once beside another server's start took over 2 ms). `None` when the model cannot
+/// run the synthetic inputs.
+pub fn one_row_time(backend: &OnnxBackend, spec: &ModelSpec) -> Option<Duration> {
+    let spec = concrete(backend, spec)?;
+    let mut one = [backend.instance().ok()?];
+    let batch = Batch::new(&spec, 1);
+    run_once(&mut one, &spec, &batch)?;
+    let started = Instant::now();
+    let mut fastest = run_once(&mut one, &spec, &batch)?;
+    for _ in 0..4 {
+        if fastest < SPIN_IN_RUN_FROM || started.elapsed() > Duration::from_secs(1) {
+            break;
+        }
+        fastest = fastest.min(run_once(&mut one, &spec, &batch)?);
+    }
+    Some(fastest)
+}
+
 /// Measures `backend` under each of `plans` and returns the best, or `None` when the model cannot
 /// be calibrated (it refuses synthetic inputs). `content` identifies the model file's bytes.
 pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &[Plan]) -> Result<Option<Tuned>> {
@@ -397,6 +431,17 @@ mod tests {
         ];
         // 1 x 2 peaks at 64 / 4.93 ms = 13.0k rows/s; 2 x 1 at 128 / 8.58 ms = 14.9k: 15% more.
         assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 64 }));
+    }
+
+    #[test]
+    fn only_slow_runs_on_several_threads_spin_within_runs() {
+        // BERT-style encoder (24 ms) and a detector (8 ms) on two threads: yes.
+        assert!(spins_in_run(2, ms(24.0)));
+        assert!(spins_in_run(2, ms(8.0)));
+        // An MLP (0.3 ms) on two threads, or anything on one thread: no.
+        assert!(!spins_in_run(2, ms(0.3)));
+        assert!(!spins_in_run(1, ms(24.0)));
+        assert!(spins_in_run(2, SPIN_IN_RUN_FROM));
     }
 
     #[test]
