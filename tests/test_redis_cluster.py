@@ -230,14 +230,23 @@ def test_a_sentinel_master_that_fails_over_is_found_again(start_server, tmp_path
         a = start_server("--cache-redis-url", sentinel.url, "--cache-redis-timeout-ms", "50", repository=cached_repo(tmp_path, "a"))
         b = start_server("--cache-redis-url", sentinel.url, "--cache-redis-timeout-ms", "50", repository=cached_repo(tmp_path, "b"))
         wait_for(lambda: stats(a)[1]["redis"] == "ok" and stats(b)[1]["redis"] == "ok", what="redis connected")
-        x = rows(7, 1)[0]
-        mlp_infer(a, x)
-        wait_for(lambda: mlp_infer(b, x) and stats(b)[1]["redis_hits"] == 1, what="a hit through the master")
+        attempts = iter(range(100, 1000))
+
+        def one_hit():
+            # A new row each time: when a's write has not reached the master before b asks (a
+            # busy machine, a 50 ms timeout), b computes it and its own tier answers it after.
+            x = rows(next(attempts), 1)[0]
+            before = stats(b)[1]["redis_hits"]
+            mlp_infer(a, x)
+            time.sleep(0.2)
+            mlp_infer(b, x)
+            return stats(b)[1]["redis_hits"] - before == 1
+
+        wait_for(one_hit, what="a hit through the master")
         sentinel.procs[sentinel.master].kill()
         wait_for(lambda: sentinel.current() == sentinel.replica, timeout=30, what="the sentinel to promote the replica")
         # Requests are answered throughout; once the servers have found the new master, answers
         # computed by a are hits on b again.
-        attempts = iter(range(100, 1000))
 
         def all_hit():
             xs = rows(next(attempts), 10)  # new each time: b's own tier would answer the old ones
