@@ -63,3 +63,48 @@ def test_config_values_win_and_the_flag_turns_it_off(start_server, tmp_path):
     assert "calibrated" not in config(s, "fpn")
     off = start_server("--calibrate", "false", models=("mlp",), env=dict(os.environ, FERRITE_CALIBRATE="true"))
     assert "calibrated" not in config(off, "mlp")
+
+
+def test_spinning_within_runs_is_asked_for_and_taken_only_by_slow_models(start_server, tmp_path):
+    """`--spin-in-run`: a model whose one-row run takes 2 ms or more on two threads spins within
+    its runs; the MLP (microseconds) does not; a config's `spinning = false` keeps a slow one out.
+    The answers are the model's own (onnxruntime in-process)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from conftest import make_repository
+
+    # A 7x7 convolution of 3 into 128 channels over 320x320 (3.9 GFLOP a row: 13 ms on two cores
+    # here, ten times the fastest CPU's 2 ms), averaged to 128 numbers.
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((128, 3, 7, 7)).astype(np.float32) / 10
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["images", "w"], ["maps"], pads=[3, 3, 3, 3]),
+         helper.make_node("GlobalAveragePool", ["maps"], ["pooled"]),
+         helper.make_node("Flatten", ["pooled"], ["features"])],
+        "slow",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, 320, 320])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, [1, 128])],
+        [helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.tobytes(), raw=True)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    repo = make_repository(tmp_path / "spin", ("mlp",))
+    for name in ("slow", "slow_quiet"):
+        (repo / name / "1").mkdir(parents=True)
+        onnx.save(model, repo / name / "1" / "model.onnx")
+    (repo / "slow_quiet" / "config.toml").write_text("[onnxruntime]\nspinning = false\n")
+    s = start_server("--spin-in-run", "--calibrate", "false", "--threads", "2", repository=repo)
+    assert config(s, "slow")["spin_in_run"] == "true", s.logs()
+    assert config(s, "slow_quiet")["spin_in_run"] == "false"
+    assert config(s, "mlp")["spin_in_run"] == "false"
+    assert "threads spin within runs" in s.logs() and "runs too short to spin within" in s.logs()
+    x = rng.standard_normal((1, 3, 320, 320)).astype(np.float32)
+    expected = ort.InferenceSession(str(repo / "slow" / "1" / "model.onnx")).run(None, {"images": x})[0]
+    c = grpcclient.InferenceServerClient(s.grpc_url)
+    for _ in range(3):
+        i = grpcclient.InferInput("images", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        np.testing.assert_allclose(c.infer("slow", [i]).as_numpy("features"), expected, rtol=1e-4, atol=1e-5)
+    # Without the flag nothing spins within runs.
+    s2 = start_server("--calibrate", "false", "--threads", "2", repository=repo)
+    assert config(s2, "slow")["spin_in_run"] == "false"
