@@ -84,8 +84,8 @@ def main():
                         flooding = None
                         if beside:
                             # The flood starts first and outlasts the window.
-                            flooding = threading.Thread(target=lambda: flooded.update(r=flood[label](args.window + 1)))
-                            flooded = {}
+                            flooded, load_flood = {}, flood[label]
+                            flooding = threading.Thread(target=lambda: flooded.update(r=load_flood(args.window + 1)))
                             flooding.start()
                             time.sleep(0.5)
                         rps, p50, p99, errors = go[label](args.window)

@@ -735,14 +735,17 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
     // Not by default: it costs the other models on the same cores (README "Self-tuning").
     let spin_in_run = ort.spin_in_run.unwrap_or(options.spin_in_run && ort.spinning != Some(false));
     if spin_in_run && !spec.onnx.spinning && spec.onnx.intra_threads > 1 {
-        let one_row = tuning::one_row_time(&backend, &spec).unwrap_or_default();
-        let one_row_ms = one_row.as_secs_f64() * 1e3;
-        if tuning::spins_in_run(spec.onnx.intra_threads, one_row) {
-            tracing::info!(model = %name, version, one_row_ms, "threads spin within runs");
-            backend = backend.with_options(OnnxOptions { spin_in_run: true, ..spec.onnx.clone() })?;
-            spec.onnx = backend.options().clone();
-        } else {
-            tracing::info!(model = %name, version, one_row_ms, "runs too short to spin within (under 2 ms)");
+        match tuning::one_row_time(&backend, &spec) {
+            Some(t) if tuning::spins_in_run(spec.onnx.intra_threads, t) => {
+                tracing::info!(model = %name, version, one_row_ms = t.as_secs_f64() * 1e3, "threads spin within runs");
+                backend = backend.with_options(OnnxOptions { spin_in_run: true, ..spec.onnx.clone() })?;
+                spec.onnx = backend.options().clone();
+            }
+            Some(t) => {
+                let one_row_ms = t.as_secs_f64() * 1e3;
+                tracing::info!(model = %name, version, one_row_ms, "runs too short to spin within (under 2 ms)");
+            }
+            None => tracing::info!(model = %name, version, "not spinning within runs: synthetic inputs do not run"),
         }
     }
     if spec.instance_count + usize::from(spec.solo_threads > 0) >= 2 {
