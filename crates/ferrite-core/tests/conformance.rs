@@ -160,6 +160,17 @@ fn onnxruntime_backend_spinning_within_runs_conforms() {
 }
 
 #[test]
+fn only_a_one_thread_session_in_order_runs_on_its_callers_thread() {
+    ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
+    let path = repo("models/mlp/1/model.onnx");
+    let on_caller =
+        |options: OnnxOptions| OnnxBackend::load(&path, options).unwrap().instance().unwrap().runs_on_caller();
+    assert!(on_caller(OnnxOptions { intra_threads: 1, ..Default::default() }));
+    assert!(!on_caller(OnnxOptions { intra_threads: 2, ..Default::default() }));
+    assert!(!on_caller(OnnxOptions { intra_threads: 1, parallel: true, inter_threads: 2, ..Default::default() }));
+}
+
+#[test]
 fn onnxruntime_refuses_a_file_that_is_not_onnx() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
     let dir = std::env::temp_dir().join(format!("ferrite-bad-{}", std::process::id()));

@@ -177,6 +177,13 @@ pub trait Instance: Send {
         Duration::ZERO
     }
 
+    /// Whether a run does all its work on the calling thread (a one-thread ONNX Runtime session):
+    /// its cost is then that thread's CPU time, which threads sharing its core (the server's I/O,
+    /// on a one-core host) do not stretch as they stretch its wall time.
+    fn runs_on_caller(&self) -> bool {
+        false
+    }
+
     /// After a failed `run`: the rows of the batch that failed on their own, each with its error,
     /// where the backend can tell (a pipeline's per-row steps). The batcher then fails the
     /// requests those rows belong to and runs the others again. Empty: the batch failed as a whole.

@@ -621,6 +621,7 @@ impl Backend for OnnxBackend {
             held: (self.options.mem_arena && !self.options.arena_shrinkage).then(Held::default),
             sample: self.sample.clone(),
             zipmaps,
+            on_caller: self.options.intra_threads == 1 && !self.options.parallel,
         }))
     }
 }
@@ -636,6 +637,8 @@ struct OnnxInstance {
     held: Option<Held>,
     sample: std::sync::Arc<Sample>,
     zipmaps: std::sync::Arc<ZipMaps>,
+    /// No intra-op pool and nodes in order: a run is all on the caller's thread.
+    on_caller: bool,
 }
 
 /// How long an instance's arena may hold memory that no run has needed since: a burst's growth
@@ -794,6 +797,10 @@ fn input_value(input: &BatchInput<'_>) -> Result<DynValue> {
 impl Instance for OnnxInstance {
     fn input_time(&self) -> Duration {
         self.input_time
+    }
+
+    fn runs_on_caller(&self) -> bool {
+        self.on_caller
     }
 
     fn shrink_after_next(&mut self) {
