@@ -376,20 +376,21 @@ mod tests {
 
     #[test]
     fn a_threads_cpu_time_counts_its_own_work() {
+        // Busy until `cpu` of this thread's CPU time has passed, or 5 s of wall time (a clock that
+        // does not move fails the test instead of hanging it).
+        let busy = |cpu: Duration| {
+            let (from, wall) = (thread_cpu_time(), Instant::now());
+            let mut x = 0u64;
+            while thread_cpu_time() < from + cpu && wall.elapsed() < Duration::from_secs(5) {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        };
         let before = thread_cpu_time();
-        let mut x = 0u64;
-        while thread_cpu_time() < before + Duration::from_millis(2) {
-            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-        }
-        assert!(thread_cpu_time() >= before + Duration::from_millis(2), "{x}");
+        busy(Duration::from_millis(2));
+        assert!(thread_cpu_time() >= before + Duration::from_millis(2));
         // Another thread's work is not this one's.
         let mine = thread_cpu_time();
-        std::thread::spawn(move || {
-            let t = thread_cpu_time();
-            while thread_cpu_time() < t + Duration::from_millis(20) {}
-        })
-        .join()
-        .unwrap();
+        std::thread::spawn(move || busy(Duration::from_millis(20))).join().unwrap();
         assert!(thread_cpu_time() < mine + Duration::from_millis(20));
     }
 
