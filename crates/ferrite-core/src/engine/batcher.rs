@@ -430,13 +430,14 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
     let mut recent_gap = IDLE_SPIN;
     let mut lone_streak = 0;
     let on_caller = instance.runs_on_caller();
+    let cpu_now = || on_caller.then(costs::thread_cpu_time);
     loop {
         // This thread's CPU clock before the batch forms, for what its run costs (see `run`). Read
         // here and not as the run starts: on a core shared with the I/O threads, the read is a
         // point where they may take the core, and there they add the requests they were reading
         // to this batch (read as the run started, the MLP's batches under 8 clients fell from 7.6
         // to 6.5 requests and it served 12% fewer).
-        let mut cpu_from = on_caller.then(costs::thread_cpu_time);
+        let mut cpu_from = cpu_now();
         let batch = {
             let mut q = shared.lock();
             loop {
@@ -497,7 +498,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                             spin_for_next(&shared.submitted, seen, spin);
                             q = shared.lock();
                             // The watch is not the next run's cost.
-                            cpu_from = on_caller.then(costs::thread_cpu_time);
+                            cpu_from = cpu_now();
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
@@ -510,7 +511,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                                     drop(q);
                                     instance.give_back();
                                     q = shared.lock();
-                                    cpu_from = on_caller.then(costs::thread_cpu_time);
+                                    cpu_from = cpu_now();
                                 }
                             }
                         }
