@@ -88,7 +88,8 @@ const TRIM_EVERY: Duration = Duration::from_secs(20);
 
 /// Hands memory that bursts grew and then freed back to the system: glibc keeps freed memory in
 /// each thread's arena (after a burst of 2048-text calls, hundreds of megabytes stayed resident
-/// with nothing in use), and only `malloc_trim` returns what sits between live allocations.
+/// with nothing in use), and only `malloc_trim` returns what sits between live allocations. The
+/// buffers kept for large request bodies go too, once a period has taken none of them.
 fn trim_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     tokio::spawn(async {
@@ -96,6 +97,7 @@ fn trim_memory() {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
+            crate::http::pool::BODIES.trim();
             // Walks the arenas (milliseconds for a heap of hundreds of megabytes): off the I/O threads.
             // SAFETY: malloc_trim has no preconditions; it only releases free memory.
             let _ = tokio::task::spawn_blocking(|| unsafe { libc::malloc_trim(0) }).await;

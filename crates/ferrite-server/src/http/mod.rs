@@ -6,6 +6,7 @@ mod error;
 pub(crate) mod json;
 pub(crate) mod msgpack;
 pub mod openapi;
+pub mod pool;
 mod texts;
 
 use axum::{
@@ -119,16 +120,18 @@ async fn read_body(
         resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return resp;
     };
-    let bytes = match tokio::time::timeout(limits.body_timeout, axum::body::to_bytes(body, max)).await {
+    let bytes = match tokio::time::timeout(limits.body_timeout, pool::BODIES.read(body, max, stated)).await {
         Err(_) => {
             let msg = format!("the request body did not arrive within {} s", limits.body_timeout.as_secs());
             return ApiError::new(StatusCode::REQUEST_TIMEOUT, msg).into_response();
         }
-        Ok(Err(e)) if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) => {
+        Ok(Err(pool::ReadError::TooLarge)) => {
             return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {max} bytes"))
                 .into_response();
         }
-        Ok(Err(e)) => return ApiError::bad_request(format!("cannot read the request body: {e}")).into_response(),
+        Ok(Err(pool::ReadError::Failed(e))) => {
+            return ApiError::bad_request(format!("cannot read the request body: {e}")).into_response()
+        }
         Ok(Ok(b)) => b,
     };
     let encoding = parts.headers.remove(header::CONTENT_ENCODING);
