@@ -86,6 +86,34 @@ fn every_datatype_round_trips(load: Loader) {
     }
 }
 
+/// Every datatype gathered from two requests, and one request whose bytes are not aligned for
+/// their type (a binary tensor after a JSON header of any length): both answer as one whole.
+fn every_datatype_gathered_or_unaligned_round_trips(load: Loader) {
+    let b = load(&repo("tests/models/identity/1/model.onnx"));
+    let whole: Vec<TensorData> = DataType::ALL.iter().map(|&dt| sample(dt)).collect();
+    let rows = |i: usize, start| Tensor::new("", DataType::ALL[i], vec![2, 3], whole[i].clone()).rows(start, 1).data;
+    let (first, second): (Vec<_>, Vec<_>) = (0..whole.len()).map(|i| (rows(i, 0), rows(i, 1))).unzip();
+    let unaligned: Vec<TensorData> = whole
+        .iter()
+        .map(|d| match d {
+            TensorData::Fixed(b) => TensorData::Fixed(Bytes::from([&[0u8][..], b].concat()).slice(1..)),
+            strings => strings.clone(),
+        })
+        .collect();
+    let names: Vec<String> = DataType::ALL.iter().map(|dt| format!("{}_in", dt.as_str().to_lowercase())).collect();
+    let gathered: Vec<_> = (0..whole.len())
+        .map(|i| (names[i].as_str(), DataType::ALL[i], vec![2, 3], vec![&first[i], &second[i]]))
+        .collect();
+    let alone: Vec<_> =
+        (0..whole.len()).map(|i| (names[i].as_str(), DataType::ALL[i], vec![2, 3], vec![&unaligned[i]])).collect();
+    for inputs in [gathered, alone] {
+        let out = run(b.as_ref(), &inputs).unwrap();
+        for (i, dt) in DataType::ALL.iter().enumerate() {
+            assert_eq!(out[i].data, whole[i], "{dt}");
+        }
+    }
+}
+
 fn parts_are_concatenated_along_dim0(load: Loader) {
     let b = load(&repo("models/mixed/1/model.onnx"));
     let ids_a = Tensor::from_le("ids", DataType::Int64, vec![1, 4], &[1i64, 2, 3, 4]).data;
@@ -139,6 +167,7 @@ fn bad_bytes_are_refused_not_panicked(load: Loader) {
 fn suite(load: Loader) {
     declares_its_signature(load);
     every_datatype_round_trips(load);
+    every_datatype_gathered_or_unaligned_round_trips(load);
     parts_are_concatenated_along_dim0(load);
     instances_are_independent(load);
     bad_bytes_are_refused_not_panicked(load);

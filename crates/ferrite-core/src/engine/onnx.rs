@@ -624,6 +624,7 @@ impl Backend for OnnxBackend {
             zipmaps,
             on_caller: self.options.intra_threads == 1 && !self.options.parallel,
             staging: Vec::new(),
+            staged: None,
         }))
     }
 }
@@ -642,9 +643,11 @@ struct OnnxInstance {
     /// No intra-op pool and nodes in order: a run is all on the caller's thread.
     on_caller: bool,
     /// Per input, the buffer a batch of several requests is gathered into (`input_bytes`): kept
-    /// between runs up to `STAGING_KEPT` bytes in all, and given back with the arena's growth
-    /// after a quiet spell (not right after a larger batch than usual).
+    /// between runs up to `STAGING_KEPT` bytes in all, and given back `GIVE_BACK_AFTER` the last
+    /// run that gathered into them.
     staging: Vec<Vec<Line>>,
+    /// When a run last gathered into `staging`.
+    staged: Option<Instant>,
 }
 
 /// A cache line: the staging buffers are aligned as ONNX Runtime aligns its own tensors.
@@ -825,13 +828,14 @@ fn gather(input: &BatchInput<'_>, dst: &mut [u8]) -> Result<()> {
 /// is one request and they are aligned for their type, else the parts gathered into `staging`, a
 /// buffer the instance keeps from run to run. A fresh buffer of a megabyte or more is a fresh
 /// mapping, and the page faults of filling one cost more than the copy: a detector's 1.2 MB image
-/// took about 800 faults a request between this buffer and the request body.
-fn input_bytes<'a>(input: &BatchInput<'a>, staging: &'a mut Vec<Line>) -> Result<&'a [u8]> {
+/// took about 800 faults a request between this buffer and the request body. Also says whether
+/// they were gathered.
+fn input_bytes<'a>(input: &BatchInput<'a>, staging: &'a mut Vec<Line>) -> Result<(&'a [u8], bool)> {
     let size = input.datatype.size().ok_or_else(|| Error::internal("a fixed-size input without an element size"))?;
     let len = input.shape.iter().product::<usize>() * size;
     if let [TensorData::Fixed(b)] = input.parts[..] {
         if b.len() == len && (b.as_ptr() as usize).is_multiple_of(size) {
-            return Ok(&b[..]);
+            return Ok((&b[..], false));
         }
     }
     let lines = len.div_ceil(64);
@@ -841,7 +845,7 @@ fn input_bytes<'a>(input: &BatchInput<'a>, staging: &'a mut Vec<Line>) -> Result
     // SAFETY: `staging` holds at least `len` initialised bytes; u8 has no alignment to meet.
     let dst = unsafe { std::slice::from_raw_parts_mut(staging.as_mut_ptr().cast::<u8>(), len) };
     gather(input, dst)?;
-    Ok(dst)
+    Ok((dst, true))
 }
 
 /// A tensor over `bytes`, which it reads in place and does not own.
@@ -888,10 +892,20 @@ impl Instance for OnnxInstance {
     }
 
     fn give_back_due(&self) -> Option<Instant> {
-        self.held.as_ref()?.due(self.sample.bytes())
+        let arena = self.held.as_ref().and_then(|h| h.due(self.sample.bytes()));
+        let staging = self.staged.filter(|_| !self.staging.is_empty()).map(|at| at + GIVE_BACK_AFTER);
+        arena.into_iter().chain(staging).min()
     }
 
     fn give_back(&mut self) {
+        let now = Instant::now();
+        if self.staged.is_some_and(|at| at + GIVE_BACK_AFTER <= now) {
+            self.staging = Vec::new();
+            self.staged = None;
+        }
+        if self.held.as_ref().and_then(|h| h.due(self.sample.bytes())).is_none_or(|at| at > now) {
+            return;
+        }
         let mut kept = self.sample.run.lock().unwrap_or_else(|e| e.into_inner());
         let failed = kept.as_ref().and_then(|sample| {
             let inputs: Vec<(&str, SessionInputValue<'_>)> =
@@ -905,11 +919,6 @@ impl Instance for OnnxInstance {
             self.sample.bytes.store(usize::MAX, Relaxed);
         }
         if let Some(held) = &mut self.held {
-            // Right after a larger batch than usual, the usual ones go on and refill the buffers
-            // at once; after a quiet spell they are what a burst grew.
-            if !held.asked {
-                self.staging = Vec::new();
-            }
             held.gave_back();
         }
     }
@@ -921,9 +930,15 @@ impl Instance for OnnxInstance {
         for (input, staging) in inputs.iter().zip(&mut self.staging) {
             values.push(match input.datatype {
                 DataType::Bytes => input_value(input)?,
-                // SAFETY: the bytes are the request's or `self.staging`'s; neither changes before
-                // `values` is dropped at the end of this run.
-                _ => unsafe { tensor_over(input_bytes(input, staging)?, input.datatype, &input.shape)? },
+                _ => {
+                    let (bytes, gathered) = input_bytes(input, staging)?;
+                    if gathered {
+                        self.staged = Some(copying);
+                    }
+                    // SAFETY: the bytes are the request's or `self.staging`'s; neither changes
+                    // before `values` is dropped at the end of this run.
+                    unsafe { tensor_over(bytes, input.datatype, &input.shape)? }
+                }
             });
         }
         self.input_time = copying.elapsed();
@@ -1019,20 +1034,22 @@ mod tests {
         let mut staging = Vec::new();
 
         let aligned = leak(body.slice(4..20));
-        let got = input_bytes(&input(vec![aligned], 1), &mut staging).unwrap();
+        let (got, gathered) = input_bytes(&input(vec![aligned], 1), &mut staging).unwrap();
         assert_eq!(got.as_ptr(), body[4..].as_ptr(), "one request's own bytes, no copy");
+        assert!(!gathered);
         assert!(staging.is_empty());
 
         let odd = bytes::Bytes::from([&[0u8][..], &body[..16]].concat()).slice(1..);
         assert_ne!(odd.as_ptr() as usize % 4, 0);
-        let got = input_bytes(&input(vec![leak(odd.clone())], 1), &mut staging).unwrap().to_vec();
+        let got = input_bytes(&input(vec![leak(odd.clone())], 1), &mut staging).unwrap().0.to_vec();
         assert_eq!(got, &body[..16], "bytes not aligned for their type are copied");
 
         let second = leak(body.slice(20..36));
-        let got = input_bytes(&input(vec![aligned, second], 2), &mut staging).unwrap();
+        let (got, gathered) = input_bytes(&input(vec![aligned, second], 2), &mut staging).unwrap();
         assert_eq!(got, &body[4..36], "a batch is gathered in order");
+        assert!(gathered);
         let kept = staging.as_ptr();
-        let got = input_bytes(&input(vec![second, aligned], 2), &mut staging).unwrap();
+        let (got, _) = input_bytes(&input(vec![second, aligned], 2), &mut staging).unwrap();
         assert_eq!(got, [&body[20..36], &body[4..20]].concat());
         assert_eq!(got.as_ptr().cast(), kept, "into the buffer the last batch used");
 
