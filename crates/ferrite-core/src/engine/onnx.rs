@@ -629,6 +629,13 @@ impl Backend for OnnxBackend {
     }
 }
 
+impl OnnxInstance {
+    /// When the arena's growth is due back (`Held::due` against the model's sample).
+    fn arena_due(&self) -> Option<Instant> {
+        self.held.as_ref()?.due(self.sample.bytes())
+    }
+}
+
 struct OnnxInstance {
     session: Session,
     output_names: Vec<String>,
@@ -892,7 +899,7 @@ impl Instance for OnnxInstance {
     }
 
     fn give_back_due(&self) -> Option<Instant> {
-        let arena = self.held.as_ref().and_then(|h| h.due(self.sample.bytes()));
+        let arena = self.arena_due();
         let staging = self.staged.filter(|_| !self.staging.is_empty()).map(|at| at + GIVE_BACK_AFTER);
         arena.into_iter().chain(staging).min()
     }
@@ -903,7 +910,7 @@ impl Instance for OnnxInstance {
             self.staging = Vec::new();
             self.staged = None;
         }
-        if self.held.as_ref().and_then(|h| h.due(self.sample.bytes())).is_none_or(|at| at > now) {
+        if self.arena_due().is_none_or(|at| at > now) {
             return;
         }
         let mut kept = self.sample.run.lock().unwrap_or_else(|e| e.into_inner());
