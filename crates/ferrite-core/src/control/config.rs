@@ -346,6 +346,7 @@ impl ModelSpec {
             batch.dynamic = db.enabled && max_batch_size > 0;
             batch.preferred_batch_sizes = db.preferred_batch_size.clone();
             batch.max_queue_delay_us = db.max_queue_delay_microseconds.unwrap_or(DEFAULT_MAX_QUEUE_DELAY_US);
+            batch.gather = db.max_queue_delay_microseconds.is_none();
             batch.queue = QueuePolicy {
                 max_queue_size: db.max_queue_size.filter(|&n| n > 0).unwrap_or(DEFAULT_MAX_QUEUE_SIZE),
                 default_timeout_us: db.default_timeout_microseconds,
@@ -578,7 +579,12 @@ mod tests {
         assert_eq!(s.inputs[0].dims, vec![4]);
         assert_eq!(s.batch.preferred_batch_sizes, vec![4, 8]);
         assert_eq!(s.batch.max_queue_delay_us, 100);
+        assert!(!s.batch.gather, "a delay the config sets is kept as it is");
         assert_eq!(s.instance_count, 2);
+        let unset = ModelSpec::resolve("m", 3, &toml::from_str("max_batch_size = 8").unwrap(), &io, &[], 1).unwrap();
+        assert!(unset.batch.gather && unset.batch.max_queue_delay_us == 0);
+        let zero = "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 0";
+        assert!(!ModelSpec::resolve("m", 3, &toml::from_str(zero).unwrap(), &io, &[], 1).unwrap().batch.gather);
 
         let bad: ModelConfig = toml::from_str("[[input]]\nname = \"x\"\ndatatype = \"INT8\"").unwrap();
         assert!(ModelSpec::resolve("m", 1, &bad, &io, &[], 1).is_err());

@@ -95,6 +95,63 @@ fn spin_for_next(submitted: &std::sync::atomic::AtomicU64, seen: u64, spin: Dura
     }
 }
 
+/// The callers of a batch are expected back within this of its end; a batch that forms later is
+/// not held for them.
+const RETURN_WITHIN: Duration = Duration::from_millis(10);
+/// No batch is held for less: a client answered comes back no sooner (150-300 µs on loopback here),
+/// so a shorter hold would end empty, and the tiny model's would cost more than its runs.
+const HOLD_AT_LEAST: Duration = Duration::from_micros(100);
+/// Batches formed without holding after a hold that gained no row (its callers did not come back).
+const HOLD_BACKOFF: u32 = 16;
+
+/// A single-instance model's batch held for the callers of the batch before it, when its measured
+/// costs say one merged run serves them sooner (`BatchCosts::hold`) and the config leaves the
+/// queue delay to the server (`BatchPolicy::gather`). Clients that wait for each answer come back
+/// as the group that batch answered, while the requests that queued during it run: under 8 of
+/// perf_analyzer's clients the MLP ran batches of 4 that cost what batches of 8 do.
+#[derive(Default)]
+struct Gather {
+    /// Rows the last batch answered plus those queued when it ended: the rows expected.
+    expected: usize,
+    ended: Option<Instant>,
+    /// The forming batch's hold, decided once: (rows it held at, until when); `Some(None)`: none.
+    hold: Option<Option<(usize, Instant)>>,
+    /// Batches left to form without holding (see `HOLD_BACKOFF`).
+    backoff: u32,
+}
+
+impl Gather {
+    fn ended(&mut self, rows: usize, queued: usize, now: Instant) {
+        self.expected = rows + queued;
+        self.ended = Some(now);
+    }
+
+    /// The hold of the batch forming from `q` (`limit` rows at most) at `now`: (rows, until).
+    fn hold(&mut self, costs: &Mutex<BatchCosts>, q: &Queue, limit: usize, now: Instant) -> Option<(usize, Instant)> {
+        let rows = q.rows();
+        let target = self.expected.min(limit);
+        if self.backoff > 0 || rows == 0 || rows >= target {
+            return None;
+        }
+        let fresh = self.ended.is_some_and(|at| now.saturating_duration_since(at) <= RETURN_WITHIN);
+        let decided = *self.hold.get_or_insert_with(|| {
+            let head = q.head(false).filter(|_| fresh)?;
+            let costs = costs.lock().unwrap_or_else(|e| e.into_inner());
+            let wait = costs.hold(head.row_elements(), rows, target).filter(|&w| w >= HOLD_AT_LEAST)?;
+            Some((rows, now + wait))
+        });
+        decided.map(|(_, until)| (target, until))
+    }
+
+    /// A batch of `rows` formed at `now`.
+    fn formed(&mut self, rows: usize, now: Instant) {
+        match self.hold.take() {
+            Some(Some((held, until))) if now >= until && rows <= held => self.backoff = HOLD_BACKOFF,
+            _ => self.backoff = self.backoff.saturating_sub(1),
+        }
+    }
+}
+
 struct Shared {
     /// Bumped on every submit, so a spinning worker sees new work without taking the lock.
     submitted: std::sync::atomic::AtomicU64,
@@ -110,6 +167,10 @@ struct Shared {
     solo_running: std::sync::atomic::AtomicBool,
     /// The model has a solo instance: workers take turns as the module says.
     has_solo: bool,
+    /// Its one worker may hold a batch for more rows (see `Gather`).
+    gathers: bool,
+    /// The rows a held batch waits for (0: none held): a submit wakes its worker only then.
+    holding: AtomicUsize,
     /// The backend answers each request apart (`Backend::answers_each`).
     each: bool,
     /// Batches formed so far (for exploring past the measured merge limit now and then).
@@ -255,6 +316,12 @@ impl Batcher {
             running: AtomicUsize::new(0),
             solo_running: Default::default(),
             has_solo: solo.is_some(),
+            gathers: spec.batch.gather
+                && spec.batch.dynamic
+                && spec.instance_count == 1
+                && solo.is_none()
+                && !backend.answers_each(),
+            holding: AtomicUsize::new(0),
             each: backend.answers_each(),
             spec: spec.clone(),
             stats,
@@ -302,7 +369,7 @@ impl Batcher {
         }
         q.push(p)?;
         self.shared.submitted.fetch_add(1, Ordering::Release);
-        let next = self.shared.next_turn(&q);
+        let next = self.shared.next_turn(&q).filter(|_| q.rows() >= self.shared.holding.load(Ordering::Relaxed));
         drop(q);
         if let Some(c) = next {
             c.notify_one();
@@ -429,6 +496,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
     let mut idle_since = None;
     let mut recent_gap = IDLE_SPIN;
     let mut lone_streak = 0;
+    let mut gather = Gather::default();
     let on_caller = instance.runs_on_caller();
     let cpu_now = || on_caller.then(costs::thread_cpu_time);
     loop {
@@ -452,10 +520,13 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
                 let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
                 let limit = shared.batch_limit(&q, light_only);
-                let decision = q.next_batch_of(Instant::now(), &shared.spec.batch, limit, flush, light_only);
+                let now = Instant::now();
+                let hold = shared.gathers.then(|| gather.hold(&shared.costs, &q, limit, now)).flatten();
+                let decision = q.next_batch_of(now, &shared.spec.batch, limit, flush, light_only, hold);
                 match decision {
                     Decision::Run(batch) => {
                         shared.formed.fetch_add(1, Ordering::Relaxed);
+                        gather.formed(batch.iter().map(|p| p.rows).sum(), now);
                         if let Some(since) = idle_since.take() {
                             // Weight 1/8, capped, so that one pause of the client's does not end
                             // the watching.
@@ -476,11 +547,14 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         // its answer while no other request comes (`Live::alone`).
                         let quiet =
                             (batch.len() == 1 && q.is_empty()).then(|| shared.submitted.load(Ordering::Acquire));
-                        break (batch, ticket, quiet);
+                        let left = shared.gathers.then(|| (q.rows(), shared.submitted.load(Ordering::Acquire)));
+                        break (batch, ticket, quiet, left);
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
+                        shared.holding.store(hold.map_or(0, |(rows, _)| rows), Ordering::Relaxed);
                         q = shared.wake(role).sleep(q, Some(wait));
+                        shared.holding.store(0, Ordering::Relaxed);
                     }
                     Decision::Idle => {
                         shared.idle.notify_all();
@@ -519,11 +593,14 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
             }
         };
-        let (batch, ticket, quiet) = batch;
+        let (batch, ticket, quiet, left) = batch;
         last_requests = batch.len();
         lone_streak = if last_requests == 1 { lone_streak.saturating_add(1) } else { 0 };
         let heavy = batch.iter().any(|p| p.heavy);
-        execute(shared, instance.as_mut(), batch, ticket, quiet, cpu_from);
+        let rows = batch.iter().map(|p| p.rows).sum::<usize>();
+        if let Some(queued) = execute(shared, instance.as_mut(), batch, ticket, quiet, cpu_from, left) {
+            gather.ended(rows, queued, Instant::now());
+        }
         if heavy {
             shared.heavy_running.fetch_sub(1, Ordering::AcqRel);
         }
@@ -550,7 +627,9 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
 }
 
 /// Runs one batch and answers every request in it (after the batches before it, with
-/// `preserve_ordering`).
+/// `preserve_ordering`). Given `left`, the rows left queued when the batch formed and the submits
+/// seen then, the rows queued as it ended, before its answers let their callers send again (for
+/// `Gather`).
 fn execute(
     shared: &Shared,
     instance: &mut dyn Instance,
@@ -558,7 +637,8 @@ fn execute(
     ticket: u64,
     quiet: Option<u64>,
     cpu_from: Option<Duration>,
-) {
+    left: Option<(usize, u64)>,
+) -> Option<usize> {
     // Held from here, so that a batch that unwinds still passes the turn on (its drop waits for
     // it): a lost turn would stall every later batch of the model.
     let mut turn = shared.spec.batch.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
@@ -579,10 +659,13 @@ fn execute(
     };
     let _entered = batch_span.enter();
     let replies = run_isolated(shared, instance, batch, quiet, cpu_from);
+    // Requests, not rows, came since: a request of several rows counts one (fewer expected).
+    let queued = left.map(|(rows, seen)| rows + (shared.submitted.load(Ordering::Acquire) - seen) as usize);
     if let Some(t) = turn.as_mut() {
         t.wait();
     }
     answer(replies, turn.is_some());
+    queued
 }
 
 /// Sends a batch's answers. Each answer wakes its caller's task; sent from this thread one by one,
@@ -969,7 +1052,10 @@ fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{engine::queue::Hold, DataType};
+    use crate::{
+        engine::{queue::Hold, spec::QueuePolicy},
+        DataType,
+    };
     use tokio::sync::oneshot;
 
     #[test]
@@ -1026,6 +1112,47 @@ mod tests {
 
     fn multi_thread() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap()
+    }
+
+    #[test]
+    fn a_batch_is_held_for_the_last_ones_callers_then_not_after_a_hold_that_gained_nothing() {
+        // Batches of 1 to 8 rows (of one element each) cost alike.
+        let costs = Mutex::new(BatchCosts::default());
+        for rows in [1, 2, 4, 8] {
+            for _ in 0..4 {
+                costs.lock().unwrap().record(rows, rows, Duration::from_micros(900));
+            }
+        }
+        let mut q = Queue::new(&[QueuePolicy { max_queue_size: 16, ..QueuePolicy::default() }]);
+        let mut waiting = Vec::new();
+        for _ in 0..4 {
+            let (mut p, rx) = pending(None);
+            p.inputs = vec![Tensor::from_le("x", DataType::Fp32, vec![1, 1], &[0f32])];
+            q.push(p).unwrap();
+            waiting.push(rx);
+        }
+        let t = Instant::now();
+        let mut g = Gather::default();
+        // Nothing ran yet: nothing is expected.
+        assert_eq!(g.hold(&costs, &q, 64, t), None);
+        // A batch of 4 ended with 4 queued: its 4 callers are expected back, for up to a run of 4.
+        g.ended(4, 4, t);
+        let until = t + Duration::from_micros(900);
+        assert_eq!(g.hold(&costs, &q, 64, t), Some((8, until)));
+        // Decided once: looking again later keeps the same end; the merge limit caps the rows.
+        assert_eq!(g.hold(&costs, &q, 6, t + Duration::from_micros(500)), Some((6, until)));
+        // Its end passed with no row more: the next batches form at once.
+        g.formed(4, until);
+        g.ended(4, 4, until);
+        for _ in 0..HOLD_BACKOFF {
+            assert_eq!(g.hold(&costs, &q, 64, until), None);
+            g.formed(4, until);
+        }
+        assert!(g.hold(&costs, &q, 64, until).is_some());
+        // A batch forming long after the last ended is not held for its callers.
+        g.formed(8, until);
+        let late = until + RETURN_WITHIN + Duration::from_millis(1);
+        assert_eq!(g.hold(&costs, &q, 64, late), None);
     }
 
     #[test]

@@ -118,6 +118,12 @@ impl Curve {
         let best = measured().map(|(_, b)| b.0).fold(f64::INFINITY, f64::min);
         (smallest > 0 && cost <= best * (1.0 + TOLERANCE)).then(|| 1 << (smallest - 1))
     }
+
+    /// Run time per element of a batch of `rows`: its bucket's, or where that is not measured
+    /// yet, the nearest larger measured bucket's (per element, smaller batches seldom cost less).
+    fn per_element(&self, rows: usize) -> Option<f64> {
+        self.buckets.get(bucket(rows)..)?.iter().find(|b| b.1 >= MIN_SAMPLES).map(|b| b.0)
+    }
 }
 
 /// What batches cost, by size class of their rows (see [`size_class`]).
@@ -159,6 +165,30 @@ impl BatchCosts {
             Explore::Up => measured.saturating_mul(2).min(configured),
             Explore::Down => (measured / 2).max(1),
         }
+    }
+
+    /// How long a batch of `rows` rows (of `row_elements` input elements each) is worth holding
+    /// for `target` rows in all: the time one merged run saves over running these rows now and the
+    /// rest after them, at most one run of these rows (by then the rest would have come during
+    /// it). `None` when merging saves under [`TOLERANCE`] of the merged run, or the merged size is
+    /// not measured. Clients that wait for each answer before they send again come back in groups:
+    /// under 8 of perf_analyzer's, an MLP whose batches of 1 to 8 cost alike ran batches of 4
+    /// alternating with the other 4, which arrived while it ran.
+    pub fn hold(&self, row_elements: usize, rows: usize, target: usize) -> Option<Duration> {
+        if rows == 0 || target <= rows {
+            return None;
+        }
+        let curve = self.curves.get(&size_class(row_elements))?;
+        let &(merged, runs) = curve.buckets.get(bucket(target))?;
+        if runs < MIN_SAMPLES {
+            return None;
+        }
+        let run = |rows: usize, per_element: f64| (rows * row_elements) as f64 * per_element;
+        let now = run(rows, curve.per_element(rows)?);
+        let rest = run(target - rows, curve.per_element(target - rows)?);
+        let merged = run(target, merged);
+        let saved = now + rest - merged;
+        (saved > merged * TOLERANCE).then(|| Duration::from_nanos(saved.min(now) as u64))
     }
 }
 
@@ -286,6 +316,50 @@ mod tests {
         // An MLP: each halving costs more per row; it stops once that passes the tolerance.
         let mlp = |rows: f64| 400.0 + 80.0 * rows;
         assert_eq!(steps(64, 512, mlp), (vec![64, 32, 16, 64, 64, 64, 64, 64, 64, 64], 64));
+    }
+
+    fn ms(d: Option<Duration>) -> Option<f64> {
+        d.map(|d| (d.as_secs_f64() * 1e6).round() / 1e3)
+    }
+
+    #[test]
+    fn a_batch_is_held_for_the_rest_where_one_merged_run_serves_them_sooner() {
+        // An MLP whose batches of 1 to 8 cost about the same (its weights' reads, not its rows).
+        let mut c = BatchCosts::default();
+        learn(&mut c, 512, &[1, 2, 4, 8], |rows| 800.0 + 20.0 * rows);
+        // 4 queued, 4 coming: now 0.88 ms, the rest 0.88 ms after, merged 0.96 ms: 0.8 ms saved.
+        assert_eq!(ms(c.hold(512, 4, 8)), Some(0.8));
+        // 1 queued, 7 coming (a batch of 7 costs per row what one of 8 does): 0.82 + 0.84 - 0.96.
+        assert_eq!(ms(c.hold(512, 1, 8)), Some(0.7));
+        // Nothing to wait for, or nothing queued to hold.
+        assert_eq!(c.hold(512, 8, 8), None);
+        assert_eq!(c.hold(512, 0, 8), None);
+    }
+
+    #[test]
+    fn a_conv_net_costing_the_same_per_image_or_more_in_batches_is_never_held() {
+        let mut c = BatchCosts::default();
+        learn(&mut c, 3 * 224 * 224, &[1, 2, 4, 8], |rows| 5_000.0 * rows);
+        assert_eq!(c.hold(3 * 224 * 224, 4, 8), None);
+        assert_eq!(c.hold(3 * 224 * 224, 1, 8), None);
+        let detector = |rows: f64| rows * if rows <= 4.0 { 9_500.0 } else { 11_400.0 };
+        learn(&mut c, 3 * 320 * 320, &[1, 2, 4, 8], detector);
+        assert_eq!(c.hold(3 * 320 * 320, 4, 8), None);
+        // A saving within the tolerance of the merged run is noise, not a reason to wait.
+        learn(&mut c, 100, &[4, 8], |rows| if rows == 4.0 { 1_000.0 } else { 1_900.0 });
+        assert_eq!(c.hold(100, 4, 8), None);
+    }
+
+    #[test]
+    fn a_hold_needs_the_merged_size_measured_and_lasts_at_most_a_run_of_what_is_queued() {
+        let mut c = BatchCosts::default();
+        learn(&mut c, 512, &[1, 2, 4], |rows| 800.0 + 20.0 * rows);
+        assert_eq!(c.hold(512, 4, 8), None);
+        // 4 queued (their size unmeasured: costed per row as 5-8, 0.5 ms), 1 coming (a batch of 1:
+        // 1 ms): merging saves 0.875 ms, but a hold longer than running the 4 gains nothing.
+        let mut c = BatchCosts::default();
+        learn(&mut c, 512, &[1, 8], |_| 1_000.0);
+        assert_eq!(ms(c.hold(512, 4, 5)), Some(0.5));
     }
 
     #[test]

@@ -280,11 +280,13 @@ impl Queue {
     /// policy's merge limit); a single larger request still runs alone. `flush` sends what is
     /// pending without waiting for the queue delay (at shutdown).
     pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, limit: usize, flush: bool) -> Decision {
-        self.next_batch_of(now, policy, limit, flush, false)
+        self.next_batch_of(now, policy, limit, flush, false, None)
     }
 
     /// As `next_batch`; with `light_only`, heavy requests are passed over (they wait for an
-    /// instance that may take them), so an instance stays free for light work.
+    /// instance that may take them), so an instance stays free for light work. With `hold`
+    /// (rows, until), a batch of fewer rows waits for more until then (the batcher's, see
+    /// `BatchCosts::hold`).
     pub fn next_batch_of(
         &mut self,
         now: Instant,
@@ -292,6 +294,7 @@ impl Queue {
         limit: usize,
         flush: bool,
         light_only: bool,
+        hold: Option<(usize, Instant)>,
     ) -> Decision {
         let limit = limit.min(policy.merge_limit).max(1);
         self.expire(now);
@@ -321,6 +324,11 @@ impl Queue {
             total += p.rows;
             sums.push(total);
             oldest = oldest.min(p.enqueued);
+        }
+        if let Some((rows, until)) = hold {
+            if !flush && !first.warmup && total < rows.min(limit) && now < until {
+                return Decision::WaitUntil(until);
+            }
         }
         let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
         let n = if flush || first.warmup || total >= limit || policy.max_queue_delay_us == 0 || now >= due {
@@ -445,6 +453,26 @@ mod tests {
         let _b = push(&mut q, t + Duration::from_micros(500), 1, 4, 0);
         assert!(matches!(q.next_batch(t + Duration::from_micros(999), &p, usize::MAX, false), Decision::WaitUntil(_)));
         assert_eq!(rows(q.next_batch(t + Duration::from_micros(1000), &p, usize::MAX, false)), vec![1, 1]);
+    }
+
+    #[test]
+    fn a_held_batch_waits_for_its_rows_until_the_hold_ends() {
+        let t = Instant::now();
+        let p = policy(8, 0, &[]);
+        let until = t + Duration::from_micros(800);
+        let mut q = queue(1, 100);
+        let _r: Vec<_> = (0..2).map(|_| push(&mut q, t, 1, 4, 0)).collect();
+        let next = |q: &mut Queue, at: Instant, flush: bool| q.next_batch_of(at, &p, 8, flush, false, Some((4, until)));
+        assert!(matches!(next(&mut q, t, false), Decision::WaitUntil(w) if w == until));
+        // At the hold's end it runs what came; flushing (shutdown) never waits.
+        assert_eq!(rows(next(&mut q, until, false)), vec![1, 1]);
+        let _r: Vec<_> = (0..2).map(|_| push(&mut q, t, 1, 4, 0)).collect();
+        assert_eq!(rows(next(&mut q, t, true)), vec![1, 1]);
+        // Once the rows it waits for are there, or the merge limit is, it runs at once.
+        let _r: Vec<_> = (0..4).map(|_| push(&mut q, t, 1, 4, 0)).collect();
+        assert_eq!(rows(next(&mut q, t, false)), vec![1, 1, 1, 1]);
+        let _r: Vec<_> = (0..2).map(|_| push(&mut q, t, 1, 4, 0)).collect();
+        assert_eq!(rows(q.next_batch_of(t, &p, 2, false, false, Some((4, until)))), vec![1, 1]);
     }
 
     #[test]

@@ -89,6 +89,10 @@ pub struct BatchPolicy {
     /// more rows still runs, alone.
     pub merge_limit: usize,
     pub max_queue_delay_us: u64,
+    /// The config left `max_queue_delay_microseconds` unset: a single-instance model's batch may
+    /// wait for the callers of the batch before it, when its measured costs say one merged run
+    /// serves them sooner (see `BatchCosts::hold`). Set, even to 0, the delay is Triton's: fixed.
+    pub gather: bool,
     pub priority_levels: u32,
     pub default_priority_level: u32,
     /// Requests are answered in the order they left the queue (Triton's `preserve_ordering`).
@@ -107,6 +111,7 @@ impl Default for BatchPolicy {
             preferred_batch_sizes: Vec::new(),
             merge_limit: 0,
             max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
+            gather: true,
             priority_levels: 1,
             preserve_ordering: false,
             default_priority_level: 1,
