@@ -104,15 +104,20 @@ const HOLD_AT_LEAST: Duration = Duration::from_micros(100);
 /// Batches formed without holding after a hold that gained no row (its callers did not come back).
 const HOLD_BACKOFF: u32 = 16;
 
-/// A single-instance model's batch held for the callers of the batch before it, when its measured
-/// costs say one merged run serves them sooner (`BatchCosts::hold`) and the config leaves the
-/// queue delay to the server (`BatchPolicy::gather`). Clients that wait for each answer come back
-/// as the group that batch answered, while the requests that queued during it run: under 8 of
-/// perf_analyzer's clients the MLP ran batches of 4 that cost what batches of 8 do.
+/// A worker's batch held for the callers of the worker's batch before it, when the model's
+/// measured costs say one merged run serves them sooner (`BatchCosts::hold`) and the config leaves
+/// the queue delay to the server (`BatchPolicy::gather`). Clients that wait for each answer come
+/// back as the group that batch answered, while the requests that queued during it run: under 8
+/// of perf_analyzer's clients the MLP ran batches of 4 that cost what batches of 8 do (on one
+/// instance), or, on two, took a batch of one onto the idle instance for as long as one of 8 takes.
+/// While a batch is held, no other worker is woken for its rows (`Shared::holding`).
 #[derive(Default)]
 struct Gather {
     /// Rows the last batch answered plus those queued when it ended: the rows expected.
     expected: usize,
+    /// Those and the rows other instances were running then: more than one batch takes, and the
+    /// batches fill without waiting.
+    crowd: usize,
     ended: Option<Instant>,
     /// The forming batch's hold, decided once: (rows it held at, until when); `Some(None)`: none.
     hold: Option<Option<(usize, Instant)>>,
@@ -121,16 +126,18 @@ struct Gather {
 }
 
 impl Gather {
-    fn ended(&mut self, rows: usize, queued: usize, now: Instant) {
+    fn ended(&mut self, rows: usize, (queued, elsewhere): (usize, usize), now: Instant) {
         self.expected = rows + queued;
+        self.crowd = self.expected + elsewhere;
         self.ended = Some(now);
     }
 
-    /// The hold of the batch forming from `q` (`limit` rows at most) at `now`: (rows, until).
+    /// The hold of the batch forming from `q` (`limit` rows at most) at `now`: (rows, until). None
+    /// when more rows are about than one batch takes (see `crowd`).
     fn hold(&mut self, costs: &Mutex<BatchCosts>, q: &Queue, limit: usize, now: Instant) -> Option<(usize, Instant)> {
         let rows = q.rows();
-        let target = self.expected.min(limit);
-        if self.backoff > 0 || rows == 0 || rows >= target {
+        let target = self.expected;
+        if self.backoff > 0 || rows == 0 || rows >= target || self.crowd > limit {
             return None;
         }
         let fresh = self.ended.is_some_and(|at| now.saturating_duration_since(at) <= RETURN_WITHIN);
@@ -167,10 +174,12 @@ struct Shared {
     solo_running: std::sync::atomic::AtomicBool,
     /// The model has a solo instance: workers take turns as the module says.
     has_solo: bool,
-    /// Its one worker may hold a batch for more rows (see `Gather`).
+    /// Its workers may hold a batch for more rows (see `Gather`).
     gathers: bool,
-    /// The rows a held batch waits for (0: none held): a submit wakes its worker only then.
+    /// The rows a held batch waits for (0: none held): a submit wakes a worker only then.
     holding: AtomicUsize,
+    /// Rows in the batches running now (kept for `Gather` only).
+    running_rows: AtomicUsize,
     /// The backend answers each request apart (`Backend::answers_each`).
     each: bool,
     /// Batches formed so far (for exploring past the measured merge limit now and then).
@@ -316,12 +325,9 @@ impl Batcher {
             running: AtomicUsize::new(0),
             solo_running: Default::default(),
             has_solo: solo.is_some(),
-            gathers: spec.batch.gather
-                && spec.batch.dynamic
-                && spec.instance_count == 1
-                && solo.is_none()
-                && !backend.answers_each(),
+            gathers: spec.batch.gather && spec.batch.dynamic && !backend.answers_each(),
             holding: AtomicUsize::new(0),
+            running_rows: AtomicUsize::new(0),
             each: backend.answers_each(),
             spec: spec.clone(),
             stats,
@@ -598,8 +604,12 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
         lone_streak = if last_requests == 1 { lone_streak.saturating_add(1) } else { 0 };
         let heavy = batch.iter().any(|p| p.heavy);
         let rows = batch.iter().map(|p| p.rows).sum::<usize>();
-        if let Some(queued) = execute(shared, instance.as_mut(), batch, ticket, quiet, cpu_from, left) {
-            gather.ended(rows, queued, Instant::now());
+        if shared.gathers {
+            shared.running_rows.fetch_add(rows, Ordering::AcqRel);
+        }
+        if let Some(after) = execute(shared, instance.as_mut(), batch, ticket, quiet, cpu_from, left) {
+            shared.running_rows.fetch_sub(rows, Ordering::AcqRel);
+            gather.ended(rows, after, Instant::now());
         }
         if heavy {
             shared.heavy_running.fetch_sub(1, Ordering::AcqRel);
@@ -628,8 +638,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
 
 /// Runs one batch and answers every request in it (after the batches before it, with
 /// `preserve_ordering`). Given `left`, the rows left queued when the batch formed and the submits
-/// seen then, the rows queued as it ended, before its answers let their callers send again (for
-/// `Gather`).
+/// seen then: the rows queued as it ended, before its answers let their callers send again, and
+/// those other instances were running then (for `Gather`).
 fn execute(
     shared: &Shared,
     instance: &mut dyn Instance,
@@ -638,7 +648,7 @@ fn execute(
     quiet: Option<u64>,
     cpu_from: Option<Duration>,
     left: Option<(usize, u64)>,
-) -> Option<usize> {
+) -> Option<(usize, usize)> {
     // Held from here, so that a batch that unwinds still passes the turn on (its drop waits for
     // it): a lost turn would stall every later batch of the model.
     let mut turn = shared.spec.batch.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
@@ -660,12 +670,16 @@ fn execute(
     let _entered = batch_span.enter();
     let replies = run_isolated(shared, instance, batch, quiet, cpu_from);
     // Requests, not rows, came since: a request of several rows counts one (fewer expected).
-    let queued = left.map(|(rows, seen)| rows + (shared.submitted.load(Ordering::Acquire) - seen) as usize);
+    let after = left.map(|(rows, seen)| {
+        let queued = rows + (shared.submitted.load(Ordering::Acquire) - seen) as usize;
+        let own: usize = replies.iter().map(|(p, _)| p.rows).sum();
+        (queued, shared.running_rows.load(Ordering::Acquire).saturating_sub(own))
+    });
     if let Some(t) = turn.as_mut() {
         t.wait();
     }
     answer(replies, turn.is_some());
-    queued
+    after
 }
 
 /// Sends a batch's answers. Each answer wakes its caller's task; sent from this thread one by one,
@@ -1136,14 +1150,19 @@ mod tests {
         // Nothing ran yet: nothing is expected.
         assert_eq!(g.hold(&costs, &q, 64, t), None);
         // A batch of 4 ended with 4 queued: its 4 callers are expected back, for up to a run of 4.
-        g.ended(4, 4, t);
+        g.ended(4, (4, 0), t);
         let until = t + Duration::from_micros(900);
         assert_eq!(g.hold(&costs, &q, 64, t), Some((8, until)));
-        // Decided once: looking again later keeps the same end; the merge limit caps the rows.
-        assert_eq!(g.hold(&costs, &q, 6, t + Duration::from_micros(500)), Some((6, until)));
+        // Decided once: looking again later keeps the same end.
+        assert_eq!(g.hold(&costs, &q, 64, t + Duration::from_micros(500)), Some((8, until)));
+        // More rows about than one batch takes (many clients): batches fill without waiting.
+        assert_eq!(g.hold(&costs, &q, 6, t), None);
+        let mut crowded = Gather::default();
+        crowded.ended(4, (4, 60), t);
+        assert_eq!(crowded.hold(&costs, &q, 64, t), None);
         // Its end passed with no row more: the next batches form at once.
         g.formed(4, until);
-        g.ended(4, 4, until);
+        g.ended(4, (4, 0), until);
         for _ in 0..HOLD_BACKOFF {
             assert_eq!(g.hold(&costs, &q, 64, until), None);
             g.formed(4, until);
