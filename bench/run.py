@@ -98,13 +98,21 @@ def perf_analyzer_load(protocol, url, clients, model="mlp", extra=(), fatal=True
 
     def run(duration):
         csv = WORK / f"perf_analyzer-{model}.csv"  # one per model: loads on several models run at once
-        out = subprocess.run(
-            [*LOADGEN, str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients), *extra,
-             # Three windows that agree within `stability`% make a result; they add up to `duration`.
-             "--measurement-mode", "time_windows", "--measurement-interval", str(max(duration * 1000 // 3, 500)),
-             "--stability-percentage", str(stability), "--max-trials", "10", "-f", str(csv)],
-            capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=str(PA_LIBS)),
-        )
+        try:
+            out = subprocess.run(
+                [*LOADGEN, str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url, "--concurrency-range", str(clients),
+                 *extra,
+                 # Three windows that agree within `stability`% make a result; they add up to `duration`.
+                 "--measurement-mode", "time_windows", "--measurement-interval", str(max(duration * 1000 // 3, 500)),
+                 "--stability-percentage", str(stability), "--max-trials", "10", "-f", str(csv)],
+                capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=str(PA_LIBS)),
+                # Ten windows at most (`--max-trials`), and its start, with room: beyond that it has hung (seen
+                # once against the tiny model at 128 gRPC clients, growing to 6 GB).
+                timeout=10 * max(duration, 1.5) + 60,
+            )
+        except subprocess.TimeoutExpired as e:
+            out = subprocess.CompletedProcess(e.cmd, -1, f"timed out after {e.timeout:.0f} s", "")
+            csv.unlink(missing_ok=True)
         if not csv.exists():
             if not fatal:
                 print(f"perf_analyzer gave no result: {out.stdout[-300:]}", file=sys.stderr)
