@@ -532,7 +532,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 match decision {
                     Decision::Run(batch) => {
                         shared.formed.fetch_add(1, Ordering::Relaxed);
-                        gather.formed(batch.iter().map(|p| p.rows).sum(), now);
+                        let rows = batch.iter().map(|p| p.rows).sum();
+                        gather.formed(rows, now);
                         if let Some(since) = idle_since.take() {
                             // Weight 1/8, capped, so that one pause of the client's does not end
                             // the watching.
@@ -554,7 +555,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         let quiet =
                             (batch.len() == 1 && q.is_empty()).then(|| shared.submitted.load(Ordering::Acquire));
                         let left = shared.gathers.then(|| (q.rows(), shared.submitted.load(Ordering::Acquire)));
-                        break (batch, ticket, quiet, left);
+                        break (batch, rows, ticket, quiet, left);
                     }
                     Decision::WaitUntil(when) => {
                         let wait = when.saturating_duration_since(Instant::now());
@@ -599,17 +600,17 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
             }
         };
-        let (batch, ticket, quiet, left) = batch;
+        let (batch, rows, ticket, quiet, left) = batch;
         last_requests = batch.len();
         lone_streak = if last_requests == 1 { lone_streak.saturating_add(1) } else { 0 };
         let heavy = batch.iter().any(|p| p.heavy);
-        let rows = batch.iter().map(|p| p.rows).sum::<usize>();
         if shared.gathers {
             shared.running_rows.fetch_add(rows, Ordering::AcqRel);
         }
-        if let Some(after) = execute(shared, instance.as_mut(), batch, ticket, quiet, cpu_from, left) {
-            shared.running_rows.fetch_sub(rows, Ordering::AcqRel);
-            gather.ended(rows, after, Instant::now());
+        if let Some(queued) = execute(shared, instance.as_mut(), batch, ticket, quiet, cpu_from, left) {
+            // The other instances' rows: theirs come back too (their answers are not this batch's).
+            let elsewhere = shared.running_rows.fetch_sub(rows, Ordering::AcqRel).saturating_sub(rows);
+            gather.ended(rows, (queued, elsewhere), Instant::now());
         }
         if heavy {
             shared.heavy_running.fetch_sub(1, Ordering::AcqRel);
@@ -638,8 +639,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
 
 /// Runs one batch and answers every request in it (after the batches before it, with
 /// `preserve_ordering`). Given `left`, the rows left queued when the batch formed and the submits
-/// seen then: the rows queued as it ended, before its answers let their callers send again, and
-/// those other instances were running then (for `Gather`).
+/// seen then: the rows queued as it ended, before its answers let their callers send again (for
+/// `Gather`).
 fn execute(
     shared: &Shared,
     instance: &mut dyn Instance,
@@ -648,7 +649,7 @@ fn execute(
     quiet: Option<u64>,
     cpu_from: Option<Duration>,
     left: Option<(usize, u64)>,
-) -> Option<(usize, usize)> {
+) -> Option<usize> {
     // Held from here, so that a batch that unwinds still passes the turn on (its drop waits for
     // it): a lost turn would stall every later batch of the model.
     let mut turn = shared.spec.batch.preserve_ordering.then_some(AnswerTurn { shared, ticket, held: false });
@@ -670,16 +671,12 @@ fn execute(
     let _entered = batch_span.enter();
     let replies = run_isolated(shared, instance, batch, quiet, cpu_from);
     // Requests, not rows, came since: a request of several rows counts one (fewer expected).
-    let after = left.map(|(rows, seen)| {
-        let queued = rows + (shared.submitted.load(Ordering::Acquire) - seen) as usize;
-        let own: usize = replies.iter().map(|(p, _)| p.rows).sum();
-        (queued, shared.running_rows.load(Ordering::Acquire).saturating_sub(own))
-    });
+    let queued = left.map(|(rows, seen)| rows + (shared.submitted.load(Ordering::Acquire) - seen) as usize);
     if let Some(t) = turn.as_mut() {
         t.wait();
     }
     answer(replies, turn.is_some());
-    after
+    queued
 }
 
 /// Sends a batch's answers. Each answer wakes its caller's task; sent from this thread one by one,
