@@ -7,8 +7,11 @@ over rounds; per model, the server's peak and final resident memory. Context swi
 calls and batch sizes depend little on how fast the machine runs that minute; throughput and CPU
 do, so read those through the spread of their rounds (shown).
 
-Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320] [--clients 8,128]
-       [--loads bin,grpc,json] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
+The pipelines of bench/pipelines.py are cases too: `text` (its load `embed`: TEI's /embed, one
+sentence a request) and `images` (its load `bin`: one JPEG a request over V2 binary).
+
+Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320,text] [--clients 8,128]
+       [--loads bin,grpc,json,embed] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
 """
 
 import argparse
@@ -66,6 +69,17 @@ def counts(base, model):
     return s["inference_count"], s["execution_count"]
 
 
+# The pipelines (bench/pipelines.py's repository, served whole) and their request bodies.
+PIPELINES = ("text", "images")
+
+
+def pipeline_loads(case, base, header_len):
+    if case == "images":
+        return {"bin": lambda c: run.oha_load(f"{base}/v2/models/images/infer", WORK / "image.bin", c,
+                                              [f"Inference-Header-Content-Length: {header_len}"])}
+    return {"embed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed.json", c, ["Content-Type: application/json"])}
+
+
 def loads(case, base, grpc):
     model = kinds.CASES[case][0]
     json_body, bin_body, header_len = kinds.bodies(case, f"ab-{case}")
@@ -95,6 +109,11 @@ def main():
         kinds.pin()
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
+    cases = args.models.split(",")
+    if any(c in PIPELINES for c in cases):
+        import bench.pipelines as pipelines
+        pipelines.repository()
+        header_len = pipelines.bodies(pipelines.photo())
     binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     clients = [int(c) for c in args.clients.split(",")]
     rows, rss = {}, {}
@@ -102,12 +121,14 @@ def main():
     for _ in range(args.rounds):
         for label, binary in binaries.items():
             kinds.BINARY = binary
-            for case in args.models.split(","):
-                model = kinds.CASES[case][0]
-                proc, base, grpc = kinds.serve(case, args, log_name=f"ab-{label}")
+            for case in cases:
+                piped = case in PIPELINES
+                model = case if piped else kinds.CASES[case][0]
+                proc, base, grpc = kinds.serve(case, args, log_name=f"ab-{label}", repo=pipelines.REPO if piped else None)
                 try:
                     for c in clients:
-                        for name, load in loads(case, base, grpc).items():
+                        case_loads = pipeline_loads(case, base, header_len) if piped else loads(case, base, grpc)
+                        for name, load in case_loads.items():
                             if name not in args.loads.split(","):
                                 continue
                             go = load(c)

@@ -137,15 +137,19 @@ def engine_rss(plans, secs=2.0):
     return json.loads(out.splitlines()[-1])["peak_rss_mb"]
 
 
-def serve(case, args, log_name="kinds", beside=None):
-    """The server on `case`'s model (and on `beside`'s too, when given, from one repository)."""
-    models = [CASES[c][0] for c in (case, beside) if c]
-    model = models[0]
-    repo = WORK / f"repo-{'-'.join(dict.fromkeys(models))}"
-    for m in models:
-        if not (repo / m / "1" / "model.onnx").exists():
-            (repo / m / "1").mkdir(parents=True, exist_ok=True)
-            os.link(KINDS / m / "1/model.onnx", repo / m / "1" / "model.onnx")
+def serve(case, args, log_name="kinds", beside=None, repo=None):
+    """The server on `case`'s model (and on `beside`'s too, when given, from one repository), or
+    on the repository `repo` as it is, ready when its model `case` is."""
+    if repo is None:
+        models = [CASES[c][0] for c in (case, beside) if c]
+        model = models[0]
+        repo = WORK / f"repo-{'-'.join(dict.fromkeys(models))}"
+        for m in models:
+            if not (repo / m / "1" / "model.onnx").exists():
+                (repo / m / "1").mkdir(parents=True, exist_ok=True)
+                os.link(KINDS / m / "1/model.onnx", repo / m / "1" / "model.onnx")
+    else:
+        model = case
     port, grpc_port = free_port(), free_port()
     cmd = [*SERVER_CPUS, str(BINARY), "serve", "--model-repository", str(repo), "--http-port", str(port),
            "--grpc-port", str(grpc_port), "--metrics-port", "0", "--log", "info", *args.extra.split()]
