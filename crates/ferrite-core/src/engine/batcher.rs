@@ -502,7 +502,8 @@ fn my_turn(shared: &Shared, q: &Queue, role: Role, limit: usize) -> bool {
 /// row (the text pipeline's four workers at 32 clients: batches of 1-2 rows beside ones of 20-29,
 /// p99 71 ms; in shares, batches of 6-8 and p99 54 ms, 7% fewer texts a second; at 8 clients 20%
 /// more, p99 26 -> 16 ms: `bench/results/share-text.md`). Not for the solo instance, which runs
-/// alone.
+/// alone, nor where the config sets a queue delay (`BatchPolicy::gather`): a batch that reaches its
+/// limit runs without waiting, so a share would cut the batches that delay is there to fill.
 fn share(limit: usize, queued: usize, running: usize, instances: usize) -> usize {
     if instances <= 1 {
         return limit;
@@ -541,8 +542,10 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
                 let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
                 let limit = shared.batch_limit(&q, light_only);
+                // A queue delay the config sets is Triton's: an instance takes what its limit allows.
                 let limit = match role {
                     Role::Solo => limit,
+                    _ if !shared.spec.batch.gather => limit,
                     _ => {
                         share(limit, q.rows(), shared.running_rows.load(Ordering::Acquire), shared.spec.instance_count)
                     }

@@ -91,7 +91,8 @@ pub struct BatchPolicy {
     pub max_queue_delay_us: u64,
     /// The config left `max_queue_delay_microseconds` unset: a single-instance model's batch may
     /// wait for the callers of the batch before it, when its measured costs say one merged run
-    /// serves them sooner (see `BatchCosts::hold`). Set, even to 0, the delay is Triton's: fixed.
+    /// serves them sooner (see `BatchCosts::hold`), and the instances share the work (the
+    /// batcher's `share`). Set, even to 0, the delay is Triton's: fixed.
     pub gather: bool,
     pub priority_levels: u32,
     pub default_priority_level: u32,
