@@ -69,7 +69,7 @@ def counts(base, model):
     return s["inference_count"], s["execution_count"]
 
 
-# The pipelines (bench/pipelines.py's repository, served whole) and their request bodies.
+# The pipelines of bench/pipelines.py (its repository served whole), each with its one load.
 PIPELINES = ("text", "images")
 
 
