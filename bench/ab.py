@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench.kinds as kinds  # noqa: E402
+import bench.pipelines as pipelines  # noqa: E402
 import bench.run as run  # noqa: E402
 from bench.run import ROOT, RESULTS, WORK  # noqa: E402
 
@@ -110,8 +111,8 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
     cases = args.models.split(",")
+    header_len = None  # the image pipeline's V2 binary header, once its bodies are written
     if any(c in PIPELINES for c in cases):
-        import bench.pipelines as pipelines
         pipelines.repository()
         header_len = pipelines.bodies(pipelines.photo())
     binaries = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
