@@ -79,6 +79,30 @@ def test_stream_goes_on_after_a_bad_request(server):
     assert len(errors) == 1 and "'input'" in errors[0].message()
 
 
+def test_large_messages_are_each_answered_from_their_own_bytes(start_server, tmp_path):
+    """Unary messages of 1 MiB and more are read into buffers reused from call to call: answers to
+    concurrent ones, plain or gzip-compressed, are each their own request's; one over the decoding
+    limit is refused before it is read."""
+    repo = make_repository(tmp_path / "repo", ("mlp",))
+    (repo / "mlp" / "config.toml").write_text("max_batch_size = 1024\n")
+    s = start_server("--grpc-max-decoding-message-size", str(3 << 19), repository=repo)
+    c = grpcclient.InferenceServerClient(s.grpc_url)
+    xs = [np.random.default_rng(i).standard_normal((600, 512)).astype(np.float32) for i in range(8)]  # 1.2 MB
+    done = queue.Queue()
+    for i, x in enumerate(xs):
+        c.async_infer("mlp", [mlp_input(x)], callback=lambda result, error, i=i: done.put((i, result, error)),
+                      compression_algorithm="gzip" if i % 4 == 3 else None)
+    for _ in xs:
+        i, r, e = done.get(timeout=60)
+        assert e is None, e
+        np.testing.assert_allclose(r.as_numpy("output"), reference(xs[i]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("mlp", [mlp_input(np.ones((800, 512), np.float32))])  # 1.6 MB, over the 1.5 MiB limit
+    assert e.value.status() == "StatusCode.OUT_OF_RANGE", e.value
+    r = c.infer("mlp", [mlp_input(xs[0])])
+    np.testing.assert_allclose(r.as_numpy("output"), reference(xs[0]), rtol=1e-5, atol=1e-5)
+
+
 def test_deadline_ends_a_queued_request_without_running_it(start_server, tmp_path):
     repo = make_repository(tmp_path / "slow", ("mlp",))
     (repo / "mlp" / "config.toml").write_text("[dynamic_batching]\nmax_queue_delay_microseconds = 3000000\n")

@@ -165,8 +165,13 @@ pub async fn run(
     let tei = grpc::tei::services(core.clone(), &cfg.grpc);
     let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
+        .max_frame_size(grpc::MAX_FRAME)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
-        .layer(grpc::calls::CallLayer { budget: cfg.http.body_budget.clone(), message_timeout: cfg.http.body_timeout })
+        .layer(grpc::calls::CallLayer {
+            budget: cfg.http.body_budget.clone(),
+            message_timeout: cfg.http.body_timeout,
+            max_message: cfg.grpc.max_decoding_message_size,
+        })
         .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
         .add_service(grpc::service(core.clone(), &cfg.grpc))

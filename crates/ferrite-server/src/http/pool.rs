@@ -3,7 +3,8 @@
 //! From 1 MiB glibc gives each buffer a mapping of its own (`fix_mmap_threshold` in main.rs), so a
 //! fresh one is a page fault per 4 KiB written: a detector's 1.2 MB image cost about 300 faults
 //! to read, more than copying it. A body's buffer goes back here when the last view of it (the
-//! request's tensors, split off it) is dropped.
+//! request's tensors, split off it) is dropped. Large unary gRPC messages are read into the same
+//! buffers (`grpc::calls`).
 
 use std::sync::{
     atomic::{AtomicBool, Ordering::Relaxed},
@@ -77,25 +78,46 @@ impl Pool {
                 }
             });
         };
-        let mut buf = Pooled { buf: self.take(len), pool: self };
+        let mut buf = self.buffer(len);
         let mut body = body;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| ReadError::Failed(e.to_string()))?;
             if let Some(data) = frame.data_ref() {
-                if buf.buf.len() + data.len() > max {
+                if buf.filled() + data.len() > max {
                     return Err(ReadError::TooLarge);
                 }
-                buf.buf.extend_from_slice(data);
+                buf.extend(data);
             }
         }
-        Ok(Bytes::from_owner(buf))
+        Ok(buf.into_bytes())
+    }
+
+    /// An empty buffer that holds `len` bytes without growing; back to the pool when dropped (or
+    /// when the last view of `into_bytes` is).
+    pub fn buffer(&'static self, len: usize) -> Pooled {
+        Pooled { buf: self.take(len), pool: self }
     }
 }
 
 /// A pooled buffer's bytes, as long as any view of them lives.
-struct Pooled {
+pub struct Pooled {
     buf: Vec<u8>,
     pool: &'static Pool,
+}
+
+impl Pooled {
+    /// Bytes written so far.
+    pub fn filled(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn extend(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    pub fn into_bytes(self) -> Bytes {
+        Bytes::from_owner(self)
+    }
 }
 
 impl AsRef<[u8]> for Pooled {
