@@ -541,15 +541,12 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                 }
                 let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
                 let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
-                let limit = shared.batch_limit(&q, light_only);
+                let mut limit = shared.batch_limit(&q, light_only);
                 // A queue delay the config sets is Triton's: an instance takes what its limit allows.
-                let limit = match role {
-                    Role::Solo => limit,
-                    _ if !shared.spec.batch.gather => limit,
-                    _ => {
-                        share(limit, q.rows(), shared.running_rows.load(Ordering::Acquire), shared.spec.instance_count)
-                    }
-                };
+                if role != Role::Solo && shared.spec.batch.gather {
+                    let running = shared.running_rows.load(Ordering::Acquire);
+                    limit = share(limit, q.rows(), running, shared.spec.instance_count);
+                }
                 let now = Instant::now();
                 let hold = shared.gathers.then(|| gather.hold(&shared.costs, &q, limit, now)).flatten();
                 let decision = q.next_batch_of(now, &shared.spec.batch, limit, flush, light_only, hold);
