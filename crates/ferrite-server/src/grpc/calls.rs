@@ -259,14 +259,17 @@ impl Charged {
         }
     }
 
+    /// Adds `data` to the message being read (`self.big` is `Reading`; it stays so until whole).
     fn fill(&mut self, data: Bytes) -> Step {
-        let Big::Reading { buf, want, .. } = &mut self.big else { return Step::Pass };
-        let n = (*want - buf.filled()).min(data.len());
+        let Big::Reading { slot, mut buf, want } = std::mem::replace(&mut self.big, Big::Off) else {
+            return Step::Pass;
+        };
+        let n = (want - buf.filled()).min(data.len());
         buf.extend(&data[..n]);
-        if buf.filled() < *want {
+        if buf.filled() < want {
+            self.big = Big::Reading { slot, buf, want };
             return Step::Held;
         }
-        let Big::Reading { slot, buf, .. } = std::mem::replace(&mut self.big, Big::Off) else { return Step::Pass };
         *slot.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf.into_bytes());
         let mut out = BytesMut::with_capacity(5 + data.len() - n);
         out.put_bytes(0, 5);
