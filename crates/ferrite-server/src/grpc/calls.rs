@@ -483,6 +483,30 @@ mod tests {
         }
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_captured_message_is_charged_and_timed_as_it_arrives() {
+        use http_body_util::BodyExt;
+        let budget = Arc::new(Semaphore::new(4096));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
+        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
+        let charge = Arc::new(Charge { budget: budget.clone(), permits: AtomicU32::new(0) });
+        let slot = Captured::default();
+        let big = Big::Armed { slot: slot.clone(), max: 2 * POOLED_FROM };
+        let mut body = Charged::new(inner, charge.clone(), false, Duration::from_secs(30), big);
+        // 100 KiB of a 1 MiB message, then nothing: charged as it came, cut at the timeout.
+        let mut m = message(POOLED_FROM);
+        m.truncate(100 << 10);
+        tx.send(Ok(Frame::data(Bytes::from(m)))).await.unwrap();
+        let refused = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::DeadlineExceeded, "{refused:?}");
+        assert_eq!(budget.available_permits(), 4096 - 100);
+        drop(body);
+        drop(charge);
+        assert_eq!(budget.available_permits(), 4096);
+        assert!(slot.take().is_none());
+        drop(tx);
+    }
+
     #[tokio::test]
     async fn a_body_that_ends_inside_a_captured_message_fails() {
         let m = message(POOLED_FROM);
