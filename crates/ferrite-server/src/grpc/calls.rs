@@ -392,14 +392,21 @@ mod tests {
         assert_eq!(f.advance(&message(4)[..6]), None);
     }
 
+    type Feed = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Status>>;
+
+    /// A body fed frame by frame through a channel, charged to `budget`, with a 30 s body timeout.
+    fn fed(budget: &Arc<Semaphore>, streaming: bool, big: Big) -> (Feed, Charged, Arc<Charge>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
+        let charge = Arc::new(Charge { budget: budget.clone(), permits: AtomicU32::new(0) });
+        (tx, Charged::new(inner, charge.clone(), streaming, Duration::from_secs(30), big), charge)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_message_trickled_past_the_timeout_fails_and_frees_its_bytes() {
         use http_body_util::BodyExt;
         let budget = Arc::new(Semaphore::new(100));
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
-        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
-        let charge = Arc::new(Charge { budget: budget.clone(), permits: AtomicU32::new(0) });
-        let mut body = Charged::new(inner, charge.clone(), false, Duration::from_secs(30), Big::Off);
+        let (tx, mut body, charge) = fed(&budget, false, Big::Off);
         // A whole small message, then 10 KiB of a 1 MB one, then nothing.
         tx.send(Ok(Frame::data(Bytes::from(message(3))))).await.unwrap();
         assert!(body.frame().await.unwrap().is_ok());
@@ -422,10 +429,7 @@ mod tests {
     async fn whole_messages_stop_the_clock() {
         use http_body_util::BodyExt;
         let budget = Arc::new(Semaphore::new(100));
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
-        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
-        let charge = Arc::new(Charge { budget, permits: AtomicU32::new(0) });
-        let mut body = Charged::new(inner, charge, true, Duration::from_secs(30), Big::Off);
+        let (tx, mut body, _charge) = fed(&budget, true, Big::Off);
         tx.send(Ok(Frame::data(Bytes::from(message(8))))).await.unwrap();
         assert!(body.frame().await.unwrap().is_ok());
         // A quiet stream between whole messages is not cut.
@@ -487,12 +491,8 @@ mod tests {
     async fn a_captured_message_is_charged_and_timed_as_it_arrives() {
         use http_body_util::BodyExt;
         let budget = Arc::new(Semaphore::new(4096));
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
-        let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
-        let charge = Arc::new(Charge { budget: budget.clone(), permits: AtomicU32::new(0) });
         let slot = Captured::default();
-        let big = Big::Armed { slot: slot.clone(), max: 2 * POOLED_FROM };
-        let mut body = Charged::new(inner, charge.clone(), false, Duration::from_secs(30), big);
+        let (tx, mut body, charge) = fed(&budget, false, Big::Armed { slot: slot.clone(), max: 2 * POOLED_FROM });
         // 100 KiB of a 1 MiB message, then nothing: charged as it came, cut at the timeout.
         let mut m = message(POOLED_FROM);
         m.truncate(100 << 10);
