@@ -3,7 +3,10 @@
 
 use std::{
     path::{Path, PathBuf},
-    sync::{atomic::Ordering, mpsc, Arc, Mutex},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        mpsc, Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
@@ -273,10 +276,31 @@ async fn a_full_queue_refuses_with_retry_after() {
 /// caused on demand with a real model.
 struct Stuck {
     release: Arc<Mutex<mpsc::Receiver<()>>>,
+    entered: Arc<AtomicUsize>,
     specs: Vec<TensorSpec>,
 }
 
-struct StuckInstance(Arc<Mutex<mpsc::Receiver<()>>>);
+struct StuckInstance(Arc<Mutex<mpsc::Receiver<()>>>, Arc<AtomicUsize>);
+
+/// What lets a `Stuck` model's runs go, and tells how many runs have reached the backend (a batch
+/// counts as running a little before that, and a request whose client left by then is never run).
+struct Gate {
+    tx: mpsc::Sender<()>,
+    entered: Arc<AtomicUsize>,
+}
+
+impl Gate {
+    fn send(&self, release: ()) -> Result<(), mpsc::SendError<()>> {
+        self.tx.send(release)
+    }
+
+    /// Waits until `n` runs in all have reached the backend.
+    async fn entered(&self, n: usize) {
+        while self.entered.load(Ordering::Acquire) < n {
+            tokio::task::yield_now().await;
+        }
+    }
+}
 
 impl Backend for Stuck {
     fn inputs(&self) -> &[TensorSpec] {
@@ -286,12 +310,13 @@ impl Backend for Stuck {
         &self.specs
     }
     fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(StuckInstance(self.release.clone())))
+        Ok(Box::new(StuckInstance(self.release.clone(), self.entered.clone())))
     }
 }
 
 impl Instance for StuckInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        self.1.fetch_add(1, Ordering::AcqRel);
         let _ = self.0.lock().unwrap().recv_timeout(Duration::from_secs(30));
         let i = &inputs[0];
         let data = i.parts.iter().fold(Vec::new(), |mut acc, p| {
@@ -304,20 +329,21 @@ impl Instance for StuckInstance {
     }
 }
 
-/// A core serving one `Stuck` model (batch size 1), the sender that lets its runs go, and the model.
-fn stuck_core(limits: Limits) -> (Core, mpsc::Sender<()>, Arc<Model>) {
+/// A core serving one `Stuck` model (batch size 1), the gate that lets its runs go, and the model.
+fn stuck_core(limits: Limits) -> (Core, Gate, Arc<Model>) {
     stuck_core_with(limits, "max_batch_size = 1")
 }
 
-fn stuck_core_with(limits: Limits, config: &str) -> (Core, mpsc::Sender<()>, Arc<Model>) {
+fn stuck_core_with(limits: Limits, config: &str) -> (Core, Gate, Arc<Model>) {
     let (tx, rx) = mpsc::channel();
+    let entered = Arc::new(AtomicUsize::new(0));
     let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
-    let backend = Stuck { release: Arc::new(Mutex::new(rx)), specs: specs.clone() };
+    let backend = Stuck { release: Arc::new(Mutex::new(rx)), entered: entered.clone(), specs: specs.clone() };
     let config: ModelConfig = toml::from_str(config).unwrap();
     let spec = ModelSpec::resolve("stuck", 1, &config, &specs, &specs, 1).unwrap();
     let model = Arc::new(Model::start(spec, &backend, None).unwrap());
     let core = Core::from_models([("stuck".to_string(), model.clone())].into(), Default::default(), limits);
-    (core, tx, model)
+    (core, Gate { tx, entered }, model)
 }
 
 fn stuck_request() -> InferRequest {
@@ -382,9 +408,9 @@ async fn a_client_that_leaves_keeps_its_place_until_its_work_stops() {
         let core = core.clone();
         tokio::spawn(async move { core.infer(stuck_request()).await })
     };
-    while model.batcher().running() < 1 {
-        tokio::task::yield_now().await;
-    }
+    // In the backend, not only counted as running: a client gone before the run starts is
+    // dropped unrun, and its place given back at once.
+    tx.entered(1).await;
     // The client leaves while its batch runs: the batch still holds the place, so a second
     // request is refused rather than run beside it.
     first.abort();
