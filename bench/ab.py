@@ -2,7 +2,7 @@
 kinds and loads, pinned (the server on core 0, the load generators on core 1), so that a change is
 measured against the same machine minutes rather than against another run's. Per binary and load:
 requests/s, server CPU microseconds, context switches (all the server's threads, voluntary and not),
-system calls (`perf stat`, when perf is installed) and the mean batch size per request, the median
+system calls (`perf stat`, when perf is installed), page faults and the mean batch size per request, the median
 over rounds; per model, the server's peak and final resident memory. Context switches, system
 calls and batch sizes depend little on how fast the machine runs that minute; throughput and CPU
 do, so read those through the spread of their rounds (shown).
@@ -11,7 +11,7 @@ The pipelines of bench/pipelines.py are cases too: `text` (its load `embed`: TEI
 sentence a request) and `images` (its load `bin`: one JPEG a request over V2 binary).
 
 Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320,text] [--clients 8,128]
-       [--loads bin,grpc,json,embed] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
+       [--loads bin,grpc,pahttp,json,embed] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
 """
 
 import argparse
@@ -44,6 +44,14 @@ def context_switches(pid):
         except OSError:
             pass  # a thread that ended meanwhile
     return n
+
+
+def page_faults(pid):
+    """The process's minor page faults so far (all its threads)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except OSError:
+        return 0
 
 
 def system_calls(pid, go):
@@ -89,6 +97,9 @@ def loads(case, base, grpc):
     return {
         "bin": lambda c: run.oha_load(infer, bin_body, c, [f"Inference-Header-Content-Length: {header_len}"]),
         "grpc": lambda c: run.perf_analyzer_load("grpc", grpc, c, model, pa_extra, fatal=False, stability=100),
+        # Binary HTTP from the generator gRPC gets: the two protocols compared on one client's cost.
+        "pahttp": lambda c: run.perf_analyzer_load("http", base.removeprefix("http://"), c, model, pa_extra,
+                                                   fatal=False, stability=100),
         "json": lambda c: run.oha_load(infer, json_body, c, ["Content-Type: application/json"]),
     }
 
@@ -134,12 +145,15 @@ def main():
                                 continue
                             go = load(c)
                             go(1)  # warm-up
-                            (n0, e0), x0, cpu0, t0 = counts(base, model), context_switches(proc.pid), run.cpu_seconds(proc.pid), time.time()
+                            (n0, e0), x0, f0 = counts(base, model), context_switches(proc.pid), page_faults(proc.pid)
+                            cpu0, t0 = run.cpu_seconds(proc.pid), time.time()
                             (_, p50, p99, errors), calls = system_calls(proc.pid, lambda: go(args.duration))
-                            (n1, e1), x1, cpu1, t1 = counts(base, model), context_switches(proc.pid), run.cpu_seconds(proc.pid), time.time()
+                            (n1, e1), x1, f1 = counts(base, model), context_switches(proc.pid), page_faults(proc.pid)
+                            cpu1, t1 = run.cpu_seconds(proc.pid), time.time()
                             n = max(1, n1 - n0)
                             row = {"rps": n / (t1 - t0), "cpu_us": (cpu1 - cpu0) / n * 1e6, "switches": (x1 - x0) / n,
-                                   "syscalls": calls / n, "batch": n / max(1, e1 - e0), "p50_ms": p50, "p99_ms": p99, "errors": errors}
+                                   "syscalls": calls / n, "faults": (f1 - f0) / n, "batch": n / max(1, e1 - e0),
+                                   "p50_ms": p50, "p99_ms": p99, "errors": errors}
                             rows.setdefault((case, name, c), {}).setdefault(label, []).append(row)
                             print(json.dumps({"binary": label, "case": case, "load": name, "clients": c, **row}), flush=True)
                     rss.setdefault(case, {}).setdefault(label, []).append(
@@ -157,13 +171,13 @@ def write(args, binaries, rows, rss, took):
         "",
         f"`bench/ab.py` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, {took / 60:.1f} min: A = `{binaries['A'].name}`, "
         f"B = `{binaries['B'].name}`, alternated A, B in {args.rounds} rounds; batch-1 requests for {args.duration} s per load "
-        f"(oha for binary HTTP, perf_analyzer for gRPC), {'not pinned' if args.no_pin else 'the server pinned to core 0 and the load generators to core 1'}. "
+        f"(oha for binary HTTP `bin`, perf_analyzer for gRPC `grpc` and binary HTTP `pahttp`), {'not pinned' if args.no_pin else 'the server pinned to core 0 and the load generators to core 1'}. "
         "Each cell: the median over rounds; `switches`: context switches of all the server's threads per request; "
-        "`syscalls`: the server's system calls per request; `batch`: requests per batch run. `ferrite serve` arguments: "
+        "`syscalls`: the server's system calls per request; `faults`: its page faults per request; `batch`: requests per batch run. `ferrite serve` arguments: "
         f"`{args.extra or '(defaults)'}`.",
         "",
-        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | syscalls/req A | B | batch A | B | p50 ms A | B | p99 ms A | B |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | load | clients | req/s A | req/s B | B/A | rounds' req/s A; B | CPU µs/req A | B | switches/req A | B | syscalls/req A | B | faults/req A | B | batch A | B | p50 ms A | B | p99 ms A | B |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (case, load, c), by in rows.items():
         a, b = by.get("A", []), by.get("B", [])
@@ -174,6 +188,7 @@ def write(args, binaries, rows, rss, took):
             f"| {case} | {load} | {c} | {median(a, 'rps'):.0f} | {median(b, 'rps'):.0f} | {median(b, 'rps') / median(a, 'rps'):.2f} | {spread} | "
             f"{median(a, 'cpu_us'):.0f} | {median(b, 'cpu_us'):.0f} | {median(a, 'switches'):.2f} | {median(b, 'switches'):.2f} | "
             f"{median(a, 'syscalls'):.2f} | {median(b, 'syscalls'):.2f} | "
+            f"{median(a, 'faults'):.1f} | {median(b, 'faults'):.1f} | "
             f"{median(a, 'batch'):.1f} | {median(b, 'batch'):.1f} | {median(a, 'p50_ms'):.3f} | {median(b, 'p50_ms'):.3f} | {median(a, 'p99_ms'):.2f} | {median(b, 'p99_ms'):.2f} |"
         )
     lines += [
