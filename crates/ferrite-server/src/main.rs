@@ -295,12 +295,25 @@ enum LogFormat {
 /// serves such buffers from heaps it keeps: a detector at 640x640 under 128 clients held 2.2 GB
 /// that way, 1.1 GB with the threshold fixed, at the same throughput (`bench/kinds.py`). An
 /// explicit `MALLOC_MMAP_THRESHOLD_` in the environment is left as it is.
+///
+/// Fixing it also fixes the trim threshold, at glibc's 128 KiB: the free top of a heap past it
+/// goes back to the system at each free, so a buffer of 128 KiB to 1 MiB made and freed each
+/// request (a gRPC response's encoding, a batch's outputs) was faulted in anew each time: a YOLO
+/// at 320x320 over gRPC took 360 faults a request, 170 with this (the rest were its batches'
+/// outputs, now in `Reused` buffers). It is set to twice the mmap threshold, as glibc sets it
+/// when it moves the mmap threshold itself (unless `MALLOC_TRIM_THRESHOLD_` is set).
 fn fix_mmap_threshold() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
         // SAFETY: mallopt only sets an allocator parameter; called before any other thread starts.
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        }
+        if std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none() {
+            // SAFETY: as above.
+            unsafe {
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 2 << 20);
+            }
         }
     }
 }
