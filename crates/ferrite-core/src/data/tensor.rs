@@ -1,5 +1,7 @@
 //! Tensors as the core carries them: a name, a datatype, a shape and row-major little-endian bytes.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use crate::{DataType, Error, Result};
@@ -39,6 +41,80 @@ pub fn aligned_bytes(src: &[u8]) -> Bytes {
     // SAFETY: `buf` has room for `src.len()` bytes; the regions do not overlap.
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.as_mut_ptr().cast::<u8>(), src.len()) };
     Bytes::from_owner(Aligned { buf, len: src.len() })
+}
+
+/// Copies this large and larger go into `Reused` buffers; smaller ones come from the heap, which
+/// reuses freed memory on its own (the server's mmap threshold is this size).
+pub const REUSED_FROM: usize = 1 << 20;
+
+/// The most buffers a `Reused` keeps, and their most bytes in all: a few batches' outputs in
+/// flight at once (a detector's batch of 8 maps at 640x640 is 13 MB).
+const REUSED_KEPT: usize = 4;
+const REUSED_BYTES: usize = 64 << 20;
+
+/// Buffers that large outputs are copied into, as `aligned_bytes` copies, each used again once no
+/// view of its last copy lives. A fresh buffer of a megabyte or more is a fresh mapping, a page
+/// fault per 4 KiB written: a YOLO's batch of four outputs at 320x320 (2.8 MB) cost about 700
+/// faults a batch. A reused buffer is overwritten only as far as the new copy, and views see
+/// only that far.
+#[derive(Default)]
+pub struct Reused {
+    bufs: Vec<Arc<Vec<u128>>>,
+}
+
+impl Reused {
+    /// A copy of `src` in a 16-byte-aligned buffer: a kept one when one is free and large enough,
+    /// else a new one, kept while there is room (a free one too small makes way for it).
+    pub fn copy(&mut self, src: &[u8]) -> Bytes {
+        struct View {
+            buf: Arc<Vec<u128>>,
+            len: usize,
+        }
+        impl AsRef<[u8]> for View {
+            fn as_ref(&self) -> &[u8] {
+                // SAFETY: the buffer holds at least `len` initialised bytes (see below).
+                unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>(), self.len) }
+            }
+        }
+        if src.len() < REUSED_FROM {
+            return aligned_bytes(src);
+        }
+        let words = src.len().div_ceil(16);
+        // Free: no view holds it (and none can be made but here).
+        let free = |b: &Arc<Vec<u128>>| Arc::strong_count(b) == 1;
+        let fit =
+            self.bufs.iter().enumerate().filter(|(_, b)| b.len() >= words && free(b)).min_by_key(|(_, b)| b.len());
+        let i = match fit.map(|(i, _)| i) {
+            Some(i) => i,
+            None => {
+                if let Some(small) = self.bufs.iter().position(free) {
+                    self.bufs.swap_remove(small);
+                }
+                let held: usize = self.bufs.iter().map(|b| b.len() * 16).sum();
+                if self.bufs.len() >= REUSED_KEPT || held + words * 16 > REUSED_BYTES {
+                    return aligned_bytes(src);
+                }
+                self.bufs.push(Arc::new(vec![0u128; words]));
+                self.bufs.len() - 1
+            }
+        };
+        let Some(buf) = Arc::get_mut(&mut self.bufs[i]) else {
+            return aligned_bytes(src);
+        };
+        // SAFETY: `buf` has room for `src.len()` bytes; the regions do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.as_mut_ptr().cast::<u8>(), src.len()) };
+        Bytes::from_owner(View { buf: self.bufs[i].clone(), len: src.len() })
+    }
+
+    /// Whether any buffer is kept.
+    pub fn is_empty(&self) -> bool {
+        self.bufs.is_empty()
+    }
+
+    /// Lets go of the kept buffers (those in use live on with their views).
+    pub fn clear(&mut self) {
+        self.bufs.clear();
+    }
 }
 
 /// The number of elements of `shape`, overflow-checked and capped at `max` (inclusive).
@@ -196,6 +272,43 @@ mod tests {
         let b = aligned_bytes(&src[1..]);
         assert_eq!(&b[..], &src[1..]);
         assert_eq!(b.as_ptr() as usize % 16, 0);
+    }
+
+    #[test]
+    fn large_copies_reuse_a_buffer_once_its_views_are_gone() {
+        let mut reused = Reused::default();
+        let small = reused.copy(&[1, 2, 3]);
+        assert!(reused.is_empty(), "small copies come from the heap");
+        assert_eq!(&small[..], &[1, 2, 3]);
+        let a: Vec<u8> = (0..REUSED_FROM + 3).map(|i| i as u8).collect();
+        let first = reused.copy(&a);
+        assert_eq!(&first[..], &a[..]);
+        assert_eq!(first.as_ptr() as usize % 16, 0);
+        let at = first.as_ptr();
+        let view = first.slice(10..20);
+        drop(first);
+        // A view still reads it: the next copy goes elsewhere.
+        let b = vec![9u8; REUSED_FROM];
+        let second = reused.copy(&b);
+        assert_ne!(second.as_ptr(), at);
+        assert_eq!(&view[..], &a[10..20]);
+        drop(view);
+        // Free now, and large enough: reused, and the copy's views end where it ends.
+        let third = reused.copy(&b[..REUSED_FROM]);
+        assert_eq!(third.as_ptr(), at);
+        assert_eq!(&third[..], &b[..]);
+        // All kept buffers busy and no room for more: a copy of its own.
+        let busy: Vec<Bytes> = (0..REUSED_KEPT).map(|_| reused.copy(&b)).collect();
+        assert_eq!(reused.bufs.len(), REUSED_KEPT);
+        assert!(busy.iter().all(|c| c[..] == b[..]));
+        drop((second, third, busy));
+        // A larger copy than any free buffer holds: one free buffer makes way for it.
+        let big = vec![5u8; 2 * REUSED_FROM];
+        assert_eq!(&reused.copy(&big)[..], &big[..]);
+        assert_eq!(reused.bufs.len(), REUSED_KEPT);
+        assert_eq!(reused.bufs.iter().filter(|b| b.len() * 16 >= big.len()).count(), 1);
+        reused.clear();
+        assert!(reused.is_empty());
     }
 
     #[test]

@@ -24,7 +24,7 @@ use ort::{
 };
 
 use crate::{
-    data::tensor::aligned_bytes,
+    data::tensor::{aligned_bytes, Reused, REUSED_FROM},
     engine::{
         backend::{Backend, BatchInput, Instance},
         spec::TensorSpec,
@@ -624,6 +624,7 @@ impl Backend for OnnxBackend {
             zipmaps,
             on_caller: self.options.intra_threads == 1 && !self.options.parallel,
             staging: Vec::new(),
+            outputs: Reused::default(),
             staged: None,
         }))
     }
@@ -653,7 +654,9 @@ struct OnnxInstance {
     /// between runs up to `STAGING_KEPT` bytes in all, and given back `GIVE_BACK_AFTER` the last
     /// run that gathered into them.
     staging: Vec<Vec<Line>>,
-    /// When a run last gathered into `staging`.
+    /// The buffers large outputs are copied into, given back with `staging`.
+    outputs: Reused,
+    /// When a run last gathered into `staging` or copied into `outputs`' buffers.
     staged: Option<Instant>,
 }
 
@@ -900,7 +903,8 @@ impl Instance for OnnxInstance {
 
     fn give_back_due(&self) -> Option<Instant> {
         let arena = self.arena_due();
-        let staging = self.staged.filter(|_| !self.staging.is_empty()).map(|at| at + GIVE_BACK_AFTER);
+        let kept = !self.staging.is_empty() || !self.outputs.is_empty();
+        let staging = self.staged.filter(|_| kept).map(|at| at + GIVE_BACK_AFTER);
         arena.into_iter().chain(staging).min()
     }
 
@@ -908,6 +912,7 @@ impl Instance for OnnxInstance {
         let now = Instant::now();
         if self.staged.is_some_and(|at| at + GIVE_BACK_AFTER <= now) {
             self.staging = Vec::new();
+            self.outputs.clear();
             self.staged = None;
         }
         if self.arena_due().is_none_or(|at| at > now) {
@@ -993,7 +998,10 @@ impl Instance for OnnxInstance {
                     unsafe { std::slice::from_raw_parts(ptr, len) }
                 };
                 // The one copy on the way out, into memory that typed views can read in place.
-                TensorData::Fixed(aligned_bytes(src))
+                if src.len() >= REUSED_FROM {
+                    self.staged = Some(copying);
+                }
+                TensorData::Fixed(self.outputs.copy(src))
             };
             result.push(Tensor { name: name.clone(), datatype, shape, data });
         }
