@@ -80,14 +80,15 @@ def test_stream_goes_on_after_a_bad_request(server):
 
 
 def test_large_messages_are_each_answered_from_their_own_bytes(start_server, tmp_path):
-    """Unary messages of 1 MiB and more are read into buffers reused from call to call: answers to
-    concurrent ones, plain or gzip-compressed, are each their own request's; one over the decoding
-    limit is refused before it is read."""
+    """Unary messages of 256 KiB and more are read into buffers reused from call to call: answers to
+    concurrent ones, plain or gzip-compressed, above and below the pool's 1 MiB, are each their own
+    request's; one over the decoding limit is refused before it is read."""
     repo = make_repository(tmp_path / "repo", ("mlp",))
     (repo / "mlp" / "config.toml").write_text("max_batch_size = 1024\n")
     s = start_server("--grpc-max-decoding-message-size", str(3 << 19), repository=repo)
     c = grpcclient.InferenceServerClient(s.grpc_url)
-    xs = [np.random.default_rng(i).standard_normal((600, 512)).astype(np.float32) for i in range(8)]  # 1.2 MB
+    # 1.2 MB and 614 KB messages.
+    xs = [np.random.default_rng(i).standard_normal((600 if i % 2 else 300, 512)).astype(np.float32) for i in range(8)]
     done = queue.Queue()
     for i, x in enumerate(xs):
         c.async_infer("mlp", [mlp_input(x)], callback=lambda result, error, i=i: done.put((i, result, error)),

@@ -7,11 +7,11 @@
 //! A message must arrive whole within the body timeout of its first byte (as an HTTP body must), so
 //! a client trickling a large message cannot hold the shared budget (and the stream) forever.
 //!
-//! A unary `ModelInfer` message of 1 MiB or more (a detector's image) is read into a buffer of the
-//! HTTP bodies' pool instead of tonic's per-call buffer, which is a fresh mapping each call (a page
-//! fault per 4 KiB written, about 300 for a 1.2 MB image): the body hands tonic an empty message in
-//! its place and the handler decodes the one it finds in the call's `Captured` slot, its tensors
-//! views of the pooled buffer.
+//! A unary `ModelInfer` message of `CAPTURED_FROM` bytes or more (an image) is read into a buffer of
+//! the HTTP bodies' pool instead of tonic's per-call buffer, which is a fresh mapping each call (a
+//! page fault per 4 KiB written, about 300 for a 1.2 MB image): the body hands tonic an empty
+//! message in its place and the handler decodes the one it finds in the call's `Captured` slot, its
+//! tensors views of the pooled buffer.
 
 use std::{
     future::Future,
@@ -34,9 +34,14 @@ use tonic::{
 };
 
 use crate::{
-    http::pool::{Pooled, BODIES, POOLED_FROM},
+    http::pool::{Pooled, BODIES},
     idle::{Held, InFlight},
 };
+
+/// Messages this large and larger are captured. Below the pool's own threshold (1 MiB) too: tonic's
+/// buffer doubles as the frames come, so a message over 512 KiB grows it to a mapping of 1 MiB (a
+/// ResNet's 224x224 image, 602 KB, took 79 faults a request).
+pub const CAPTURED_FROM: usize = 256 << 10;
 
 /// The connect info of a gRPC connection: its peer, and its calls in flight.
 #[derive(Clone)]
@@ -204,7 +209,7 @@ enum Big {
     /// Not a call whose message is captured, or no longer one.
     Off,
     /// Decided by the first data frame: captured when it opens an uncompressed message of
-    /// `POOLED_FROM..=max` bytes, its prefix whole.
+    /// `CAPTURED_FROM..=max` bytes, its prefix whole.
     Armed { slot: Captured, max: usize },
     /// Reading the message's `want` bytes into `buf`.
     Reading { slot: Captured, buf: Pooled, want: usize },
@@ -246,7 +251,7 @@ impl Charged {
             Big::Armed { slot, max } => {
                 let Some(&[0, a, b, c, d]) = data.get(..5) else { return Step::Pass };
                 let want = u32::from_be_bytes([a, b, c, d]) as usize;
-                if !(POOLED_FROM..=max).contains(&want) {
+                if !(CAPTURED_FROM..=max).contains(&want) {
                     return Step::Pass;
                 }
                 self.big = Big::Reading { slot, buf: BODIES.buffer(want), want };
@@ -370,6 +375,7 @@ impl http_body::Body for Kept {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::pool::POOLED_FROM;
 
     fn message(len: usize) -> Vec<u8> {
         let mut m = vec![0u8];
@@ -460,12 +466,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_large_unary_message_is_captured_and_tonic_reads_an_empty_one() {
-        let m = message(POOLED_FROM + 10);
-        let mut rest = m[1000..].to_vec();
-        rest.extend(message(0));
-        let (body, slot) = armed(vec![m[..1000].to_vec(), rest], 2 * POOLED_FROM);
-        assert_eq!(data_frames(body).await.unwrap(), [message(0), message(0)].concat());
-        assert_eq!(slot.take().expect("captured")[..], m[5..]);
+        for len in [POOLED_FROM + 10, CAPTURED_FROM] {
+            let m = message(len);
+            let mut rest = m[1000..].to_vec();
+            rest.extend(message(0));
+            let (body, slot) = armed(vec![m[..1000].to_vec(), rest], 2 * POOLED_FROM);
+            assert_eq!(data_frames(body).await.unwrap(), [message(0), message(0)].concat());
+            assert_eq!(slot.take().expect("captured")[..], m[5..]);
+        }
     }
 
     #[tokio::test]
@@ -476,6 +484,7 @@ mod tests {
         // Small, compressed, over the limit, and a prefix cut across two frames.
         let bodies = [
             vec![message(100)],
+            vec![message(CAPTURED_FROM - 1)],
             vec![compressed],
             vec![message(2 * POOLED_FROM)],
             vec![big[..3].to_vec(), big[3..].to_vec()],
