@@ -903,7 +903,7 @@ impl Instance for OnnxInstance {
 
     fn give_back_due(&self) -> Option<Instant> {
         let arena = self.arena_due();
-        let kept = !self.staging.is_empty() || !self.outputs.is_empty();
+        let kept = self.staging.iter().any(|b| !b.is_empty()) || !self.outputs.is_empty();
         let staging = self.staged.filter(|_| kept).map(|at| at + GIVE_BACK_AFTER);
         arena.into_iter().chain(staging).min()
     }
@@ -918,6 +918,8 @@ impl Instance for OnnxInstance {
         if self.arena_due().is_none_or(|at| at > now) {
             return;
         }
+        // The burst's large outputs went into buffers kept for the next ones: they go with it.
+        self.outputs.clear();
         let mut kept = self.sample.run.lock().unwrap_or_else(|e| e.into_inner());
         let failed = kept.as_ref().and_then(|sample| {
             let inputs: Vec<(&str, SessionInputValue<'_>)> =
