@@ -652,9 +652,10 @@ struct OnnxInstance {
     on_caller: bool,
     /// Per input, the buffer a batch of several requests is gathered into (`input_bytes`): kept
     /// between runs up to `STAGING_KEPT` bytes in all, and given back `GIVE_BACK_AFTER` the last
-    /// run that gathered into them.
+    /// run that gathered into them (or copied into `outputs`).
     staging: Vec<Vec<Line>>,
-    /// The buffers large outputs are copied into, given back with `staging`.
+    /// The buffers large outputs are copied into: given back with `staging`, and with the arena's
+    /// growth after a burst.
     outputs: Reused,
     /// When a run last gathered into `staging` or copied into `outputs`' buffers.
     staged: Option<Instant>,
