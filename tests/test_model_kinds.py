@@ -61,3 +61,46 @@ def test_both_were_calibrated_without_a_warm_up_they_cannot_run(kinds):
     for model in ("encoder", "fpn"):
         with urllib.request.urlopen(f"http://{kinds.url}/v2/models/{model}/config", timeout=10) as r:
             assert "calibrated" in json.loads(r.read())["parameters"], model
+
+
+def test_large_answers_in_flight_together_are_each_their_own(kinds):
+    """Batches whose outputs pass 1 MiB are copied into buffers the model instance reuses once no
+    answer holds them: waves of concurrent requests (distinct images, 512 KB of maps each) over
+    gRPC and HTTP each get their own maps, and none another's or an earlier wave's."""
+    import queue
+    import threading
+
+    def expected(x):
+        half = x.reshape(1, 1, 128, 2, 128, 2).mean(axis=(3, 5))
+        return np.concatenate([x, half.repeat(2, axis=2).repeat(2, axis=3)], axis=1)
+
+    g = grpcclient.InferenceServerClient(kinds.grpc_url)
+    done = queue.Queue()
+
+    def over_http(k, x):
+        i = httpclient.InferInput("images", list(x.shape), "FP32")
+        i.set_data_from_numpy(x, binary_data=True)
+        try:
+            done.put((k, httpclient.InferenceServerClient(kinds.url).infer("fpn", [i]).as_numpy("maps"), None))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            done.put((k, None, e))
+
+    for wave in range(3):
+        xs = [np.random.default_rng(100 * wave + k).standard_normal((1, 1, 256, 256)).astype(np.float32)
+              for k in range(8)]
+        threads = []
+        for k, x in enumerate(xs):
+            if k % 2:
+                threads.append(threading.Thread(target=over_http, args=(k, x)))
+                threads[-1].start()
+            else:
+                i = grpcclient.InferInput("images", list(x.shape), "FP32")
+                i.set_data_from_numpy(x)
+                g.async_infer("fpn", [i],
+                              callback=lambda result, error, k=k: done.put((k, result and result.as_numpy("maps"), error)))
+        for _ in xs:
+            k, maps, error = done.get(timeout=60)
+            assert error is None, error
+            np.testing.assert_allclose(maps, expected(xs[k]), rtol=1e-5, atol=1e-6)
+        for t in threads:
+            t.join()
