@@ -27,20 +27,36 @@ pub struct Tensor {
 /// A copy of `src` in a 16-byte-aligned buffer, so typed views (NumPy arrays, SIMD loads) can
 /// read any fixed-size element type in place.
 pub fn aligned_bytes(src: &[u8]) -> Bytes {
-    struct Aligned {
-        buf: Vec<u128>,
-        len: usize,
-    }
-    impl AsRef<[u8]> for Aligned {
-        fn as_ref(&self) -> &[u8] {
-            // SAFETY: `buf` holds at least `len` initialised bytes (see below).
-            unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>(), self.len) }
-        }
-    }
     let mut buf = vec![0u128; src.len().div_ceil(16)];
-    // SAFETY: `buf` has room for `src.len()` bytes; the regions do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.as_mut_ptr().cast::<u8>(), src.len()) };
+    copy_into(&mut buf, src);
     Bytes::from_owner(Aligned { buf, len: src.len() })
+}
+
+/// The first `len` bytes of a buffer of 16-byte words (`Vec<u128>`, or an `Arc` of one), as
+/// `Bytes` own them.
+struct Aligned<B> {
+    buf: B,
+    len: usize,
+}
+
+impl<B> AsRef<[u8]> for Aligned<B>
+where
+    B: std::ops::Deref,
+    B::Target: AsRef<[u128]>,
+{
+    fn as_ref(&self) -> &[u8] {
+        let words = (*self.buf).as_ref();
+        assert!(self.len <= words.len() * 16);
+        // SAFETY: the words hold at least `len` initialised bytes (checked above).
+        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+/// Copies `src` to the start of `dst`, which has room for it.
+fn copy_into(dst: &mut [u128], src: &[u8]) {
+    assert!(src.len() <= dst.len() * 16);
+    // SAFETY: `dst` has room for `src.len()` bytes (checked above); the regions do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len()) };
 }
 
 /// Copies this large and larger go into `Reused` buffers; smaller ones come from the heap, which
@@ -66,16 +82,6 @@ impl Reused {
     /// A copy of `src` in a 16-byte-aligned buffer: a kept one when one is free and large enough,
     /// else a new one, kept while there is room (a free one too small makes way for it).
     pub fn copy(&mut self, src: &[u8]) -> Bytes {
-        struct View {
-            buf: Arc<Vec<u128>>,
-            len: usize,
-        }
-        impl AsRef<[u8]> for View {
-            fn as_ref(&self) -> &[u8] {
-                // SAFETY: the buffer holds at least `len` initialised bytes (see below).
-                unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>(), self.len) }
-            }
-        }
         if src.len() < REUSED_FROM {
             return aligned_bytes(src);
         }
@@ -101,9 +107,8 @@ impl Reused {
         let Some(buf) = Arc::get_mut(&mut self.bufs[i]) else {
             return aligned_bytes(src);
         };
-        // SAFETY: `buf` has room for `src.len()` bytes; the regions do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.as_mut_ptr().cast::<u8>(), src.len()) };
-        Bytes::from_owner(View { buf: self.bufs[i].clone(), len: src.len() })
+        copy_into(buf, src);
+        Bytes::from_owner(Aligned { buf: self.bufs[i].clone(), len: src.len() })
     }
 
     /// Whether any buffer is kept.
