@@ -145,8 +145,14 @@ fn fuzz_in(dir: PathBuf, target: &str, run: fn(&[u8])) {
     eprintln!("fuzz {target}: {runs} inputs in {secs} s, no crash");
 }
 
+/// Besides not crashing: reading the inputs' `data` apart from the body gives what serde reading
+/// the whole body gives, value for value and error for error.
 fn json(data: &[u8]) {
-    let _ = crate::http::json::parse("m", None, data, None, MAX_ELEMENTS);
+    let said = |r: Result<(ferrite_core::InferRequest, crate::http::json::BinaryOutputs), ferrite_core::Error>| {
+        r.map(|(req, bin)| format!("{req:?} {bin:?}")).map_err(|e| e.to_string())
+    };
+    let apart = said(crate::http::json::parse("m", None, data, None, MAX_ELEMENTS));
+    assert_eq!(apart, said(crate::http::json::read_whole("m", None, data, None, MAX_ELEMENTS)));
 }
 
 fn binary(data: &[u8]) {

@@ -1,9 +1,8 @@
 //! The V2 JSON body, with Triton's binary tensor extension: decoding requests, writing responses.
 //!
-//! Tensor `data` is decoded once the input's datatype and shape are known (as it is read when they
-//! come before it, else from the raw JSON kept until they do), so decoding allocates exactly what
-//! the (already capped) shape calls for and stops at the first extra value. Binary inputs are
-//! slices of the request body, not copies.
+//! Tensor `data` is decoded once the input's datatype and shape are known (from its JSON text,
+//! kept until they are), so decoding allocates exactly what the (already capped) shape calls for
+//! and stops at the first extra value. Binary inputs are slices of the request body, not copies.
 
 use bytes::Bytes;
 use ferrite_core::{dispatch, DataType, Element, Error, InferRequest, InferResponse, Number, Tensor, TensorData};
@@ -31,123 +30,22 @@ pub struct JsonRequest<'a> {
 }
 
 /// An input of a V2 inference request: `data` row-major (nested lists are accepted), or
-/// `parameters.binary_data_size` bytes after the JSON (the binary extension).
-#[derive(utoipa::ToSchema)]
+/// `parameters.binary_data_size` bytes after the JSON (the binary extension). `data` is its text,
+/// decoded once the input's datatype and shape are known, whatever order the fields came in; when
+/// `parse` reads it apart from the rest of the body, the text is a number standing for its place.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[schema(as = RequestInput)]
 pub struct JsonInput<'a> {
     pub name: String,
     pub shape: Vec<i64>,
     #[schema(value_type = super::bodies::Datatype)]
     pub datatype: String,
+    #[serde(default)]
     #[schema(value_type = Object, required = false)]
     pub parameters: Params,
+    #[serde(borrow, default)]
     #[schema(value_type = Option<Vec<Value>>)]
-    pub data: Option<InputData<'a>>,
-}
-
-/// An input's `data`: decoded as it was read, when the input's name, datatype and shape came
-/// before it (as clients write them) and `parse` gave the element limit; otherwise kept as the raw
-/// JSON, decoded once they are known. Reading it raw is a whole pass over the numbers (a third of
-/// decoding a 512-float input).
-pub enum InputData<'a> {
-    Read(TensorData),
-    Raw(&'a RawValue),
-}
-
-thread_local! {
-    /// While `parse` reads a body on this thread: the element limit an input's data is decoded
-    /// under, and the precise reason when that data was wrong (serde would wrap it in positions).
-    static READING: std::cell::RefCell<Option<(usize, Option<Error>)>> = const { std::cell::RefCell::new(None) };
-}
-
-impl<'de: 'a, 'a> Deserialize<'de> for JsonInput<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(field_identifier, rename_all = "lowercase")]
-        enum Field {
-            Name,
-            Shape,
-            Datatype,
-            Parameters,
-            Data,
-            #[serde(other)]
-            Other,
-        }
-        struct InputVisitor<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for InputVisitor<'a> {
-            type Value = JsonInput<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an input object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<JsonInput<'a>, A::Error> {
-                use serde::de::Error as _;
-                fn once<T, E: serde::de::Error>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), E> {
-                    match slot.replace(value) {
-                        Some(_) => Err(E::duplicate_field(field)),
-                        None => Ok(()),
-                    }
-                }
-                let (mut name, mut shape, mut datatype, mut parameters, mut data) = (None, None, None, None, None);
-                while let Some(field) = map.next_key::<Field>()? {
-                    match field {
-                        Field::Name => once(&mut name, map.next_value::<String>()?, "name")?,
-                        Field::Shape => once(&mut shape, map.next_value::<Vec<i64>>()?, "shape")?,
-                        Field::Datatype => once(&mut datatype, map.next_value::<String>()?, "datatype")?,
-                        Field::Parameters => once(&mut parameters, map.next_value::<Params>()?, "parameters")?,
-                        Field::Data => {
-                            if data.is_some() {
-                                return Err(A::Error::duplicate_field("data"));
-                            }
-                            let limit = READING.with(|r| r.borrow().as_ref().map(|(max, _)| *max));
-                            let sink = match (&name, &datatype, &shape, limit) {
-                                (Some(n), Some(dt), Some(s), Some(max)) => {
-                                    parse_header(n, dt, s, max).ok().map(|(dt, _, count)| Sink::new(n, dt, count))
-                                }
-                                // Not known yet, or wrong (decode_input says how, in input order).
-                                _ => None,
-                            };
-                            data = Some(match sink {
-                                None => InputData::Raw(map.next_value::<&'de RawValue>()?),
-                                Some(mut sink) => {
-                                    let failed = match map.next_value_seed(sink.seed()) {
-                                        Err(e) => match sink.reason() {
-                                            Some(reason) => Some((reason, e)),
-                                            // The JSON around the numbers (or a bare NaN): parse's to say.
-                                            None => return Err(e),
-                                        },
-                                        Ok(()) => sink.check_end().err().map(|reason| {
-                                            let e = A::Error::custom(&reason);
-                                            (reason, e)
-                                        }),
-                                    };
-                                    if let Some((reason, e)) = failed {
-                                        READING.with(|r| {
-                                            if let Some((_, why)) = r.borrow_mut().as_mut() {
-                                                *why = Some(reason);
-                                            }
-                                        });
-                                        return Err(e);
-                                    }
-                                    InputData::Read(sink.finish())
-                                }
-                            });
-                        }
-                        Field::Other => {
-                            map.next_value::<serde::de::IgnoredAny>()?;
-                        }
-                    }
-                }
-                Ok(JsonInput {
-                    name: name.ok_or_else(|| A::Error::missing_field("name"))?,
-                    shape: shape.ok_or_else(|| A::Error::missing_field("shape"))?,
-                    datatype: datatype.ok_or_else(|| A::Error::missing_field("datatype"))?,
-                    parameters: parameters.unwrap_or_default(),
-                    data,
-                })
-            }
-        }
-        d.deserialize_map(InputVisitor(std::marker::PhantomData))
-    }
+    pub data: Option<&'a RawValue>,
 }
 
 pub use super::bodies::JsonOutput;
@@ -182,6 +80,13 @@ fn quote_non_finite(json: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// Parses a JSON request; `binary` holds the bytes after the JSON when the binary extension is used.
+///
+/// The inputs' `data`, most of a body's bytes, is read apart from the rest when it can be: the
+/// body is passed once to find where each input's `data` lies (`data_spans`), serde reads the body
+/// without it, and each `data` is read from its own text. Reading `data` inside serde costed 300
+/// instructions a number, two passes over it (serde's own, then ours) as many, this 150
+/// (`bench/results/instructions-json-data.md`). A body that fails this way is read the whole way
+/// again, so what is refused is refused with the same words.
 pub fn parse(
     model: &str,
     version: Option<String>,
@@ -189,20 +94,203 @@ pub fn parse(
     binary: Option<Bytes>,
     max_elements: usize,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
-    let req = match read(json, max_elements) {
+    if let Some(spans) = data_spans(json).filter(|s| !s.is_empty()) {
+        let mut rest = Vec::with_capacity(json.len().min(4096));
+        let mut from = 0;
+        for (k, (start, end)) in spans.iter().enumerate() {
+            rest.extend_from_slice(&json[from..*start]);
+            rest.extend_from_slice(itoa::Buffer::new().format(k).as_bytes());
+            from = *end;
+        }
+        rest.extend_from_slice(&json[from..]);
+        if let Ok(req) = serde_json::from_slice::<JsonRequest<'_>>(&rest) {
+            let data = DataText::Spans(json, &spans);
+            if let Ok(parsed) = build(model, version.clone(), req, data, binary.clone(), max_elements) {
+                return Ok(parsed);
+            }
+        }
+    }
+    read_whole(model, version, json, binary, max_elements)
+}
+
+/// `parse` with serde reading the whole body.
+pub(crate) fn read_whole(
+    model: &str,
+    version: Option<String>,
+    json: &[u8],
+    binary: Option<Bytes>,
+    max_elements: usize,
+) -> Result<(InferRequest, BinaryOutputs), Error> {
+    let req: JsonRequest<'_> = match serde_json::from_slice(json) {
         Ok(req) => req,
-        Err((_, Some(reason))) => return Err(reason),
         // Python's `json` (and so tritonclient) writes non-finite floats as bare NaN/Infinity
         // tokens, as our responses do; accept them by quoting them, off the hot path.
-        Err((e, None)) => match quote_non_finite(json) {
-            Some(quoted) => return parse(model, version, &quoted, binary, max_elements),
+        Err(e) => match quote_non_finite(json) {
+            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements),
             None => return Err(Error::invalid(format!("invalid JSON request: {e}"))),
         },
     };
+    build(model, version, req, DataText::Read, binary, max_elements)
+}
+
+/// Where each input's `data` value lies in a V2 JSON body (`{"inputs": [{"data": ...}]}`), found
+/// by one pass that follows only strings and nesting; `None` when a key it reads has an escape
+/// (serde would read it unescaped) or the brackets close more than they open. It checks nothing
+/// else: serde reads the body without these values, `Sink::fill_json` each value, and either
+/// refuses what is not JSON.
+fn data_spans(json: &[u8]) -> Option<Vec<(usize, usize)>> {
+    let mut spans = Vec::new();
+    // The containers open at the first three levels, the key read last at levels 1 and 3.
+    let (mut open, mut depth, mut key1, mut key3, mut expect_key) = ([0u8; 3], 0usize, &b""[..], &b""[..], false);
+    let mut i = 0;
+    while let Some(&c) = json.get(i) {
+        match c {
+            b'"' => {
+                let end = string_end(json, i + 1)?;
+                if expect_key {
+                    let key = &json[i + 1..end];
+                    if (depth == 1 || depth == 3) && key.contains(&b'\\') {
+                        return None;
+                    }
+                    match depth {
+                        1 => key1 = key,
+                        3 => key3 = key,
+                        _ => {}
+                    }
+                    expect_key = false;
+                }
+                i = end;
+            }
+            b'{' | b'[' => {
+                if let Some(slot) = open.get_mut(depth) {
+                    *slot = c;
+                }
+                depth += 1;
+                expect_key = c == b'{';
+            }
+            b'}' | b']' => {
+                depth = depth.checked_sub(1)?;
+                expect_key = false;
+            }
+            b',' => expect_key = depth > 0 && open.get(depth - 1).is_none_or(|&o| o == b'{'),
+            b':' if depth == 3 && open == *b"{[{" && key1 == b"inputs" && key3 == b"data" => {
+                let mut start = i + 1;
+                while matches!(json.get(start), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+                    start += 1;
+                }
+                let end = value_end(json, start)?;
+                spans.push((start, end));
+                i = end;
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Some(spans)
+}
+
+/// The index of the quote that ends the string whose text starts at `start`.
+fn string_end(json: &[u8], mut i: usize) -> Option<usize> {
+    loop {
+        match json.get(i)? {
+            b'"' => return Some(i),
+            b'\\' => i += 2,
+            _ => i += 1,
+        }
+    }
+}
+
+/// The end of the JSON value at `start`: past its closing bracket (strings followed), its string's
+/// closing quote, or a scalar's last character.
+fn value_end(json: &[u8], start: usize) -> Option<usize> {
+    match json.get(start)? {
+        b'"' => string_end(json, start + 1).map(|end| end + 1),
+        // Brackets and strings are all that matter in an array (an object inside one is not
+        // tensor data, and its brackets balance in JSON; what is not JSON, `fill_json` refuses):
+        // the array's bytes are searched for them, most often found only at its end.
+        b'[' => {
+            let (mut i, mut depth) = (start, 0usize);
+            loop {
+                i += memchr::memchr3(b'"', b'[', b']', json.get(i..)?)?;
+                match json[i] {
+                    b'"' => i = string_end(json, i + 1)?,
+                    b'[' => depth += 1,
+                    _ => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                }
+                i += 1;
+            }
+        }
+        b'{' => {
+            let (mut i, mut depth) = (start, 0usize);
+            loop {
+                match json.get(i)? {
+                    b'"' => i = string_end(json, i + 1)?,
+                    b'{' => depth += 1,
+                    b'}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+        }
+        _ => {
+            let mut i = start;
+            while !matches!(json.get(i), None | Some(b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t')) {
+                i += 1;
+            }
+            Some(i)
+        }
+    }
+}
+
+/// Where an input's `data` text is: the value serde read, or the body's text it stands for.
+#[derive(Clone, Copy)]
+enum DataText<'j> {
+    Read,
+    Spans(&'j [u8], &'j [(usize, usize)]),
+}
+
+impl<'j> DataText<'j> {
+    fn get<'a>(self, raw: &'a RawValue) -> Option<&'a str>
+    where
+        'j: 'a,
+    {
+        match self {
+            DataText::Read => Some(raw.get()),
+            DataText::Spans(json, spans) => {
+                let &(start, end) = spans.get(raw.get().parse::<usize>().ok()?)?;
+                std::str::from_utf8(&json[start..end]).ok()
+            }
+        }
+    }
+}
+
+/// A request from what serde read of its body; `data` gives an input's `data` text.
+fn build(
+    model: &str,
+    version: Option<String>,
+    req: JsonRequest<'_>,
+    data: DataText<'_>,
+    binary: Option<Bytes>,
+    max_elements: usize,
+) -> Result<(InferRequest, BinaryOutputs), Error> {
     check_tensor_counts(req.inputs.len(), req.outputs.as_ref().map_or(0, Vec::len))?;
     let mut rest = binary.unwrap_or_default();
-    let inputs =
-        req.inputs.into_iter().map(|i| decode_input(i, &mut rest, max_elements)).collect::<Result<Vec<_>, _>>()?;
+    let inputs = req
+        .inputs
+        .into_iter()
+        .map(|i| decode_input(i, data, &mut rest, max_elements))
+        .collect::<Result<Vec<_>, _>>()?;
     if !rest.is_empty() {
         return Err(Error::invalid(format!("{} bytes of binary data follow the last input", rest.len())));
     }
@@ -245,16 +333,12 @@ pub fn parse(
     Ok((req, binary_outputs))
 }
 
-/// Reads a request, its inputs' data decoded under `max_elements` as they are read; on failure,
-/// the precise reason when an input's data was wrong.
-fn read(json: &[u8], max_elements: usize) -> Result<JsonRequest<'_>, (serde_json::Error, Option<Error>)> {
-    READING.with(|r| *r.borrow_mut() = Some((max_elements, None)));
-    let req = serde_json::from_slice(json);
-    let reason = READING.with(|r| r.borrow_mut().take()).and_then(|(_, why)| why);
-    req.map_err(|e| (e, reason))
-}
-
-fn decode_input(input: JsonInput<'_>, binary: &mut Bytes, max_elements: usize) -> Result<Tensor, Error> {
+fn decode_input(
+    input: JsonInput<'_>,
+    data: DataText<'_>,
+    binary: &mut Bytes,
+    max_elements: usize,
+) -> Result<Tensor, Error> {
     let name = input.name;
     let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
     let data = match (param_u64(&input.parameters, "binary_data_size")?, input.data) {
@@ -271,10 +355,10 @@ fn decode_input(input: JsonInput<'_>, binary: &mut Bytes, max_elements: usize) -
             }
             TensorData::from_wire(&name, datatype, count, binary.split_to(size))?
         }
-        (None, Some(InputData::Read(data))) => data,
-        (None, Some(InputData::Raw(raw))) => {
+        (None, Some(raw)) => {
+            let text = data.get(raw).ok_or_else(|| Error::invalid(format!("input '{name}': 'data' is not JSON")))?;
             let mut sink = Sink::new(&name, datatype, count);
-            sink.fill(&mut serde_json::Deserializer::from_str(raw.get()))?;
+            sink.fill_json(text)?;
             sink.finish()
         }
         (None, None) => return Err(Error::invalid(format!("input '{name}' has no 'data'"))),
@@ -382,16 +466,22 @@ mod tests {
     use super::*;
     use serde_json::Value;
 
-    /// Decodes one input both ways: kept raw and decoded after (as when `data` comes before the
-    /// input's datatype and shape), and read as the request is parsed; they must agree.
+    /// Decodes one input as a request's, and its `data` both ways: its numbers read from the
+    /// text, and every value by the visitor; they must agree, in what they read and what they say
+    /// is wrong.
     fn decode(json: &str, max: usize) -> Result<Tensor, Error> {
-        let input: JsonInput<'_> = serde_json::from_str(json).unwrap();
-        assert!(matches!(input.data, None | Some(InputData::Raw(_))));
-        let raw = decode_input(input, &mut Bytes::new(), max);
         let request = format!(r#"{{"inputs":[{json}]}}"#);
         let read = parse("m", None, request.as_bytes(), None, max).map(|(mut r, _)| r.inputs.remove(0));
-        assert_eq!(read.as_ref().map_err(ToString::to_string), raw.as_ref().map_err(ToString::to_string), "{json}");
-        raw
+        let input: JsonInput<'_> = serde_json::from_str(json).unwrap();
+        if let (Ok((datatype, _, count)), Some(raw)) =
+            (parse_header(&input.name, &input.datatype, &input.shape, max), input.data)
+        {
+            let mut sink = Sink::new(&input.name, datatype, count);
+            let visited = sink.fill(&mut serde_json::Deserializer::from_str(raw.get())).map(|()| sink.finish());
+            let read_data = read.as_ref().map(|t| &t.data).map_err(ToString::to_string);
+            assert_eq!(read_data, visited.as_ref().map_err(ToString::to_string), "{json}");
+        }
+        read
     }
 
     fn write(resp: &InferResponse) -> String {
@@ -522,7 +612,7 @@ mod tests {
     }
 
     #[test]
-    fn data_is_read_as_parsed_when_the_input_says_what_it_holds_first_and_kept_raw_otherwise() {
+    fn data_is_read_in_any_field_order_and_wrong_data_is_refused_by_name() {
         let first = r#"{"name":"x","shape":[2],"datatype":"FP32","data":[1,2]}"#;
         let last = r#"{"data":[1,2],"datatype":"FP32","shape":[2],"name":"x"}"#;
         let expected = Tensor::from_le("x", DataType::Fp32, vec![2], &[1f32, 2.0]);
@@ -530,14 +620,7 @@ mod tests {
             let (req, _) = parse("m", None, format!(r#"{{"inputs":[{json}]}}"#).as_bytes(), None, 100).unwrap();
             assert_eq!(req.inputs, std::slice::from_ref(&expected), "{json}");
         }
-        READING.with(|r| *r.borrow_mut() = Some((100, None)));
-        let input: JsonInput<'_> = serde_json::from_str(first).unwrap();
-        assert!(matches!(input.data, Some(InputData::Read(_))));
-        let input: JsonInput<'_> = serde_json::from_str(last).unwrap();
-        assert!(matches!(input.data, Some(InputData::Raw(_))));
-        READING.with(|r| *r.borrow_mut() = None);
-        // Read as parsed: bare non-finite tokens still go through the quoting fallback, and what
-        // the raw way refuses is refused alike.
+        // Bare non-finite tokens go through the quoting fallback.
         let (req, _) = parse(
             "m",
             None,
@@ -558,11 +641,141 @@ mod tests {
             ),
             (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1,2]}]}"#, "more than the 1"),
             (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]},"#, "invalid JSON request"),
+            (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1e400]}]}"#, "out of range"),
+            (r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,]}]}"#, "invalid JSON request"),
+            (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[01]}]}"#, "invalid JSON request"),
         ] {
             let err =
                 parse("m", None, json.as_bytes(), Some(Bytes::from_static(&[0; 4])), 100).unwrap_err().to_string();
             assert!(err.contains(needle), "{json}: {err}");
         }
-        assert!(READING.with(|r| r.borrow().is_none()), "parse leaves no limit behind");
+    }
+
+    /// Numbers read straight from the text are the numbers the visitor reads, for every datatype,
+    /// every form JSON writes a number in, nested or not, and mixed with what only the visitor
+    /// reads (strings, booleans): the same values, or the same error.
+    #[test]
+    fn numbers_read_from_the_text_are_the_visitors() {
+        let numbers = [
+            "0",
+            "-0",
+            "7",
+            "-7",
+            "255",
+            "256",
+            "-129",
+            "65535",
+            "65536",
+            "2147483647",
+            "2147483648",
+            "-2147483649",
+            "9223372036854775807",
+            "9223372036854775808",
+            "-9223372036854775808",
+            "-9223372036854775809",
+            "18446744073709551615",
+            "18446744073709551616",
+            "1.5",
+            "-0.0",
+            "1e3",
+            "1E+3",
+            "2.5e-3",
+            "-0.4897",
+            "0.5488135218620300",
+            "3.4028235e38",
+            "3.5e38",
+            "1e-50",
+            "1e-400",
+            "1e400",
+            "65504",
+            "65520",
+            "123456789",
+            "1.0",
+            "0.1",
+            "123.456e-5",
+            "-1.7976931348623157e308",
+            "4.9e-324",
+            "9007199254740993",
+            "0.30000000000000004",
+            "1e22",
+            "1e23",
+            "12345678901234567890",
+            "1E-0022",
+            "1.00000000000000011102230246251565404236316680908203125",
+            "0.0000000000000000000001234",
+        ];
+        let mut all = Vec::new();
+        for dt in DataType::ALL.into_iter().filter(|d| *d != DataType::Bytes) {
+            for n in numbers {
+                for data in [n.to_string(), format!("[{n}]"), format!("[[ {n} ],\n[\t{n}]]"), format!("[{n},true]")] {
+                    let count = if data.contains(',') { 2 } else { 1 };
+                    let json = format!(r#"{{"name":"x","shape":[{count}],"datatype":"{dt}","data":{data}}}"#);
+                    all.push(decode(&json, 10).is_ok());
+                }
+            }
+        }
+        assert!(all.iter().any(|ok| *ok) && all.iter().any(|ok| !*ok));
+    }
+
+    /// Reading `data` apart from the rest of the body (`parse`) gives what serde reading the whole
+    /// body gives, value for value and error for error: on bodies of every shape the protocol and
+    /// clients write, and on every one of them cut short and with each byte deleted or changed to
+    /// one of JSON's structural characters.
+    #[test]
+    fn data_read_apart_is_what_the_whole_reading_gives() {
+        let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/json");
+        let mut bodies: Vec<Vec<u8>> =
+            std::fs::read_dir(corpus).unwrap().map(|e| std::fs::read(e.unwrap().path()).unwrap()).collect();
+        for body in [
+            r#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1.5,-2e3],[0.25, 7]]}]}"#,
+            r#"{"id":"a","inputs":[{"data":[1,2],"datatype":"INT64","shape":[2],"name":"x"}],"outputs":[{"name":"y","data":[3]}]}"#,
+            r#" { "inputs" : [ { "name" : "x" , "shape" : [ 3 ] , "datatype" : "FP64" , "data" : [ 1 , 2 , 3 ] } ] } "#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":5},{"name":"s","shape":[2],"datatype":"BYTES","data":["a\"],","b"]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"BOOL","data":[true]},{"name":"y","shape":[0],"datatype":"FP32","data":[]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[NaN,-Infinity]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","d\u0061ta":[1]}]}"#,
+            r#"{"inp\u0075ts":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#,
+            r#"{"inputs":[{"name":"d\"ata","shape":[1],"datatype":"FP32","parameters":{"data":9},"data":[1]}]}"#,
+            r#"{"data":[1],"inputs":[{"name":"x","shape":[1],"datatype":"UINT8","data":[255]}],"parameters":{"a":"\"data\":[1]"}}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"data":[2]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[3],"datatype":"INT32","data":[1,,2]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[2],"datatype":"INT32","data":[1 2]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"INT8","data":[-0]},{"name":"z","shape":[1],"datatype":"UINT64","data":[18446744073709551615]}]}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP16","data":[[1]},{"name":"y","shape":[1],"datatype":"FP32","data":1 2}]}"#,
+            r#"{"inputs":{"name":"x","shape":[1],"datatype":"FP32","data":[1]}}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":"[1]"}],"id":"\"data\":[2]"}"#,
+            r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","parameters":{"binary_data_size":4}}],"outputs":[{"name":"y","parameters":{"binary_data":true}}]}"#,
+            "{\"inputs\":[{\"name\":\"\u{e9}\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1e-400]}]}",
+        ] {
+            bodies.push(body.as_bytes().to_vec());
+        }
+        let said = |r: Result<(InferRequest, BinaryOutputs), Error>| match r {
+            Ok((req, bin)) => Ok(format!("{req:?} {bin:?}")),
+            Err(e) => Err(e.to_string()),
+        };
+        let same = |body: &[u8]| {
+            let binary = body.windows(16).any(|w| w == b"binary_data_size").then(|| Bytes::from_static(&[0; 4]));
+            let apart = said(parse("m", None, body, binary.clone(), 64));
+            let whole = said(read_whole("m", None, body, binary, 64));
+            assert_eq!(apart, whole, "{}", String::from_utf8_lossy(body));
+            apart.is_ok()
+        };
+        let (mut read, mut tried) = (0, 0);
+        for body in &bodies {
+            read += usize::from(same(body));
+            for n in 0..body.len() {
+                let mut cut = body.clone();
+                cut.remove(n);
+                same(&cut);
+                same(&body[..n]);
+                for c in *br#"{}[]",:\0-. e"# {
+                    let mut changed = body.clone();
+                    changed[n] = c;
+                    read += usize::from(same(&changed));
+                    tried += 1;
+                }
+            }
+        }
+        assert!(read > 100 && tried > 10_000, "{read} of {tried}");
     }
 }
