@@ -15,7 +15,11 @@ clients (one client makes batches of one). The plan is fixed (`--calibrate false
 ONNX Runtime's own share is the same for both binaries.
 
 Usage: python3 bench/instructions.py BINARY_A [BINARY_B] [--models tiny,mlp] [--loads json,bin,grpc]
-       [--requests 300] [--rounds 2] [--name instructions]
+       [--requests 300] [--rounds 2] [--name instructions] [--float32-values]
+
+--float32-values: the JSON bodies' FP32 values written as tritonclient writes a float32 tensor's
+(numpy's tolist, then json.dumps: each the float32's value as a double, 17 significant digits),
+instead of the 4-decimal values of `bench/kinds.py`.
 """
 
 import argparse
@@ -24,6 +28,7 @@ import glob
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -125,7 +130,12 @@ def main():
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="instructions")
+    ap.add_argument("--float32-values", action="store_true")
     args = ap.parse_args()
+    if args.float32_values:
+        short = kinds.values
+        kinds.values = lambda datatype, n: [struct.unpack("<f", struct.pack("<f", x))[0] if datatype == "FP32" else x
+                                            for x in short(datatype, n)]
     if len(args.binaries) > 2:
         ap.error("one binary, or two to compare")
     WORK.mkdir(parents=True, exist_ok=True)
@@ -149,7 +159,9 @@ def write(args, binaries, results, took):
         f"`bench/instructions.py` on {time.strftime('%Y-%m-%d')}, {took / 60:.1f} min: "
         + ", ".join(f"{label} = `{b.name}`" for label, b in binaries.items())
         + f"; `ferrite serve {SERVER_ARGS}` under callgrind, one client sending {args.requests} batch-1 requests per "
-        f"front-end (oha for JSON and binary HTTP, perf_analyzer for gRPC), {args.rounds} rounds. Each cell: user-space "
+        f"front-end (oha for JSON and binary HTTP, perf_analyzer for gRPC), {args.rounds} rounds"
+        + (", FP32 values as tritonclient writes them (17 digits)" if args.float32_values else "")
+        + ". Each cell: user-space "
         "instructions per request, in thousands, the median over rounds, sorted into `bench/profile.py`'s buckets; the "
         "kernel is not counted. Counts move by a few percent between rounds (how often threads wake and poll depends on "
         "timing), so read a difference against the rounds' spread.",

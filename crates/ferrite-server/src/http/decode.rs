@@ -233,7 +233,7 @@ impl Sink {
                 Some(b'-' | b'0'..=b'9') if self.count < self.expected => {
                     let value = if float {
                         // Out of an f64's range: JSON's parser refuses it, and `fill` says so.
-                        json_f64(b, &mut i).filter(|f| f.is_finite()).map(T::cast)
+                        json_float::<T>(b, &mut i)
                     } else {
                         json_i128(b, &mut i).and_then(|n| T::from_number(Number::Int(n)))
                     };
@@ -384,18 +384,22 @@ fn json_digits(b: &[u8], i: &mut usize, mut value: u64) -> (u64, usize) {
     (value, *i - start)
 }
 
-/// Reads a JSON number at `b[*i..]` as the nearest `f64`, moving `*i` past it; `None` when the
-/// text there is not one. Most numbers clients send have at most 19 digits, no exponent and at
-/// most 22 after the point: one exact quotient of two exact f64s gives those (Clinger's fast path:
-/// one rounding, so the nearest); std's parser reads the rest.
+/// Reads a JSON number at `b[*i..]` as a `T`: the nearest `f64` to it, cast (as serde's reading
+/// and Triton do), moving `*i` past it; `None` when the text there is not a JSON number or is out
+/// of an `f64`'s range. Most numbers clients send have at most 19 digits and no exponent: with a
+/// mantissa up to 2^53 one exact quotient of two exact f64s gives the nearest f64 (Clinger's fast
+/// path: one rounding); with a longer one, as Python writes a float32's value (17 digits), the
+/// quotient is within two ulps of it, which is enough when every f64 that near casts to the same
+/// `T`. std's parser reads the rest.
 #[inline(always)]
-fn json_f64(b: &[u8], i: &mut usize) -> Option<f64> {
+fn json_float<T: Element>(b: &[u8], i: &mut usize) -> Option<T> {
     const POW10: [f64; 23] = [
         1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19,
         1e20, 1e21, 1e22,
     ];
     let start = *i;
     let negative = b.get(start) == Some(&b'-');
+    let signed = |f: f64| if negative { -f } else { f };
     let mut j = start + usize::from(negative);
     let (mut mantissa, mut digits) = json_digits(b, &mut j, 0);
     // JSON: one digit at least, no leading zero.
@@ -413,9 +417,17 @@ fn json_f64(b: &[u8], i: &mut usize) -> Option<f64> {
     }
     if !matches!(b.get(j), Some(b'e' | b'E')) {
         *i = j;
-        if digits <= 19 && mantissa <= 1 << 53 && after_point <= 22 {
+        if digits <= 19 && after_point <= 22 {
+            // Each of the conversion and the quotient rounds once (half an ulp each).
             let f = mantissa as f64 / POW10[after_point];
-            return Some(if negative { -f } else { f });
+            if mantissa <= 1 << 53 {
+                return Some(T::cast(signed(f)));
+            }
+            let (low, high) =
+                (T::cast(signed(f64::from_bits(f.to_bits() - 4))), T::cast(signed(f64::from_bits(f.to_bits() + 4))));
+            if low.to_f64().to_bits() == high.to_f64().to_bits() {
+                return Some(low);
+            }
         }
     } else {
         j += 1;
@@ -425,7 +437,8 @@ fn json_f64(b: &[u8], i: &mut usize) -> Option<f64> {
         }
         *i = j;
     }
-    std::str::from_utf8(&b[start..j]).ok()?.parse().ok()
+    let f: f64 = std::str::from_utf8(&b[start..j]).ok()?.parse().ok()?;
+    f.is_finite().then(|| T::cast(f))
 }
 
 /// Reads a JSON integer at `b[*i..]`, moving `*i` past it; `None` when the text there is not one
@@ -681,7 +694,7 @@ mod tests {
     #[test]
     fn what_json_refuses_as_a_number_is_not_read_as_one() {
         for bad in ["01", "-01", "1.", ".5", "1e", "1e+", "1.e5", "-", "+1", "00.5", "-x", "", "e5"] {
-            assert_eq!(json_f64(bad.as_bytes(), &mut 0), None, "{bad}");
+            assert_eq!(json_float::<f64>(bad.as_bytes(), &mut 0), None, "{bad}");
             assert_eq!(json_i128(bad.as_bytes(), &mut 0), None, "{bad}");
         }
         for (text, int) in [("-0", None), ("1.5", None), ("2e3", None), ("-12", Some(-12)), ("0", Some(0))] {
@@ -689,22 +702,31 @@ mod tests {
         }
         // A number ends where JSON's would: what follows is the array's to read.
         let mut end = 0;
-        assert_eq!((json_f64(b"-2.5e-1,", &mut end), end), (Some(-0.25), 7));
+        assert_eq!((json_float::<f64>(b"-2.5e-1,", &mut end), end), (Some(-0.25), 7));
     }
 
     proptest::proptest! {
-        /// A JSON number's text reads as std's parser reads it (the nearest f64), in the forms
-        /// clients write: shortest round-trip, fixed, exponent, and cut to fewer digits.
+        /// A JSON number's text reads as std's parser reads it (the nearest f64), cast to each
+        /// float type, in the forms clients write: shortest round-trip (Python's, 17 digits for a
+        /// float32's value), fixed, exponent, and cut to fewer digits.
         #[test]
-        fn json_numbers_read_as_the_nearest_f64(bits in proptest::prelude::any::<u64>(), small in -1e6f64..1e6, digits in 0usize..12) {
-            for f in [f64::from_bits(bits), small, f64::from(small as f32)].into_iter().filter(|f| f.is_finite()) {
+        fn json_numbers_read_as_the_nearest_f64_cast(bits in proptest::prelude::any::<u64>(), small in -1e6f64..1e6, digits in 0usize..20) {
+            // And the f64s next to a midpoint between two float32s, where the cast's rounding turns.
+            let below = f32::from_bits((bits as u32) & 0x7f7f_ffff);
+            let mid = (f64::from(below) + f64::from(f32::from_bits(below.to_bits() + 1))) / 2.0;
+            let near_mid = (0..7).map(|k| f64::from_bits(mid.to_bits() + k - 3));
+            let floats = [f64::from_bits(bits), small, f64::from(small as f32), f64::from(f32::from_bits(bits as u32))];
+            for f in floats.into_iter().chain(near_mid).filter(|f| f.is_finite()) {
                 let mut buf = ryu::Buffer::new();
                 for text in [buf.format_finite(f).to_string(), format!("{f}"), format!("{f:e}"), format!("{f:.digits$}"), format!("{f:.digits$e}")] {
-                    let text = text.replace("inf", "").replace("NaN", "");
-                    if let Ok(expected) = text.parse::<f64>() {
+                    let Ok(nearest) = text.parse::<f64>() else { continue };
+                    for dt in [DataType::Fp16, DataType::Bf16, DataType::Fp32, DataType::Fp64] {
                         let mut end = 0;
-                        let read = super::json_f64(text.as_bytes(), &mut end).map(f64::to_bits);
-                        proptest::prop_assert_eq!((read, end), (Some(expected.to_bits()), text.len()), "{}", text);
+                        let (read, expected) = dispatch!(dt, T => (
+                            super::json_float::<T>(text.as_bytes(), &mut end).map(|x| x.to_f64().to_bits()),
+                            Some(T::cast(nearest).to_f64().to_bits()).filter(|_| nearest.is_finite()),
+                        ), bytes => unreachable!());
+                        proptest::prop_assert_eq!((read, end), (expected, text.len()), "{} as {}", text, dt);
                     }
                 }
             }
