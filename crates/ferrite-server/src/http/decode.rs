@@ -176,7 +176,7 @@ impl Sink {
 
     /// Decodes `data` (a scalar, a nested array, or MessagePack `bin`) with `de`.
     pub fn fill<'de, D: Deserializer<'de>>(&mut self, de: D) -> Result<(), Error> {
-        let result = self.seed().deserialize(de);
+        let result = Seed(self).deserialize(de);
         if let Err(e) = result {
             return Err(self.reason().unwrap_or_else(|| Error::invalid(format!("input '{}': {e}", self.name))));
         }
@@ -262,14 +262,8 @@ impl Sink {
         }
     }
 
-    /// What reads `data` into this sink, for a deserializer that is already inside the input (a
-    /// map's next value); then `check_end`, or `reason` when it fails.
-    pub fn seed(&mut self) -> impl for<'de> DeserializeSeed<'de, Value = ()> + '_ {
-        Seed(self)
-    }
-
     /// Why reading failed, when the data itself was wrong (not the JSON around it).
-    pub fn reason(&mut self) -> Option<Error> {
+    fn reason(&mut self) -> Option<Error> {
         self.error.take().map(Error::invalid)
     }
 
