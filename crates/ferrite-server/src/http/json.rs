@@ -415,8 +415,16 @@ pub fn write_response(resp: &InferResponse, binary: &BinaryOutputs) -> (String, 
     (out, blobs)
 }
 
+/// `s` as a JSON string. Names and ids are plain text as a rule, written as they are; one with
+/// a character JSON escapes goes through serde's writer (a string of its own).
 fn push_str(out: &mut String, s: &str) {
-    out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into()));
+    if s.bytes().any(|c| c < 0x20 || c == b'"' || c == b'\\') {
+        out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into()));
+        return;
+    }
+    out.push('"');
+    out.push_str(s);
+    out.push('"');
 }
 
 fn push_float(out: &mut String, f: f64, single: bool) {
@@ -585,6 +593,26 @@ mod tests {
         let quoted = super::quote_non_finite(br#"{"a":[NaN,-Infinity,"NaN \" Infinity"]}"#).unwrap();
         assert_eq!(quoted, br#"{"a":["NaN","-Infinity","NaN \" Infinity"]}"#);
         assert!(super::quote_non_finite(br#"{"a":"NaN"}"#).is_none());
+    }
+
+    #[test]
+    fn names_and_ids_are_written_as_json_strings_whatever_they_hold() {
+        for name in ["mlp", "", "a\"b", "back\\slash", "line\nfeed", "\u{1}", "tab\t", "ünï €", "del\u{7f}"] {
+            let t = Tensor::from_le(name, DataType::Fp32, vec![1], &[1.0f32]);
+            let resp = InferResponse {
+                model_name: name.into(),
+                model_version: name.into(),
+                id: Some(name.into()),
+                outputs: vec![t],
+            };
+            let body = write(&resp);
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{body}: {e}"));
+            for got in [&v["model_name"], &v["model_version"], &v["id"], &v["outputs"][0]["name"]] {
+                assert_eq!(got.as_str(), Some(name), "{body}");
+            }
+            // Written as serde writes a string.
+            assert!(body.contains(&format!("\"model_name\":{},", serde_json::to_string(name).unwrap())), "{body}");
+        }
     }
 
     #[test]
