@@ -99,13 +99,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     }
 }
 
-/// A service that counts its calls in flight on the connection it serves.
-#[derive(Clone)]
-pub struct Counted<S> {
-    pub inner: S,
-    pub in_flight: Arc<InFlight>,
-}
-
 /// One request in flight on a connection; see [`InFlight::enter`].
 pub struct Held(Arc<InFlight>);
 
@@ -113,29 +106,5 @@ impl Drop for Held {
     fn drop(&mut self) {
         self.0.finished.fetch_add(1, Ordering::AcqRel);
         self.0.now.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl<S, R> tower_service::Service<R> for Counted<S>
-where
-    S: tower_service::Service<R>,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: R) -> Self::Future {
-        let held = self.in_flight.enter();
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let out = fut.await;
-            drop(held);
-            out
-        })
     }
 }

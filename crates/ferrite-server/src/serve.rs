@@ -362,8 +362,12 @@ async fn serve_http(
         };
         let in_flight = std::sync::Arc::new(crate::idle::InFlight::default());
         let h2 = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let counted = crate::idle::Counted { inner: app.clone(), in_flight: in_flight.clone() };
-        let service = TowerToHyperService::new(Closing { inner: counted, phase: phase.clone(), h2: h2.clone() });
+        let service = TowerToHyperService::new(Closing {
+            inner: app.clone(),
+            phase: phase.clone(),
+            h2: h2.clone(),
+            in_flight: in_flight.clone(),
+        });
         let idle = limits.idle_timeout;
         let builder = builder.clone();
         let phase = phase.clone();
@@ -420,13 +424,15 @@ async fn follow(
     let _ = conn.await;
 }
 
-/// Marks each HTTP/1.1 response `Connection: close` once shutdown has begun, and notes whether
-/// its connection speaks HTTP/2.
+/// Counts each request in flight on its connection (so an idle one is closed, `IdleIo`), marks
+/// each HTTP/1.1 response `Connection: close` once shutdown has begun, and notes whether its
+/// connection speaks HTTP/2.
 #[derive(Clone)]
 struct Closing<S> {
     inner: S,
     phase: tokio::sync::watch::Receiver<Phase>,
     h2: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    in_flight: std::sync::Arc<crate::idle::InFlight>,
 }
 
 impl<S, B> tower_service::Service<axum::http::Request<B>> for Closing<S>
@@ -448,9 +454,12 @@ where
             self.h2.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         let phase = self.phase.clone();
+        let held = self.in_flight.enter();
         let fut = self.inner.call(req);
         Box::pin(async move {
-            let mut response = fut.await?;
+            let response = fut.await;
+            drop(held);
+            let mut response = response?;
             if h1 && *phase.borrow() != Phase::Open {
                 response
                     .headers_mut()
