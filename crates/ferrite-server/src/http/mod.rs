@@ -107,7 +107,7 @@ async fn read_body(
     let stated = usize::try_from(axum::body::HttpBody::size_hint(&body).exact().unwrap_or(u64::MAX))
         .ok()
         .filter(|&n| n != usize::MAX)
-        .or_else(|| parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok()));
+        .or_else(|| content_length(&parts.headers));
     let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
     let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
     let permits = u32::try_from(reserve.div_ceil(1024)).unwrap_or(u32::MAX);
@@ -154,8 +154,16 @@ async fn read_body(
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+    // The length read (a decompressed body's, a chunked one's), unless the header says it already.
+    if content_length(&parts.headers) != Some(bytes.len()) {
+        parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+    }
     next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await
+}
+
+/// The Content-Length header's value, when it is a number.
+fn content_length(headers: &axum::http::HeaderMap) -> Option<usize> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// Bodies larger than this are decoded, and responses larger than this encoded, on the blocking
