@@ -379,9 +379,10 @@ fn json_digits(b: &[u8], i: &mut usize, mut value: u64) -> (u64, usize) {
 }
 
 /// `json_digits` for a run that may be long, a fraction's: eight at a time while eight are
-/// digits, when its second and fifth bytes are (a float32's value as Python writes it has 17
-/// digits, one at a time most of the cost of reading it: 307 instructions a number, 246 now; a
-/// short run pays 5 more for the look, 28 when it looked at eight bytes each time).
+/// digits, when its second and fifth bytes are. A float32's value as Python writes it has 17
+/// digits, one at a time most of the cost of reading it (`bench/results/instructions-json-digits-f32.md`:
+/// the MLP's 512 such numbers 157k → 126k instructions); a short run pays the look at two bytes,
+/// where looking at eight on every run cost the bench's 4-decimal bodies 12k a request more.
 #[inline]
 fn json_long_digits(b: &[u8], i: &mut usize, mut value: u64) -> (u64, usize) {
     let start = *i;
