@@ -572,8 +572,14 @@ fn calibration_measures_the_model_and_config_values_win() {
     let chosen = mlp.spec.load.calibrated.clone().expect("the mlp was calibrated");
     assert!(chosen.contains("batch limit"), "{chosen}");
     assert!((1..=mlp.spec.batch.max_batch_size).contains(&mlp.spec.batch.merge_limit));
-    // Variable H/W: calibrated at a size the graph takes.
-    assert!(core.model("fpn", None).unwrap().spec.load.calibrated.is_some());
+    // Fixed dims: the limit holds for every request.
+    assert_eq!(mlp.spec.batch.merge_at, 0);
+    // Variable H/W: calibrated at a size the graph takes, which its limit is scaled from.
+    let fpn = core.model("fpn", None).unwrap();
+    assert!(fpn.spec.load.calibrated.as_deref().is_some_and(|c| c.contains("at rows of")), "{:?}", fpn.spec.load);
+    assert!([224, 128, 64].map(|side| side * side).contains(&fpn.spec.batch.merge_at), "{:?}", fpn.spec.batch);
+    let at = fpn.spec.batch.merge_at.to_string();
+    assert!(fpn.spec.parameters().contains(&("batch_merge_limit_row_elements".to_string(), at)));
     let mixed = core.model("mixed", None).unwrap();
     assert!(mixed.spec.load.calibrated.is_none());
     assert_eq!(mixed.spec.batch.merge_limit, mixed.spec.batch.max_batch_size);

@@ -28,7 +28,14 @@ pub fn report(core: &Core) -> (String, bool) {
                     (false, _) => "none".to_string(),
                     (true, false) => format!("max {}", s.batch.max_batch_size),
                     (true, true) => {
-                        format!("max {}, dynamic, merge <= {}", s.batch.max_batch_size, s.batch.merge_limit)
+                        let b = &s.batch;
+                        match b.merge_at {
+                            0 => format!("max {}, dynamic, merge <= {}", b.max_batch_size, b.merge_limit),
+                            at => format!(
+                                "max {}, dynamic, merge <= {} at rows of {at} elements (scaled to others)",
+                                b.max_batch_size, b.merge_limit
+                            ),
+                        }
                     }
                 };
                 let mut instances = match s.backend {

@@ -710,6 +710,9 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
             }
             spec.instance_count = t.plan.instances;
             spec.batch.merge_limit = t.merge_limit;
+            // A limit measured at one size of a variable-size model's rows scales to the others.
+            let variable = spec.inputs.iter().any(|i| i.dims.iter().any(|&d| d < 0));
+            spec.batch.merge_at = if variable { t.row_elements } else { 0 };
             // Single-threaded instances serve load best, but leave a lone request one core: a
             // solo instance on the whole budget takes such work (never beside them), unless the
             // config fixed the instances or their threads.
@@ -724,8 +727,16 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
                 String::new()
             };
             let chosen = format!(
-                "{} instance(s) x {} thread(s), spinning {}, batch limit {}{solo}",
-                t.plan.instances, t.plan.threads, t.plan.spinning, t.merge_limit
+                "{} instance(s) x {} thread(s), spinning {}, batch limit {}{at}{solo}",
+                t.plan.instances,
+                t.plan.threads,
+                t.plan.spinning,
+                t.merge_limit,
+                at = if spec.batch.merge_at > 0 {
+                    format!(" at rows of {} elements", spec.batch.merge_at)
+                } else {
+                    String::new()
+                },
             );
             tracing::info!(model = %name, version, %chosen, "calibrated");
             spec.load.calibrated = Some(chosen);

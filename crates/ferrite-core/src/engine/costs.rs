@@ -4,7 +4,8 @@
 //!   5-8, ... rows), for each size class of rows (a detector's 224x224 images apart from its
 //!   640x640 ones). From it follows the merge limit for the sizes actually served: the batcher
 //!   never forms a batch that its own measurements say costs more per element than a smaller one
-//!   of the same class, and learns each class's curve down from the limit it starts at.
+//!   of the same class, and learns each class's curve down from the limit it starts at
+//!   ([`Bounds`]: calibration's, scaled to the class's rows), never above it.
 //! - [`BatchTime`]: one batch's run time, lock-free, read at admission to refuse a request whose
 //!   deadline cannot be met (Triton #7512). It can never lock a model out: only batches of real
 //!   traffic feed it (not warm-ups), it goes stale when nothing has run for a while, and the
@@ -41,7 +42,7 @@ const TOLERANCE: f64 = 0.10;
 /// core. Under 128 clients on two cores the MLP's batches of about 30, merged, saved a tenth, and
 /// holding them cost 8% of its requests; a group of 8 split in two saves 40-80%.
 const HOLD_GAIN: f64 = 0.25;
-/// One batch in this many is formed at twice the measured limit (at most the configured one), so
+/// One batch in this many is formed at twice the measured limit (at most the one it starts at), so
 /// the size that holds the limit down is measured again and a limit lowered by a passing
 /// disturbance rises back, a step at a time; and one in this many (half way between) at half the
 /// limit, so a smaller size that serves faster is found even when load keeps every batch full (a
@@ -53,7 +54,7 @@ pub const EXPLORE_EVERY: u64 = 32;
 pub enum Explore {
     /// The limit the measurements allow.
     No,
-    /// Twice that, at most the configured limit: the sizes whose cost set the limit.
+    /// Twice that, at most the limit it starts at: the sizes whose cost set the limit.
     Up,
     /// Half the limit the measurements allow.
     Down,
@@ -67,6 +68,34 @@ impl Explore {
             r if r == EXPLORE_EVERY / 2 => Explore::Down,
             _ => Explore::No,
         }
+    }
+}
+
+/// Where the merge limit of each size class of rows starts, and its most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// The limit calibration chose (or the config's), for rows of `at` input elements.
+    pub start: usize,
+    /// The row size `start` was measured at; 0: it holds for rows of every size.
+    pub at: usize,
+    /// The configured most rows a batch may take.
+    pub max: usize,
+}
+
+impl Bounds {
+    /// The limit of rows of `row_elements`: `start` scaled to hold as many input elements a
+    /// batch as calibration measured (a batch that size costs about what calibration measured,
+    /// whatever its rows' size), at least 1, at most `max`. A variable-size model is calibrated at
+    /// one size (sequences of 224, say, where a BERT-style encoder chose 2 rows): its sentences
+    /// of 14 tokens get 32, not 2 (held to 2, the text pipeline's encoder ran each worker's few
+    /// rows apart, and idled a third of the time at 32 clients); a detector calibrated at 224x224
+    /// serves 640x640 images at an eighth of calibration's limit.
+    pub fn start(&self, row_elements: usize) -> usize {
+        let start = match self.at {
+            0 => self.start,
+            at => (self.start.saturating_mul(at) / row_elements.max(1)).max(1),
+        };
+        start.min(self.max).max(1)
     }
 }
 
@@ -95,7 +124,9 @@ fn size_class(row_elements: usize) -> u8 {
 }
 
 impl Curve {
-    fn measured(&self, configured: usize) -> usize {
+    /// The limit, at most `start`: below the first measured bucket that costs more per element
+    /// than the best smaller one (beyond [`TOLERANCE`]).
+    fn measured(&self, start: usize) -> usize {
         let mut best = f64::INFINITY;
         for (i, &(cost, n)) in self.buckets.iter().enumerate() {
             if n < MIN_SAMPLES {
@@ -103,11 +134,11 @@ impl Curve {
             }
             if cost > best * (1.0 + TOLERANCE) {
                 // Bucket i starts just above 2^(i-1) rows: stay at or below that.
-                return configured.min(1 << (i - 1));
+                return start.min(1 << (i - 1));
             }
             best = best.min(cost);
         }
-        configured
+        start
     }
 
     /// The next smaller size to learn, if any: half the smallest size measured (at or below
@@ -149,25 +180,27 @@ impl BatchCosts {
     }
 
     /// The most rows a batch of rows of `row_elements` input elements each may merge, at most
-    /// `configured`: below the first measured bucket that costs more per element than the best
-    /// smaller one (beyond the tolerance).
-    pub fn limit(&self, configured: usize, row_elements: usize) -> usize {
-        self.curves.get(&size_class(row_elements)).map_or(configured, |c| c.measured(configured))
+    /// `bounds.start` for that size: below the first measured bucket that costs more per element
+    /// than the best smaller one (beyond the tolerance).
+    pub fn limit(&self, bounds: Bounds, row_elements: usize) -> usize {
+        let start = bounds.start(row_elements);
+        self.curves.get(&size_class(row_elements)).map_or(start, |c| c.measured(start))
     }
 
     /// The limit for the next batch formed: as `limit`, but a smaller size not yet measured
     /// first (see `Curve::unlearned`); twice or half the measured limit when exploring. Twice,
-    /// not the configured limit: the measurement that holds the limit down is of the sizes just
+    /// not the starting limit: the measurement that holds the limit down is of the sizes just
     /// above it, which no other batch forms; were it never taken again, one disturbed stretch of
     /// runs would hold an MLP to batches of 8 or fewer for good (on one core shared with the I/O
     /// threads it then served 2,500-6,100 requests/s at 128 clients instead of 11,000).
-    pub fn batch_limit(&self, configured: usize, row_elements: usize, explore: Explore) -> usize {
+    pub fn batch_limit(&self, bounds: Bounds, row_elements: usize, explore: Explore) -> usize {
         let unseen = Curve::default();
         let curve = self.curves.get(&size_class(row_elements)).unwrap_or(&unseen);
-        let measured = curve.measured(configured);
+        let start = bounds.start(row_elements);
+        let measured = curve.measured(start);
         match explore {
             Explore::No => curve.unlearned(measured).unwrap_or(measured),
-            Explore::Up => measured.saturating_mul(2).min(configured),
+            Explore::Up => measured.saturating_mul(2).min(start),
             Explore::Down => (measured / 2).max(1),
         }
     }
@@ -264,6 +297,11 @@ impl BatchTime {
 mod tests {
     use super::*;
 
+    /// Bounds that start at the most rows allowed, for rows of any size.
+    fn fixed(max: usize) -> Bounds {
+        Bounds { start: max, at: 0, max }
+    }
+
     fn us(v: f64) -> Duration {
         Duration::from_secs_f64(v / 1e6)
     }
@@ -287,8 +325,8 @@ mod tests {
     #[test]
     fn nothing_measured_leaves_the_configured_limit() {
         let c = BatchCosts::default();
-        assert_eq!(c.limit(64, 512), 64);
-        assert_eq!(c.batch_limit(64, 512, Explore::No), 64);
+        assert_eq!(c.limit(fixed(64), 512), 64);
+        assert_eq!(c.batch_limit(fixed(64), 512, Explore::No), 64);
     }
 
     /// Records `MIN_SAMPLES` runs of each size in `sizes`, each taking `took(rows)` microseconds.
@@ -306,11 +344,11 @@ mod tests {
         let mut c = BatchCosts::default();
         let mut steps = Vec::new();
         for _ in 0..10 {
-            let next = c.batch_limit(configured, row_elements, Explore::No);
+            let next = c.batch_limit(fixed(configured), row_elements, Explore::No);
             steps.push(next);
             learn(&mut c, row_elements, &[next], &took);
         }
-        (steps, c.limit(configured, row_elements))
+        (steps, c.limit(fixed(configured), row_elements))
     }
 
     #[test]
@@ -373,16 +411,16 @@ mod tests {
     fn a_conv_net_slower_per_image_in_pairs_is_held_to_single_runs() {
         let mut c = BatchCosts::default();
         learn(&mut c, 150_528, &[1, 2], |rows| if rows == 1.0 { 17_000.0 } else { 42_000.0 });
-        assert_eq!(c.limit(64, 150_528), 1);
-        assert_eq!(c.batch_limit(64, 150_528, Explore::No), 1);
+        assert_eq!(c.limit(fixed(64), 150_528), 1);
+        assert_eq!(c.batch_limit(fixed(64), 150_528, Explore::No), 1);
     }
 
     #[test]
     fn an_mlp_cheaper_per_row_in_batches_keeps_merging() {
         let mut c = BatchCosts::default();
         learn(&mut c, 512, &[1, 2, 4, 8, 16, 32, 64], |rows| 400.0 + 20.0 * rows);
-        assert_eq!(c.limit(64, 512), 64);
-        assert_eq!(c.batch_limit(64, 512, Explore::No), 64);
+        assert_eq!(c.limit(fixed(64), 512), 64);
+        assert_eq!(c.batch_limit(fixed(64), 512, Explore::No), 64);
     }
 
     #[test]
@@ -393,23 +431,39 @@ mod tests {
         let mut c = BatchCosts::default();
         learn(&mut c, small, &[1, 2, 4, 8, 16], |rows| 4_000.0 + 3_000.0 * rows);
         learn(&mut c, large, &[1, 2, 4, 8, 16], |rows| if rows <= 4.0 { 9_500.0 * rows } else { 11_400.0 * rows });
-        assert_eq!(c.limit(16, small), 16);
-        assert_eq!(c.limit(16, large), 4);
-        assert_eq!(c.batch_limit(16, large, Explore::No), 4);
+        assert_eq!(c.limit(fixed(16), small), 16);
+        assert_eq!(c.limit(fixed(16), large), 4);
+        assert_eq!(c.batch_limit(fixed(16), large, Explore::No), 4);
         // Requests of another size in between change neither.
         learn(&mut c, 3 * 640 * 640, &[1, 2], |rows| 40_000.0 * rows * rows);
-        assert_eq!((c.limit(16, small), c.limit(16, large), c.limit(16, 3 * 640 * 640)), (16, 4, 1));
+        assert_eq!(
+            (c.limit(fixed(16), small), c.limit(fixed(16), large), c.limit(fixed(16), 3 * 640 * 640)),
+            (16, 4, 1)
+        );
+    }
+
+    #[test]
+    fn a_limit_starts_where_calibration_measured_as_many_elements_a_batch() {
+        // Calibrated at sequences of 224 (two inputs: 448 elements a row) to 2 rows.
+        let b = Bounds { start: 2, at: 448, max: 64 };
+        assert_eq!([448, 28, 896, 1, 100_000].map(|e| b.start(e)), [2, 32, 1, 64, 1]);
+        assert_eq!(BatchCosts::default().limit(b, 28), 32);
+        // Nor does exploring go past it.
+        assert_eq!(BatchCosts::default().batch_limit(b, 28, Explore::Up), 32);
+        assert_eq!(BatchCosts::default().batch_limit(b, 896, Explore::Up), 1);
+        // Not calibrated at one size: the start holds for every size.
+        assert_eq!(Bounds { start: 16, at: 0, max: 64 }.start(28), 16);
     }
 
     #[test]
     fn the_limit_is_explored_again_now_and_then() {
         let mut c = BatchCosts::default();
         learn(&mut c, 1, &[1, 2, 4], |rows| if rows <= 2.0 { 10.0 * rows } else { 20.0 * rows });
-        assert_eq!(c.limit(16, 1), 2);
-        assert_eq!(c.batch_limit(16, 1, Explore::No), 2);
-        assert_eq!(c.batch_limit(16, 1, Explore::Up), 4);
-        assert_eq!(c.batch_limit(16, 1, Explore::Down), 1);
-        assert_eq!(BatchCosts::default().batch_limit(16, 1, Explore::Up), 16);
+        assert_eq!(c.limit(fixed(16), 1), 2);
+        assert_eq!(c.batch_limit(fixed(16), 1, Explore::No), 2);
+        assert_eq!(c.batch_limit(fixed(16), 1, Explore::Up), 4);
+        assert_eq!(c.batch_limit(fixed(16), 1, Explore::Down), 1);
+        assert_eq!(BatchCosts::default().batch_limit(fixed(16), 1, Explore::Up), 16);
         assert_eq!([0, 1, 16, 32].map(Explore::nth), [Explore::Up, Explore::No, Explore::Down, Explore::Up]);
     }
 
@@ -423,16 +477,16 @@ mod tests {
         for _ in 0..4 {
             c.record(8, 8 * per_image, us(8.0 * 11_500.0));
         }
-        assert_eq!(c.limit(8, per_image), 8, "the moving average is still within the tolerance");
-        assert_eq!(c.batch_limit(8, per_image, Explore::Down), 4);
+        assert_eq!(c.limit(fixed(8), per_image), 8, "the moving average is still within the tolerance");
+        assert_eq!(c.batch_limit(fixed(8), per_image, Explore::Down), 4);
         for _ in 0..4 {
             c.record(8, 8 * per_image, us(8.0 * 11_500.0));
         }
-        assert_eq!(c.limit(8, per_image), 4);
+        assert_eq!(c.limit(fixed(8), per_image), 4);
         // An MLP whose batches of 64 stay cheapest keeps them.
         let mut m = BatchCosts::default();
         learn(&mut m, 512, &[1, 2, 4, 8, 16, 32, 64], |rows| 100.0 + 78.0 * rows);
-        assert_eq!(m.limit(64, 512), 64);
+        assert_eq!(m.limit(fixed(64), 512), 64);
     }
 
     #[test]
@@ -444,14 +498,14 @@ mod tests {
         let mut c = BatchCosts::default();
         learn(&mut c, 512, &[1, 2, 4, 8, 32, 64], mlp);
         learn(&mut c, 512, &[16], |rows| 3.0 * mlp(rows));
-        assert_eq!(c.limit(64, 512), 8);
+        assert_eq!(c.limit(fixed(64), 512), 8);
         let mut formed = Vec::new();
         for n in 1..=2_000 {
-            let rows = c.batch_limit(64, 512, Explore::nth(n));
+            let rows = c.batch_limit(fixed(64), 512, Explore::nth(n));
             formed.push(rows);
             c.record(rows, rows * 512, us(mlp(rows as f64)));
         }
-        assert_eq!(c.limit(64, 512), 64);
+        assert_eq!(c.limit(fixed(64), 512), 64);
         assert!(formed[1_000..].iter().filter(|&&r| r == 64).count() > 900, "batches of 64 again");
     }
 

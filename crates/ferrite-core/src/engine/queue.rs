@@ -277,7 +277,7 @@ impl Queue {
     }
 
     /// Decides what a free instance should run at `now`, merging at most `limit` rows (and the
-    /// policy's merge limit); a single larger request still runs alone. `flush` sends what is
+    /// policy's max batch size); a single larger request still runs alone. `flush` sends what is
     /// pending without waiting for the queue delay (at shutdown).
     pub fn next_batch(&mut self, now: Instant, policy: &BatchPolicy, limit: usize, flush: bool) -> Decision {
         self.next_batch_of(now, policy, limit, flush, false, None)
@@ -296,7 +296,7 @@ impl Queue {
         light_only: bool,
         hold: Option<(usize, Instant)>,
     ) -> Decision {
-        let limit = limit.min(policy.merge_limit).max(1);
+        let limit = limit.min(policy.max_batch_size.max(policy.merge_limit)).max(1);
         self.expire(now);
         if self.is_empty() {
             return Decision::Idle;

@@ -84,10 +84,14 @@ pub struct BatchPolicy {
     /// False: requests run one by one even when the model batches.
     pub dynamic: bool,
     pub preferred_batch_sizes: Vec<usize>,
-    /// The most rows the batcher merges into one run (at most `max_batch_size`): lowered by the
-    /// calibration for models that run slower per row in larger batches. A single request with
-    /// more rows still runs, alone.
+    /// The most rows the batcher starts merging into one run (at most `max_batch_size`): lowered
+    /// by the calibration for models that run slower per row in larger batches; from there the
+    /// batcher's own measurements move it, per size of rows (`costs::Bounds`). A single request
+    /// with more rows still runs, alone.
     pub merge_limit: usize,
+    /// The input elements a row held where calibration chose `merge_limit` (a variable-size model
+    /// is measured at one size); 0: the limit holds for rows of every size.
+    pub merge_at: usize,
     pub max_queue_delay_us: u64,
     /// The config left `max_queue_delay_microseconds` unset: a single-instance model's batch may
     /// wait for the callers of the batch before it, when its measured costs say one merged run
@@ -111,6 +115,7 @@ impl Default for BatchPolicy {
             dynamic: false,
             preferred_batch_sizes: Vec::new(),
             merge_limit: 0,
+            merge_at: 0,
             max_queue_delay_us: DEFAULT_MAX_QUEUE_DELAY_US,
             gather: true,
             priority_levels: 1,
@@ -269,6 +274,9 @@ impl ModelSpec {
             ("share_weights", o.share_weights.to_string()),
             ("batch_merge_limit", self.batch.merge_limit.to_string()),
         ];
+        if self.batch.merge_at > 0 {
+            p.push(("batch_merge_limit_row_elements", self.batch.merge_at.to_string()));
+        }
         if let Some(a) = &o.intra_thread_affinity {
             p.push(("intra_op_thread_affinity", a.clone()));
         }

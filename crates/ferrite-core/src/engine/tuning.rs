@@ -60,6 +60,8 @@ pub struct Tuned {
     pub plan: Plan,
     /// The largest batch the batcher should merge.
     pub merge_limit: usize,
+    /// Input elements a row held where it was measured (all inputs, the batch dim apart).
+    pub row_elements: usize,
 }
 
 /// The largest measured batch size whose throughput does not fall below the best of the smaller
@@ -80,8 +82,8 @@ pub fn choose_merge_limit(curve: &[(usize, Duration)]) -> usize {
 }
 
 /// The plan and batch limit with the highest throughput, each plan at its own best batch (its
-/// instances running side by side). `curves` are in order of preference, the plainest first; a
-/// later plan must beat the first by its margin.
+/// instances running side by side); the row size is the caller's to fill in. `curves` are in
+/// order of preference, the plainest first; a later plan must beat the first by its margin.
 pub fn choose(curves: &[(Plan, Vec<(usize, Duration)>)]) -> Option<Tuned> {
     let peak = |plan: &Plan, curve: &[(usize, Duration)]| {
         let limit = choose_merge_limit(curve);
@@ -90,11 +92,11 @@ pub fn choose(curves: &[(Plan, Vec<(usize, Duration)>)]) -> Option<Tuned> {
     };
     let (first, curve) = curves.iter().find(|(_, c)| !c.is_empty())?;
     let (limit, base) = peak(first, curve);
-    let mut best = (Tuned { plan: *first, merge_limit: limit }, base);
+    let mut best = (Tuned { plan: *first, merge_limit: limit, row_elements: 0 }, base);
     for (plan, curve) in curves.iter().filter(|(_, c)| !c.is_empty()) {
         let (limit, throughput) = peak(plan, curve);
         if throughput > base * (1.0 + plan.margin()) && throughput > best.1 {
-            best = (Tuned { plan: *plan, merge_limit: limit }, throughput);
+            best = (Tuned { plan: *plan, merge_limit: limit, row_elements: 0 }, throughput);
         }
     }
     Some(best.0)
@@ -355,7 +357,8 @@ pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &
         })
         .collect();
     tracing::debug!(model = %spec.name, rounds, rounds_ms = rounds_start.elapsed().as_millis() as u64, "calibration rounds");
-    let tuned = choose(&curves);
+    let row_elements = spec.inputs.iter().map(|t| t.dims.iter().map(|&d| d.max(1) as usize).product::<usize>()).sum();
+    let tuned = choose(&curves).map(|t| Tuned { row_elements, ..t });
     tracing::debug!(model = %spec.name, took_ms = started.elapsed().as_millis() as u64, ?tuned, "calibrated");
     remembered().lock().unwrap_or_else(|e| e.into_inner()).insert(key, tuned);
     Ok(tuned)
@@ -407,7 +410,7 @@ mod tests {
             (TWO_BY_ONE, vec![(1, ms(12.6)), (2, ms(27.0))]),
             (SPINNING, vec![(1, ms(6.8)), (2, ms(14.0))]),
         ];
-        assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 1 }));
+        assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 1, row_elements: 0 }));
     }
 
     #[test]
@@ -430,7 +433,7 @@ mod tests {
             (TWO_BY_ONE, curve(|b| 0.9 + 0.12 * b, &[1, 2, 4, 8, 16, 32, 64])),
         ];
         // 1 x 2 peaks at 64 / 4.93 ms = 13.0k rows/s; 2 x 1 at 128 / 8.58 ms = 14.9k: 15% more.
-        assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 64 }));
+        assert_eq!(choose(&curves), Some(Tuned { plan: TWO_BY_ONE, merge_limit: 64, row_elements: 0 }));
     }
 
     #[test]
