@@ -38,6 +38,11 @@ def test_models_are_calibrated_at_load_and_show_the_choice(start_server, tmp_pat
         assert "solo" not in chosen and "solo_instance_threads" not in config(s, "mlp"), chosen
     g = grpcclient.InferenceServerClient(s.grpc_url).get_model_config("fpn", as_json=True)
     assert "calibrated" in g["config"]["parameters"]
+    # The variable-H/W model's limit is for rows of the size it was measured at (one channel,
+    # H = W of 224, 128 or 64), scaled to other sizes; a fixed-size model's holds for all.
+    at = int(config(s, "fpn")["batch_merge_limit_row_elements"])
+    assert at in (224 * 224, 128 * 128, 64 * 64) and f"at rows of {at} elements" in config(s, "fpn")["calibrated"]
+    assert "batch_merge_limit_row_elements" not in config(s, "mlp")
     # Served as before: a variable-H/W request through tritonclient.
     c = httpclient.InferenceServerClient(s.url)
     x = np.arange(24, dtype=np.float32).reshape(1, 1, 4, 6)
