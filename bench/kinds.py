@@ -11,6 +11,7 @@ Usage: python3 bench/kinds.py [--duration 10] [--models tiny,mlp,...] [--clients
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -122,6 +123,11 @@ def engine_plan(case, parameters):
     m = re.match(r"(\d+) instance\(s\) x (\d+) thread", parameters.get("calibrated", ""))
     instances, threads = (int(m.group(1)), int(m.group(2))) if m else (1, int(parameters.get("intra_op_thread_count", 1)))
     batch = max(1, int(parameters.get("batch_merge_limit", 1)))
+    # A variable-size model's limit was measured at rows of `at` elements: the server scales it
+    # to the rows served (as many elements a batch), and so does the plan it is compared with.
+    at = int(parameters.get("batch_merge_limit_row_elements", 0))
+    if at:
+        batch = max(1, batch * at // sum(math.prod(dims) for _, _, dims in inputs))
     entry = f"{KINDS / model / '1/model.onnx'}|{instances},{threads},{batch}"
     if model in VARIABLE_HW:
         entry += "|" + ",".join(map(str, inputs[0][2]))
