@@ -84,10 +84,10 @@ pub struct BatchPolicy {
     /// False: requests run one by one even when the model batches.
     pub dynamic: bool,
     pub preferred_batch_sizes: Vec<usize>,
-    /// The most rows the batcher starts merging into one run (at most `max_batch_size`): lowered
-    /// by the calibration for models that run slower per row in larger batches; from there the
-    /// batcher's own measurements move it, per size of rows (`costs::Bounds`). A single request
-    /// with more rows still runs, alone.
+    /// The most rows the batcher merges into one run (at most `max_batch_size`): lowered by the
+    /// calibration for models that run slower per row in larger batches, scaled to each size of
+    /// rows (`merge_at`, `costs::Bounds`), and lowered further where the batcher's own
+    /// measurements say so. A single request with more rows still runs, alone.
     pub merge_limit: usize,
     /// The input elements a row held where calibration chose `merge_limit` (a variable-size model
     /// is measured at one size); 0: the limit holds for rows of every size.
