@@ -711,8 +711,7 @@ fn load_version(onnx: &Path, name: &str, version: u64, config: &ModelConfig, opt
             spec.instance_count = t.plan.instances;
             spec.batch.merge_limit = t.merge_limit;
             // A limit measured at one size of a variable-size model's rows scales to the others.
-            let variable = spec.inputs.iter().any(|i| i.dims.iter().any(|&d| d < 0));
-            spec.batch.merge_at = if variable { t.row_elements } else { 0 };
+            spec.batch.merge_at = t.row_elements;
             // Single-threaded instances serve load best, but leave a lone request one core: a
             // solo instance on the whole budget takes such work (never beside them), unless the
             // config fixed the instances or their threads.

@@ -218,7 +218,7 @@ impl Shared {
     /// Where the merge limits start (calibration's, at its size of rows) and how far they go.
     fn bounds(&self) -> Bounds {
         let b = &self.spec.batch;
-        Bounds { start: b.merge_limit, at: b.merge_at, max: b.max_batch_size.max(b.merge_limit) }
+        Bounds { start: b.merge_limit, at: b.merge_at, max: b.most_rows() }
     }
 
     /// The merge limit for the next batch formed from `q`: for its head's size, now and then

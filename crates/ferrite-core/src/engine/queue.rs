@@ -296,7 +296,7 @@ impl Queue {
         light_only: bool,
         hold: Option<(usize, Instant)>,
     ) -> Decision {
-        let limit = limit.min(policy.max_batch_size.max(policy.merge_limit)).max(1);
+        let limit = limit.min(policy.most_rows()).max(1);
         self.expire(now);
         if self.is_empty() {
             return Decision::Idle;

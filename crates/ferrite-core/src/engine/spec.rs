@@ -108,6 +108,14 @@ pub struct BatchPolicy {
     pub level_queues: Vec<QueuePolicy>,
 }
 
+impl BatchPolicy {
+    /// The most rows one merged batch may hold: the configured `max_batch_size` (or the merge
+    /// limit, for a model that does not batch).
+    pub fn most_rows(&self) -> usize {
+        self.max_batch_size.max(self.merge_limit)
+    }
+}
+
 impl Default for BatchPolicy {
     fn default() -> Self {
         BatchPolicy {

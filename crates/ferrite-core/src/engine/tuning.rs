@@ -60,7 +60,8 @@ pub struct Tuned {
     pub plan: Plan,
     /// The largest batch the batcher should merge.
     pub merge_limit: usize,
-    /// Input elements a row held where it was measured (all inputs, the batch dim apart).
+    /// Input elements a row held where it was measured (all inputs, the batch dim apart), for a
+    /// model with variable dims (measured at one size of them); 0 for a fixed-size model.
     pub row_elements: usize,
 }
 
@@ -323,8 +324,12 @@ pub fn one_row_time(backend: &OnnxBackend, spec: &ModelSpec) -> Option<Duration>
 /// Measures `backend` under each of `plans` and returns the best, or `None` when the model cannot
 /// be calibrated (it refuses synthetic inputs). `content` identifies the model file's bytes.
 pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &[Plan]) -> Result<Option<Tuned>> {
-    let Some(spec) = concrete(backend, spec) else { return Ok(None) };
-    let spec = &spec;
+    let Some(concrete) = concrete(backend, spec) else { return Ok(None) };
+    let row_elements = match concrete.inputs == spec.inputs {
+        true => 0,
+        false => concrete.inputs.iter().map(|t| t.dims.iter().map(|&d| d as usize).product::<usize>()).sum(),
+    };
+    let spec = &concrete;
     let key = xxhash_rust::xxh3::xxh3_64(format!("{content}{:?}{plans:?}{:?}", spec.onnx, spec.batch).as_bytes());
     if let Some(t) = remembered().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(*t);
@@ -357,7 +362,6 @@ pub fn calibrate(backend: &OnnxBackend, spec: &ModelSpec, content: u64, plans: &
         })
         .collect();
     tracing::debug!(model = %spec.name, rounds, rounds_ms = rounds_start.elapsed().as_millis() as u64, "calibration rounds");
-    let row_elements = spec.inputs.iter().map(|t| t.dims.iter().map(|&d| d.max(1) as usize).product::<usize>()).sum();
     let tuned = choose(&curves).map(|t| Tuned { row_elements, ..t });
     tracing::debug!(model = %spec.name, took_ms = started.elapsed().as_millis() as u64, ?tuned, "calibrated");
     remembered().lock().unwrap_or_else(|e| e.into_inner()).insert(key, tuned);
