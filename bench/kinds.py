@@ -116,9 +116,10 @@ def reachable(points, clients):
     return max(fit) if fit else min(p["rows_per_sec"] for p in points)
 
 
-def engine_plan(case, parameters):
+def engine_plan(case, parameters, most=None):
     """The plan and batch limit the server chose (from its config's parameters), as the ceiling's
-    CEILING_MODELS entry `MODEL.onnx|INSTANCES,THREADS,BATCH[|DIMS]` and in words."""
+    CEILING_MODELS entry `MODEL.onnx|INSTANCES,THREADS,BATCH[|DIMS]` and in words; with `most`, the
+    batch at most that (what a load of `most` batch-1 clients can form)."""
     model, inputs, _ = CASES[case]
     m = re.match(r"(\d+) instance\(s\) x (\d+) thread", parameters.get("calibrated", ""))
     instances, threads = (int(m.group(1)), int(m.group(2))) if m else (1, int(parameters.get("intra_op_thread_count", 1)))
@@ -128,6 +129,8 @@ def engine_plan(case, parameters):
     at = int(parameters.get("batch_merge_limit_row_elements", 0))
     if at:
         batch = max(1, batch * at // sum(math.prod(dims) for _, _, dims in inputs))
+    if most is not None:
+        batch = min(batch, most)
     entry = f"{KINDS / model / '1/model.onnx'}|{instances},{threads},{batch}"
     if model in VARIABLE_HW:
         entry += "|" + ",".join(map(str, inputs[0][2]))

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import threading
@@ -27,7 +26,10 @@ from bench.kinds import (CASES, KINDS, bodies, engine_plan, engine_rss, make_mod
                          perf_analyzer_args, status, urllib_get)
 from bench.run import ROOT, RESULTS, WORK, free_port, oha_load, perf_analyzer_load, wait_ready  # noqa: E402
 
-# Batch-1 clients a load has: no batch the server runs holds more rows than that.
+# Batch-1 clients a load has: no batch the server runs holds more rows than that, so ONNX Runtime's
+# figure runs each plan at its batch limit or at this many rows, whichever is less. At the limit
+# itself it counted arenas grown to batches the server never runs under that load (a
+# YOLOv8n-sized detector's limit at 320x320 is 15).
 CLIENTS = 8
 
 PLANS = {"calibrated": "", "3 instances": "instance_count = 3\ncalibrate = false\nsolo_instance = false\n"}
@@ -64,19 +66,8 @@ def plan_of(base, case):
     return parameters, sessions
 
 
-def served(case, parameters):
-    """engine_plan's plan with its batch at most CLIENTS: the largest batch the load can form. Held
-    at its batch limit instead, ONNX Runtime's figure counted arenas grown to batches the server
-    never runs under that load (a YOLOv8n-sized detector's limit at 320x320 is 15)."""
-    entry, _ = engine_plan(case, parameters)
-    m = re.search(r"\|(\d+),(\d+),(\d+)", entry)
-    instances, threads, batch = int(m.group(1)), int(m.group(2)), min(int(m.group(3)), CLIENTS)
-    entry = entry[:m.start()] + f"|{instances},{threads},{batch}" + entry[m.end():]
-    return entry, f"{instances} x {threads} threads, batch {batch}"
-
-
 def together(cases, duration):
-    """The models of `cases` in one server, each under 8 gRPC clients at once."""
+    """The models of `cases` in one server, each under CLIENTS gRPC clients at once."""
     proc, base, grpc = serve(cases, "", "together")
     try:
         time.sleep(1)
@@ -99,10 +90,10 @@ def together(cases, duration):
     finally:
         proc.terminate()
         proc.wait(30)
-    entries = [served(c, p) for c, (p, _) in zip(cases, plans)]
+    entries = [engine_plan(c, p, most=CLIENTS) for c, (p, _) in zip(cases, plans)]
     engine = engine_rss([e for e, _ in entries])
     # The same instances run at batch 1: the least ONNX Runtime needs to serve these models at all.
-    engine1 = engine_rss([re.sub(r"\|(\d+),(\d+),\d+", r"|\1,\2,1", e, count=1) for e, _ in entries])
+    engine1 = engine_rss([engine_plan(c, p, most=1)[0] for c, (p, _) in zip(cases, plans)])
     row = {"cases": cases, "idle_mb": idle, "peak_mb": r["rss_mb"], "engine_mb": engine, "engine1_mb": engine1,
            "models": [{"case": c, "plan": words, "sessions": n, "rps": x[0], "p99_ms": x[2]}
                       for c, (_, words), (_, n), x in zip(cases, entries, plans, results)]}
@@ -139,7 +130,7 @@ def main():
                 if plan != "calibrated":
                     # The plan fixed here, for the in-process figure (engine_plan reads the calibrated one).
                     parameters["calibrated"] = "3 instance(s) x 1 thread(s)"
-                entry, words = served(case, parameters)
+                entry, words = engine_plan(case, parameters, most=CLIENTS)
                 engine = engine_rss([entry])
                 row = {"case": case, "plan": plan, "share": share, "sessions": sessions, "idle_mb": idle,
                        "peak_mb": r["rss_mb"], "rps": r["rps"], "errors": r["errors"], "engine_mb": engine,
@@ -156,13 +147,13 @@ def write(rows, joint, took):
         "",
         f"`bench/run.sh --memory` on {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
         f"{took / 60:.1f} min. Resident memory of the server with one model loaded: after load (idle) and the peak "
-        "under 8 batch-1 clients (REST-binary, oha); `share_weights = false` gives each ONNX Runtime session its "
+        f"under {CLIENTS} batch-1 clients (REST-binary, oha); `share_weights = false` gives each ONNX Runtime session its "
         "own copy of the weights, `true` (the default) one copy per model for its matrix and embedding weights "
         "when it has two sessions or more. ONNX Runtime in-process: the `ceiling` example's peak RSS for the "
         "plan the server chose (one instance per plan instance, each with its own weights), run at its batch "
         f"limit or at {CLIENTS} rows where that is less (the most its clients' requests make).",
         "",
-        "| model | plan | sessions | share_weights | idle MB | peak MB (8 clients) | req/s | errors | ONNX Runtime in-process MB |",
+        f"| model | plan | sessions | share_weights | idle MB | peak MB ({CLIENTS} clients) | req/s | errors | ONNX Runtime in-process MB |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -181,7 +172,7 @@ def write(rows, joint, took):
         over = joint["peak_mb"] - joint["engine_mb"]
         lines += [
             "", "## Models together", "",
-            f"{', '.join(joint['cases'])} in one server with the plans its calibration chose, each under 8 gRPC "
+            f"{', '.join(joint['cases'])} in one server with the plans its calibration chose, each under {CLIENTS} gRPC "
             "clients at once (perf_analyzer, batch 1, the detectors at 320x320), against ONNX Runtime holding "
             "the same plans in one process (the `ceiling` example with `CEILING_MODELS`: every instance of the "
             f"plan alive, each with its own weights, each run at its batch limit or at {CLIENTS} rows where that "
