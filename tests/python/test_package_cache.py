@@ -40,7 +40,7 @@ def test_the_same_input_twice_runs_once_and_uncached_models_always_run(tmp_path)
 
 CHILD = """
 import sys, time, numpy as np, ferrite
-engine = ferrite.Engine(sys.argv[1], cache_bytes=1 << 20, redis_url=sys.argv[2])
+engine = ferrite.Engine(sys.argv[1], cache_bytes=1 << 20, redis_url=sys.argv[2], redis_timeout_ms=50)
 deadline = time.time() + 10
 while engine.cache_stats()["redis"] != "ok" and time.time() < deadline:
     time.sleep(0.05)
