@@ -2,7 +2,9 @@
 each binary serves one model under callgrind (valgrind) while one client sends a fixed number of
 batch-1 requests over V2 JSON and binary HTTP (oha) and gRPC (perf_analyzer); the instructions
 executed in the server's user space between zeroing the counters and dumping them, divided by the
-requests the model's statistics counted, sorted into the buckets `bench/profile.py` uses.
+requests the model's statistics counted, sorted into the buckets `bench/profile.py` uses; and the
+calls into the C library's allocator a request, by who made them (Rust's allocator, or C++'s
+`operator new`: ONNX Runtime's own, within the run), since allocations are a cost the issue names.
 
 Instruction counts do not move with the machine's pace or with what the other core does, so a
 change of a few percent in the server's own cost shows here where throughput on this machine
@@ -66,10 +68,20 @@ def send(case, load, base, grpc, n):
         sys.exit(f"{case} over {load}: answers {codes}")
 
 
+# The C library's allocation entry points, and who calls them: Rust's global allocator shims, or
+# C++'s `operator new` (ONNX Runtime's own, per run) and anything else.
+ALLOCATORS = {"malloc", "calloc", "realloc", "posix_memalign", "aligned_alloc", "memalign"}
+RUST_ALLOC = "__rustc::__rdl_"
+CXX_ALLOC = "operator new"
+ALLOC_ROWS = ("allocations a request: Rust", "allocations a request: C++ (ONNX Runtime's run)",
+              "allocations a request: other")
+
+
 def exclusive_costs(path):
-    """Instructions spent in each function itself (not in what it calls), by (object, function)."""
-    costs = collections.Counter()
-    obj = fn = None
+    """Instructions spent in each function itself (not in what it calls), by (object, function);
+    and the calls into the C library's allocator, by who made them (`ALLOC_ROWS`)."""
+    costs, allocs = collections.Counter(), collections.Counter()
+    obj = fn = callee = None
     after_call = False
     with open(path, errors="replace") as f:
         for line in f:
@@ -77,15 +89,21 @@ def exclusive_costs(path):
                 obj = line[3:].strip()
             elif line.startswith("fn="):
                 fn = (obj, line[3:].strip())
+            elif line.startswith("cfn="):
+                callee = line[4:].strip()
             elif line.startswith("calls="):
                 after_call = True  # the next cost line is the callee's inclusive cost
+                if callee in ALLOCATORS and fn:
+                    caller = fn[1]
+                    row = 0 if caller.startswith(RUST_ALLOC) else 1 if caller.startswith(CXX_ALLOC) else 2
+                    allocs[ALLOC_ROWS[row]] += int(line.split()[0][len("calls="):])
             elif line[:1].isdigit() or line[:1] in "+-*":
                 parts = line.split()
                 if after_call:
                     after_call = False
                 elif len(parts) >= 2 and fn:
                     costs[fn] += int(parts[1])
-    return costs
+    return costs, allocs
 
 
 def measure(label, binary, case, loads, n):
@@ -110,9 +128,11 @@ def measure(label, binary, case, loads, n):
             requests = inference_count(base, model) - before
             path = (set(glob.glob(f"{out}.*")) - dumped).pop()
             shares = collections.Counter()
-            for (obj, fn), c in exclusive_costs(path).items():
+            costs, allocs = exclusive_costs(path)
+            for (obj, fn), c in costs.items():
                 shares[bucket(Path(obj or "?").name, fn)] += c
-            rows[load] = {"requests": requests, "per_request": {b: c / requests for b, c in shares.items()}}
+            rows[load] = {"requests": requests, "per_request": {b: c / requests for b, c in shares.items()},
+                          "allocations": {k: n / requests for k, n in allocs.items()}}
             total = sum(rows[load]["per_request"].values())
             print(json.dumps({"binary": label, "case": case, "load": load, "requests": requests, "instructions": round(total)}),
                   flush=True)
@@ -163,7 +183,8 @@ def write(args, binaries, results, took):
         + (", FP32 values as tritonclient writes them (17 digits)" if args.float32_values else "")
         + ". Each cell: user-space "
         "instructions per request, in thousands, the median over rounds, sorted into `bench/profile.py`'s buckets; the "
-        "kernel is not counted. Counts move by a few percent between rounds (how often threads wake and poll depends on "
+        "kernel is not counted; the last rows count calls into the C library's allocator a request (not thousands), "
+        "by who made them: Rust's allocator, C++'s `operator new` (ONNX Runtime, within the run), anything else. Counts move by a few percent between rounds (how often threads wake and poll depends on "
         "timing), so read a difference against the rounds' spread.",
         "",
     ]
@@ -181,6 +202,11 @@ def write(args, binaries, results, took):
         lines.append("| rounds' own | " + " | ".join(", ".join(f"{x / 1e3:.1f}" for x in owns[c]) for c in cols) + " |")
         for b in names:
             lines.append(f"| {b} | " + " | ".join(f"{median([r.get(b, 0.0) for r in rounds[c]]):.1f}" for c in cols) + " |")
+        # Counts, not thousands of instructions.
+        for a in ALLOC_ROWS:
+            lines.append(f"| {a} | " + " | ".join(
+                f"{statistics.median(r[c[1]].get('allocations', {}).get(a, 0.0) for r in results[(c[0], case)]):.1f}"
+                for c in cols) + " |")
         if len(binaries) == 2:
             ratios = []
             for load in args.loads.split(","):
