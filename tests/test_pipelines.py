@@ -330,6 +330,9 @@ def bundled(tmp_path_factory):
     shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "pairs")
     pipeline(repo, "strict", [("tokenize", {"max_length": 8, "truncation": False})], outputs=("input_ids",))
     shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "strict")
+    # The ids as the encoder got them: its runs make concurrent requests share pipeline batches.
+    pipeline(repo, "tokens_encoded", [*tok, ("model", {"model": "text_encoder"})], outputs=("input_ids",))
+    shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "tokens_encoded")
     for name, layout, formats in [("detect_v8", "v8", {}), ("detect_v5", "v5", {}),
                                   ("detect_v8_cxcywhn", "v8", {"box_format": "CXCYWH", "normalized": True}),
                                   ("detect_v8_xywh", "v8", {"box_format": "xywh"}),
@@ -375,6 +378,29 @@ def test_tokenize_matches_the_tokenizers_package_and_overrides_the_files_length(
     ref = reference_tokenizer(16).encode_batch([("what is it", "it is a dog"), ("a cat", "ten dogs run")])
     np.testing.assert_array_equal(pairs.as_numpy("input_ids"), padded(ref, "ids"))
     np.testing.assert_array_equal(pairs.as_numpy("token_type_ids"), padded(ref, "type_ids"))
+
+
+def test_texts_sent_at_once_are_padded_only_with_texts_of_near_length(bundled):
+    """Short and long texts from many clients at once share pipeline batches, but a short text is
+    never padded to a long one's length (it would cost the long one's compute), and every
+    embedding is the text's own, as sent alone."""
+    short, long = "a cat", " ".join(["sentence"] * 100)
+    own = {t: len(reference_tokenizer(256).encode(t).ids) for t in (short, long)}
+
+    def tokens(text):
+        return infer(bundled.url, "tokens_encoded", {"text": [text.encode()]}).as_numpy("input_ids").shape[1]
+
+    def embedding(text):
+        return infer(bundled.url, "text_embedder", {"text": [text.encode()]}).as_numpy("embedding")[0]
+
+    alone = {t: embedding(t) for t in (short, long)}
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        lengths = list(pool.map(tokens, [short, long] * 64))
+        embeddings = list(pool.map(embedding, [short, long] * 12))
+    assert lengths[1::2] == [own[long]] * 64
+    assert lengths[0::2] == [own[short]] * 64, "a short text was padded to a long one's length"
+    for text, got in zip([short, long] * 12, embeddings):
+        np.testing.assert_allclose(got, alone[text], atol=1e-5)
 
 
 def test_an_empty_or_too_long_text_fails_its_request_alone(bundled):

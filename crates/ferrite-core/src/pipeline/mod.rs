@@ -624,7 +624,7 @@ impl Instance for Worker {
                     Op::Decode(_) => Err(StepError::Batch(Error::internal("a decode runs in an image chain"))),
                     Op::Image(op) => op.run(&mut values),
                     Op::Normalize(n) => n.run(&mut values),
-                    Op::Tokenize(t) => t.run(&mut values),
+                    Op::Tokenize(t) => t.run(&mut values, &|r| live.request_of(index[r])),
                     Op::Model(m) => {
                         let awaited = |r: usize| live.awaited(index[r]);
                         self.model_step(m, &mut values, index.len(), &awaited).map_err(StepError::Batch)
