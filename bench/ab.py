@@ -86,7 +86,10 @@ def pipeline_loads(case, base, header_len):
     if case == "images":
         return {"bin": lambda c: run.oha_load(f"{base}/v2/models/images/infer", WORK / "image.bin", c,
                                               [f"Inference-Header-Content-Length: {header_len}"])}
-    return {"embed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed.json", c, ["Content-Type: application/json"])}
+    return {"embed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed.json", c, ["Content-Type: application/json"]),
+            # Sentences of many lengths (bench/pipelines.py's mixed_sentences), one a request.
+            "embedmixed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed-mixed.jsonl", c,
+                                                 ["Content-Type: application/json"], lines=True)}
 
 
 def loads(case, base, grpc):

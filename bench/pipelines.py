@@ -114,7 +114,23 @@ def bodies(jpeg):
     (WORK / "image.bin").write_bytes(header + struct.pack("<I", len(jpeg)) + jpeg)
     (WORK / "image.jpg").write_bytes(jpeg)
     (WORK / "embed.json").write_text(json.dumps({"inputs": SENTENCE}))
+    (WORK / "embed-mixed.jsonl").write_text("".join(json.dumps({"inputs": t}) + "\n" for t in mixed_sentences()))
     return len(header)
+
+
+def mixed_sentences(n=2000, seed=7):
+    """Sentences of 3 to 60 words (5 to 150 tokens with [CLS] and [SEP], median 22), as a search
+    engine's queries and passages come: most short, some long. A load of them (oha -Z, the next line per request)
+    is what a real TEI deployment sees; one sentence repeated makes every batch one shape."""
+    import random
+    rng = random.Random(seed)
+    words = SENTENCE.split() + ["a", "house", "water", "red", "people", "walks", "near", "river", "with", "old",
+                                "friends", "after", "work", "every", "day", "small", "children", "play", "music"]
+    out = []
+    for _ in range(n):
+        length = min(60, 3 + int(rng.expovariate(1 / 12)))
+        out.append(" ".join(rng.choice(words) for _ in range(length)))
+    return out
 
 
 def ceilings(jpeg, secs):

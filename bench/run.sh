@@ -10,6 +10,8 @@
 #                                              --pin: server and ceiling on core 0, load generators on core 1)
 #        bench/run.sh --pipelines [--duration 10]  (image and text pipelines vs FastAPI and the ceiling)
 #        bench/run.sh --texts [--duration 10]  (TEI's /rerank and /predict vs FastAPI and the ceiling: bench/texts.py)
+#        bench/run.sh --text-lengths [--secs 3]  (texts of many lengths in one batch, in-process: what
+#                                              padding costs and grouping gives back: bench/text_lengths.py)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
@@ -70,6 +72,10 @@ fi
 if [ "${1:-}" = "--texts" ]; then
     shift
     exec python3 bench/texts.py "$@"
+fi
+if [ "${1:-}" = "--text-lengths" ]; then
+    shift
+    exec python3 bench/text_lengths.py "$@"
 fi
 if [ "${1:-}" = "--kinds" ]; then
     shift
