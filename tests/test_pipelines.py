@@ -403,6 +403,28 @@ def test_texts_sent_at_once_are_padded_only_with_texts_of_near_length(bundled):
         np.testing.assert_allclose(got, alone[text], atol=1e-5)
 
 
+def test_a_requests_texts_of_far_lengths_run_apart_unless_its_answer_has_their_length(bundled):
+    """One request, a short and a long text: the embedder (answers of fixed shape) runs the encoder
+    once per length; a pipeline answering the ids themselves pads the short one to the long one's
+    length, since a request's rows stack into one tensor."""
+    short, long = "a cat", " ".join(["sentence"] * 100)
+
+    def encoder_runs():
+        s = httpclient.InferenceServerClient(bundled.url).get_inference_statistics("text_encoder")
+        return s["model_stats"][0]["execution_count"]
+
+    before = encoder_runs()
+    got = infer(bundled.url, "text_embedder", {"text": [short.encode(), long.encode()]}).as_numpy("embedding")
+    assert encoder_runs() - before == 2
+    for text, row in zip((short, long), got):
+        alone = infer(bundled.url, "text_embedder", {"text": [text.encode()]}).as_numpy("embedding")[0]
+        np.testing.assert_allclose(row, alone, atol=1e-5)
+    before = encoder_runs()
+    ids = infer(bundled.url, "tokens_encoded", {"text": [short.encode(), long.encode()]}).as_numpy("input_ids")
+    assert encoder_runs() - before == 1
+    assert ids.shape == (2, len(reference_tokenizer(256).encode(long).ids))
+
+
 def test_an_empty_or_too_long_text_fails_its_request_alone(bundled):
     with pytest.raises(Exception, match=r"\[400\].*step 'tokenize'.*empty"):
         infer(bundled.url, "tokens", {"text": [b"  "]})

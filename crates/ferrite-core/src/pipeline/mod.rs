@@ -567,6 +567,9 @@ impl Backend for Pipeline {
             registry: self.registry.clone(),
             own: self.own.clone(),
             outputs: self.outputs.iter().map(|t| t.name.clone()).collect(),
+            // Answers of fixed shapes (an embedding, scores) stack whatever length each row ran
+            // at; a value of a text's length (its ids, say) must agree across a request's rows.
+            rows_apart: self.outputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)),
             runtime,
             failed: Vec::new(),
             label: self.label.clone(),
@@ -580,6 +583,9 @@ struct Worker {
     registry: Weak<dyn Models>,
     own: BTreeMap<String, Arc<crate::Model>>,
     outputs: Vec<String>,
+    /// Every output's shape is fixed: a tokenize step may pad each row apart from its request's
+    /// others (a re-ranker's short passages are not run at its longest one's length).
+    rows_apart: bool,
     runtime: tokio::runtime::Runtime,
     failed: Vec<(usize, Error)>,
     label: String,
@@ -624,6 +630,7 @@ impl Instance for Worker {
                     Op::Decode(_) => Err(StepError::Batch(Error::internal("a decode runs in an image chain"))),
                     Op::Image(op) => op.run(&mut values),
                     Op::Normalize(n) => n.run(&mut values),
+                    Op::Tokenize(t) if self.rows_apart => t.run(&mut values, &|r| r),
                     Op::Tokenize(t) => t.run(&mut values, &|r| live.request_of(index[r])),
                     Op::Model(m) => {
                         let awaited = |r: usize| live.awaited(index[r]);

@@ -114,8 +114,9 @@ impl Tokenize {
         out
     }
 
-    /// Tokenizes every row; `request_of(row)` is the request a row belongs to (a request's rows
-    /// are padded alike, so they stack into its answer).
+    /// Tokenizes every row; `request_of(row)` is the request a row belongs to, whose rows are
+    /// padded alike (so values of a text's length stack into its answer; a pipeline whose answers
+    /// have fixed shapes gives each row a request of its own).
     pub fn run(
         &self,
         values: &mut BTreeMap<String, Value>,
