@@ -87,9 +87,11 @@ def pipeline_loads(case, base, header_len):
         return {"bin": lambda c: run.oha_load(f"{base}/v2/models/images/infer", WORK / "image.bin", c,
                                               [f"Inference-Header-Content-Length: {header_len}"])}
     return {"embed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed.json", c, ["Content-Type: application/json"]),
-            # Sentences of many lengths (bench/pipelines.py's mixed_sentences), one a request.
+            # Sentences of many lengths (bench/pipelines.py's mixed_sentences), one a request, and 16.
             "embedmixed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed-mixed.jsonl", c,
-                                                 ["Content-Type: application/json"], lines=True)}
+                                                 ["Content-Type: application/json"], lines=True),
+            "embedmixed16": lambda c: run.oha_load(f"{base}/embed", WORK / "embed-mixed16.jsonl", c,
+                                                   ["Content-Type: application/json"], lines=True)}
 
 
 def loads(case, base, grpc):

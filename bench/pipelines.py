@@ -114,7 +114,10 @@ def bodies(jpeg):
     (WORK / "image.bin").write_bytes(header + struct.pack("<I", len(jpeg)) + jpeg)
     (WORK / "image.jpg").write_bytes(jpeg)
     (WORK / "embed.json").write_text(json.dumps({"inputs": SENTENCE}))
-    (WORK / "embed-mixed.jsonl").write_text("".join(json.dumps({"inputs": t}) + "\n" for t in mixed_sentences()))
+    mixed = mixed_sentences()
+    (WORK / "embed-mixed.jsonl").write_text("".join(json.dumps({"inputs": t}) + "\n" for t in mixed))
+    (WORK / "embed-mixed16.jsonl").write_text(
+        "".join(json.dumps({"inputs": mixed[i:i + 16]}) + "\n" for i in range(0, len(mixed), 16)))
     return len(header)
 
 
