@@ -8,7 +8,9 @@ and 128 concurrent clients each sending one item, in one run:
 - the same pipelines as a Python team writes them: FastAPI + Pillow / tokenizers + onnxruntime +
   NumPy (bench/baseline/pipelines.py, 2 uvicorn workers);
 - the in-process ceiling: Pillow or tokenizers and ONNX Runtime in one process, at the best batch
-  size (1, 8, 32, 64).
+  size (1, 8, 32, 64);
+- and the text pipelines again on texts of many lengths (`mixed_sentences`, the next one each
+  request), whose ceiling groups each batch's rows by length as the tokenize step does.
 
 Writes bench/results/pipelines.md with the ratios, and where Ferrite's time goes per step (from
 ferrite_pipeline_step_duration_seconds).
@@ -181,6 +183,28 @@ def ceilings(jpeg, secs):
             n += b
         best[b] = n / (time.time() - t0)
     out["text"] = best
+    # Texts of many lengths: each batch's rows grouped by length as the tokenize step groups them
+    # (bench/text_lengths.py), each group one run padded to its longest.
+    from bench.text_lengths import groups
+
+    mixed = mixed_sentences()
+    best, i = {}, 0
+    for b in (1, 8, 32, 64):
+        n, t0 = 0, time.time()
+        while time.time() - t0 < secs:
+            enc = tok.encode_batch([mixed[(i + k) % len(mixed)] for k in range(b)])
+            i += b
+            for group in groups([len(e.ids) for e in enc], 0.25):
+                longest = max(len(enc[g].ids) for g in group)
+                ids = np.array([enc[g].ids + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
+                mask = np.array([enc[g].attention_mask + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
+                h = bert.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+                m = mask[..., None].astype(np.float32)
+                v = (h * m).sum(1) / m.sum(1)
+                v /= np.linalg.norm(v, axis=1, keepdims=True)
+            n += b
+        best[b] = n / (time.time() - t0)
+    out["texts of many lengths"] = best
     return out
 
 
@@ -225,6 +249,10 @@ def main():
             f"ferrite-text-{c}", cmd, f"{base}/v2/health/ready",
             load_and_read_steps(oha_load(f"{base}/embed", WORK / "embed.json", c, ["Content-Type: application/json"]),
                                 metrics_port, steps), args)))
+        rows.append(("texts of many lengths", "Ferrite (TEI /embed)", c, measure(
+            f"ferrite-mixed-{c}", cmd, f"{base}/v2/health/ready",
+            oha_load(f"{base}/embed", WORK / "embed-mixed.jsonl", c, ["Content-Type: application/json"], lines=True),
+            args)))
     # The FastAPI baseline, 2 workers (one per core).
     bport = free_port()
     env = dict(os.environ, RESNET=str(REPO / "resnet" / "1" / "model.onnx"), BERT=str(REPO / "bert_var" / "1" / "model.onnx"),
@@ -239,6 +267,10 @@ def main():
         rows.append(("text", "FastAPI + tokenizers + onnxruntime", c, measure(
             f"fastapi-text-{c}", bcmd, f"{bbase}/health",
             oha_load(f"{bbase}/embed", WORK / "embed.json", c, ["Content-Type: application/json"]), args, env=env)))
+        rows.append(("texts of many lengths", "FastAPI + tokenizers + onnxruntime", c, measure(
+            f"fastapi-mixed-{c}", bcmd, f"{bbase}/health",
+            oha_load(f"{bbase}/embed", WORK / "embed-mixed.jsonl", c, ["Content-Type: application/json"], lines=True),
+            args, env=env)))
     again = ceilings(jpeg, max(args.duration // 2, 3))
     ceiling = {k: {b: max(v, again[k][b]) for b, v in ceiling[k].items()} for k in ceiling}
     write(rows, ceiling, steps, args)
@@ -267,16 +299,18 @@ def write(rows, ceiling, steps, args):
         "In-process ceiling (preprocessing + ONNX Runtime in one process, items/s by batch size; the best of a",
         "measurement before and one after the servers ran). For images it runs decoding and the model one after",
         "the other in one Python thread (ONNX Runtime on both cores): a server that decodes while the model runs",
-        "can pass it.",
+        "can pass it. Texts of many lengths (`mixed_sentences`, 5 to 150 tokens, one a request; the text rows send",
+        "one sentence): each batch's rows grouped by length as the tokenize step groups them, one run a group.",
         "",
         "| pipeline | " + " | ".join(f"batch {b}" for b in ceiling["text"]) + " |",
         "|---|" + "---|" * len(ceiling["text"]),
     ]
-    for kind in ("image", "text"):
+    for kind in ("image", "text", "texts of many lengths"):
         lines.append(f"| {kind} | " + " | ".join(f"{ceiling[kind].get(b, float('nan')):.1f}" for b in ceiling["text"]) + " |")
     lines += ["", "| pipeline | system | clients | items/s | p50 ms | p99 ms | CPU cores | errors | / ceiling | / FastAPI |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    best = {"images": max(ceiling["image"].values()), "text": max(ceiling["text"].values())}
+    best = {k: max(v.values()) for k, v in ceiling.items()}
+    best["images"] = best["image"]
     for kind, system, c, r in rows:
         base = next((b for k, s, cc, b in rows if k == kind and cc == c and s.startswith("FastAPI")), None)
         vs = f"{r['rps'] / base['rps']:.2f}" if base and base["rps"] else ""
