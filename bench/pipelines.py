@@ -169,42 +169,30 @@ def ceilings(jpeg, secs):
     tok.no_padding()
     tok.no_truncation()
     bert = ort.InferenceSession(str(REPO / "bert_var" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    best = {}
-    for b in (1, 8, 32, 64):
-        n, t0 = 0, time.time()
-        while time.time() - t0 < secs:
-            enc = tok.encode_batch([SENTENCE] * b)
-            ids = np.array([e.ids for e in enc], np.int64)
-            mask = np.array([e.attention_mask for e in enc], np.int64)
-            h = bert.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-            m = mask[..., None].astype(np.float32)
-            v = (h * m).sum(1) / m.sum(1)
-            v /= np.linalg.norm(v, axis=1, keepdims=True)
-            n += b
-        best[b] = n / (time.time() - t0)
-    out["text"] = best
-    # Texts of many lengths: each batch's rows grouped by length as the tokenize step groups them
-    # (bench/text_lengths.py), each group one run padded to its longest.
-    from bench.text_lengths import groups
+    # One sentence over and over, and texts of many lengths: each batch's rows grouped by length as
+    # the tokenize step groups them (bench/text_lengths.py; one sentence makes one group), each
+    # group one run padded to its longest.
+    from bench.text_lengths import PAD_WASTE, groups
 
-    mixed = mixed_sentences()
-    best, i = {}, 0
-    for b in (1, 8, 32, 64):
-        n, t0 = 0, time.time()
-        while time.time() - t0 < secs:
-            enc = tok.encode_batch([mixed[(i + k) % len(mixed)] for k in range(b)])
-            i += b
-            for group in groups([len(e.ids) for e in enc], 0.25):
-                longest = max(len(enc[g].ids) for g in group)
-                ids = np.array([enc[g].ids + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
-                mask = np.array([enc[g].attention_mask + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
-                h = bert.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-                m = mask[..., None].astype(np.float32)
-                v = (h * m).sum(1) / m.sum(1)
-                v /= np.linalg.norm(v, axis=1, keepdims=True)
-            n += b
-        best[b] = n / (time.time() - t0)
-    out["texts of many lengths"] = best
+    for kind, texts in (("text", [SENTENCE]), ("texts of many lengths", mixed_sentences())):
+        best, i = {}, 0
+        for b in (1, 8, 32, 64):
+            n, t0 = 0, time.time()
+            while time.time() - t0 < secs:
+                enc = tok.encode_batch([texts[(i + k) % len(texts)] for k in range(b)])
+                i += b
+                for group in groups([len(e.ids) for e in enc], PAD_WASTE):
+                    longest = max(len(enc[g].ids) for g in group)
+                    ids = np.array([enc[g].ids + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
+                    mask = np.array([enc[g].attention_mask + [0] * (longest - len(enc[g].ids)) for g in group],
+                                    np.int64)
+                    h = bert.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+                    m = mask[..., None].astype(np.float32)
+                    v = (h * m).sum(1) / m.sum(1)
+                    v /= np.linalg.norm(v, axis=1, keepdims=True)
+                n += b
+            best[b] = n / (time.time() - t0)
+        out[kind] = best
     return out
 
 

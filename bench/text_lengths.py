@@ -27,6 +27,7 @@ import bench.pipelines as pipelines  # noqa: E402
 from bench.run import RESULTS, ROOT, WORK  # noqa: E402
 
 WASTES = (0.0, 0.1, 0.25, 0.5, 1.0, math.inf)
+PAD_WASTE = 0.25  # the tokenize step's bound (`PAD_WASTE` in text.rs)
 
 
 def groups(lengths, waste):
