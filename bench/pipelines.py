@@ -172,7 +172,7 @@ def ceilings(jpeg, secs):
     # One sentence over and over, and texts of many lengths: each batch's rows grouped by length as
     # the tokenize step groups them (bench/text_lengths.py; one sentence makes one group), each
     # group one run padded to its longest.
-    from bench.text_lengths import PAD_WASTE, groups
+    from bench.text_lengths import PAD_WASTE, feed, groups
 
     for kind, texts in (("text", [SENTENCE]), ("texts of many lengths", mixed_sentences())):
         best, i = {}, 0
@@ -182,12 +182,9 @@ def ceilings(jpeg, secs):
                 enc = tok.encode_batch([texts[(i + k) % len(texts)] for k in range(b)])
                 i += b
                 for group in groups([len(e.ids) for e in enc], PAD_WASTE):
-                    longest = max(len(enc[g].ids) for g in group)
-                    ids = np.array([enc[g].ids + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
-                    mask = np.array([enc[g].attention_mask + [0] * (longest - len(enc[g].ids)) for g in group],
-                                    np.int64)
-                    h = bert.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-                    m = mask[..., None].astype(np.float32)
+                    inputs = feed(enc, group)
+                    h = bert.run(None, inputs)[0]
+                    m = inputs["attention_mask"][..., None].astype(np.float32)
                     v = (h * m).sum(1) / m.sum(1)
                     v /= np.linalg.norm(v, axis=1, keepdims=True)
                 n += b

@@ -1,7 +1,8 @@
 """Texts of many lengths in one batch, in-process (bench/run.sh --text-lengths): what padding
-costs an encoder of all-MiniLM-L6-v2's size (bench/make_models.py's `bert_var`, 6 layers x 384)
-when a batch's rows are padded to its longest, and what grouping rows of near lengths gives back,
-for the bound the tokenize step uses (`PAD_WASTE` in crates/ferrite-core/src/pipeline/text.rs).
+costs a text encoder when a batch's rows are padded to its longest, and what grouping rows of near
+lengths gives back, for the bound the tokenize step uses (`PAD_WASTE` in
+crates/ferrite-core/src/pipeline/text.rs). Two encoders: one of all-MiniLM-L6-v2's size
+(bench/make_models.py's `bert_var`, 6 layers x 384) and the bundled small `text_encoder`.
 
 The texts are bench/pipelines.py's `mixed_sentences` (5 to 150 tokens, most short), taken in
 order in batches of 8 and 32 (what a pipeline worker gets at 32 and 128 clients). Each batch is
@@ -46,6 +47,24 @@ def groups(lengths, waste):
     return out
 
 
+def feed(enc, group, names=("input_ids", "attention_mask")):
+    """The inputs of one run: the group's rows of `enc` padded to its longest (0 as the pad id,
+    as the bench tokenizer's), for the model inputs `names`."""
+    longest = max(len(enc[g].ids) for g in group)
+    pad = lambda row: row + [0] * (longest - len(row))  # noqa: E731
+    ids = np.array([pad(enc[g].ids) for g in group], np.int64)
+    out = {"input_ids": ids, "attention_mask": np.array([pad(enc[g].attention_mask) for g in group], np.int64)}
+    if "token_type_ids" in names:
+        out["token_type_ids"] = np.zeros_like(ids)
+    return out
+
+
+# The encoders measured: the bench's of all-MiniLM-L6-v2's size, and the bundled small one (where
+# a run's fixed cost weighs more against its tokens).
+MODELS = {"MiniLM-sized encoder (bench `bert_var`)": WORK / "kinds" / "bert_var" / "1" / "model.onnx",
+          "small encoder (bundled `text_encoder`)": ROOT / "models" / "text_encoder" / "1" / "model.onnx"}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--secs", type=float, default=3.0)
@@ -59,55 +78,45 @@ def main():
     tok.enable_truncation(256)  # the pipeline's max_length
     texts = pipelines.mixed_sentences()
     lengths = [len(e.ids) for e in tok.encode_batch(texts)]
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    bert = ort.InferenceSession(str(WORK / "kinds" / "bert_var" / "1" / "model.onnx"), options,
-                                providers=["CPUExecutionProvider"])
-    names = {i.name for i in bert.get_inputs()}
-
-    def rate(batch, waste):
-        """Rows/s and rows per call, over `args.secs`."""
-        rows = calls = 0
-        start, i = time.perf_counter(), 0
-        while time.perf_counter() - start < args.secs:
-            chunk = [texts[(i + k) % len(texts)] for k in range(batch)]
-            i += batch
-            enc = tok.encode_batch(chunk)
-            for group in groups([len(e.ids) for e in enc], waste):
-                longest = max(len(enc[g].ids) for g in group)
-                ids = np.array([enc[g].ids + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
-                mask = np.array([enc[g].attention_mask + [0] * (longest - len(enc[g].ids)) for g in group], np.int64)
-                feed = {"input_ids": ids, "attention_mask": mask}
-                if "token_type_ids" in names:
-                    feed["token_type_ids"] = np.zeros_like(ids)
-                bert.run(None, feed)
-                rows += len(group)
-                calls += 1
-        return rows / (time.perf_counter() - start), rows / calls
-
-    alone = rate(1, 0.0)[0]
     lines = [
         "# Texts of many lengths in one batch (`text-lengths`)",
         "",
-        f"`bench/text_lengths.py` on {time.strftime('%Y-%m-%d')}: the bench's encoder of all-MiniLM-L6-v2's size, "
-        f"ONNX Runtime on 2 threads, {len(texts)} texts of {min(lengths)} to {max(lengths)} tokens "
-        f"(median {int(np.median(lengths))}, mean {np.mean(lengths):.1f}), {args.secs:g} s per point. "
-        "Each batch's rows are grouped as the tokenize step groups them: each group as long as padding its rows "
-        "to its longest adds at most `waste` of their own tokens; `inf` is the whole batch padded to its longest.",
-        "",
-        f"One text at a time: {alone:.1f} rows/s.",
-        "",
-        "| rows per batch | waste | rows/s | / one at a time | rows per call |",
-        "|---:|---:|---:|---:|---:|",
+        f"`bench/text_lengths.py` on {time.strftime('%Y-%m-%d')}: ONNX Runtime on 2 threads, {len(texts)} texts of "
+        f"{min(lengths)} to {max(lengths)} tokens (median {int(np.median(lengths))}, mean {np.mean(lengths):.1f}), "
+        f"{args.secs:g} s per point. Each batch's rows are grouped as the tokenize step groups them: each group as "
+        "long as padding its rows to its longest adds at most `waste` of their own tokens; `inf` is the whole batch "
+        "padded to its longest.",
     ]
-    for batch in (8, 32):
-        for waste in WASTES:
-            r, per = rate(batch, waste)
-            lines.append(f"| {batch} | {waste:g} | {r:.1f} | {r / alone:.2f} | {per:.1f} |")
-            print(lines[-1], flush=True)
-    path = RESULTS / "text-lengths.md"
-    path.write_text("\n".join(lines) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    for title, path in MODELS.items():
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        names = {i.name for i in session.get_inputs()}
+
+        def rate(batch, waste):
+            """Rows/s and rows per call, over `args.secs`."""
+            rows = calls = 0
+            start, i = time.perf_counter(), 0
+            while time.perf_counter() - start < args.secs:
+                enc = tok.encode_batch([texts[(i + k) % len(texts)] for k in range(batch)])
+                i += batch
+                for group in groups([len(e.ids) for e in enc], waste):
+                    session.run(None, feed(enc, group, names))
+                    rows += len(group)
+                    calls += 1
+            return rows / (time.perf_counter() - start), rows / calls
+
+        alone = rate(1, 0.0)[0]
+        lines += ["", f"## {title}", "", f"One text at a time: {alone:.1f} rows/s.", "",
+                  "| rows per batch | waste | rows/s | / one at a time | rows per call |", "|---:|---:|---:|---:|---:|"]
+        for batch in (8, 32):
+            for waste in WASTES:
+                r, per = rate(batch, waste)
+                lines.append(f"| {batch} | {waste:g} | {r:.1f} | {r / alone:.2f} | {per:.1f} |")
+                print(title, lines[-1], flush=True)
+    out = RESULTS / "text-lengths.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

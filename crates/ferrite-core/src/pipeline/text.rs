@@ -181,11 +181,13 @@ impl Tokenize {
     }
 }
 
-/// Padding a group may add, as a share of its rows' own tokens. Measured in-process on an encoder
-/// of all-MiniLM-L6-v2's size (`bench/results/text-lengths.md`: texts of 5 to 150 tokens, median
-/// 22): batches of 8 and 32 of them padded to their longest ran 137 and 91 rows/s against 231 one
-/// at a time; grouped within 0%, 10%, 25%, 50% and 100% of padding, 241, 223, 224, 220 and 201
-/// rows/s (8 rows) and 228, 248, 265, 240 and 198 (32 rows).
+/// Padding a group may add, as a share of its rows' own tokens. Measured in-process
+/// (`bench/results/text-lengths.md`: texts of 5 to 150 tokens, median 22) on an encoder of
+/// all-MiniLM-L6-v2's size: batches of 8 and 32 padded to their longest ran at 0.60 and 0.39 of
+/// one text at a time; grouped within 0%, 10%, 25%, 50% and 100% of padding at 1.03, 1.04, 1.01,
+/// 0.99, 0.89 (8 rows) and 1.11, 1.18, 1.17, 1.04, 0.91 (32 rows). On the bundled small encoder,
+/// whose runs cost little beside tokenizing: 0.78 and 0.64 padded whole, 0.89-0.96 and
+/// 0.91-1.00 grouped, 1.00 at 25% for 32 rows.
 const PAD_WASTE: f64 = 0.25;
 
 /// The length each row is padded to, given each row's own and its request: requests in order of
