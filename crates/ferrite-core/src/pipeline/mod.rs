@@ -630,8 +630,10 @@ impl Instance for Worker {
                     Op::Decode(_) => Err(StepError::Batch(Error::internal("a decode runs in an image chain"))),
                     Op::Image(op) => op.run(&mut values),
                     Op::Normalize(n) => n.run(&mut values),
-                    Op::Tokenize(t) if self.rows_apart => t.run(&mut values, &|r| r),
-                    Op::Tokenize(t) => t.run(&mut values, &|r| live.request_of(index[r])),
+                    Op::Tokenize(t) => {
+                        let rows_apart = self.rows_apart;
+                        t.run(&mut values, &|r| if rows_apart { r } else { live.request_of(index[r]) })
+                    }
                     Op::Model(m) => {
                         let awaited = |r: usize| live.awaited(index[r]);
                         self.model_step(m, &mut values, index.len(), &awaited).map_err(StepError::Batch)
