@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -325,6 +326,83 @@ def test_a_client_that_leaves_is_cancelled_in_the_model(served, marks):
         time.sleep(0.1)
     assert list(marks.glob("cancelled-*")), "request.is_cancelled() never turned true"
     assert not list(marks.glob("not-cancelled-*"))
+
+
+LENGTHS_MODEL = """
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+            with open(os.path.join(os.environ["LENGTH_MARKS"], "runs"), "a") as f:
+                f.write(f"{ids.shape[1]}\\n")
+            if ids.shape[1] > 16:
+                time.sleep(3)
+            tokens = (ids != 0).sum(axis=1, keepdims=True).astype(np.int64)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("TOKENS", tokens)]))
+        return responses
+"""
+
+
+def test_a_client_that_leaves_a_pipeline_batch_costs_its_other_requests_nothing(tmp_path):
+    """A pipeline batch of a short and a long text (one worker, a queue delay that merges them)
+    calls a model once per length; the long text's client leaves while its call runs. Its call is
+    dropped and the short text is answered from its own call: it used to fail the whole batch,
+    which ran again without the client that left, the short text's call twice."""
+    repo = tmp_path / "repo"
+    model = repo / "lengths"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(LENGTHS_MODEL)
+    (model / "config.pbtxt").write_text(
+        'name: "lengths"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
+        'output [ { name: "TOKENS" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+    (repo / "texts").mkdir()
+    shutil.copy(ROOT / "models" / "text_embedder" / "tokenizer.json", repo / "texts")
+    (repo / "texts" / "config.toml").write_text(
+        'instance_count = 1\n\n[dynamic_batching]\nmax_queue_delay_microseconds = 300000\n\n'
+        '[[steps]]\nop = "tokenize"\nmax_length = 64\n\n[[steps]]\nop = "model"\nmodel = "lengths"\n\n'
+        '[[output]]\nname = "TOKENS"\n')
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    s = Server(repo, "--python", sys.executable, env=dict(os.environ, LENGTH_MARKS=str(marks)))
+    try:
+        def body(text):
+            return json.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [text]}]})
+
+        long = body(" ".join(["sentence"] * 30)).encode()
+        leaving = socket.create_connection(("127.0.0.1", s.port))
+        leaving.sendall(b"POST /v2/models/texts/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(long)}\r\n\r\n".encode() + long)
+        time.sleep(0.05)
+        answer = {}
+
+        def short():
+            req = urllib.request.Request(f"http://{s.url}/v2/models/texts/infer", body("a cat").encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                answer["short"] = json.loads(r.read())
+
+        waiting = threading.Thread(target=short)
+        waiting.start()
+        # The batch forms at 0.3 s; the long text's call sleeps 3 s from then.
+        time.sleep(1.0)
+        leaving.close()
+        waiting.join(30)
+        assert answer["short"]["outputs"][0]["data"] == [4], answer
+        runs = (marks / "runs").read_text().split()
+        assert runs.count("4") == 1, f"the short text's call ran {runs.count('4')} times: {runs}"
+        assert runs.count("32") == 1, runs
+    finally:
+        s.stop()
 
 
 def test_finalize_runs_on_unload_and_on_shutdown(tmp_path):
