@@ -90,6 +90,9 @@ def image_server(tmp_path_factory):
     pipeline(repo, "bgr_nhwc", [("decode_image", {}), ("normalize", {"channels": "BGR", "layout": "NHWC",
                                                                       "scale": 1.0, "mean": [10.0]})])
     pipeline(repo, "small", [("decode_image", {"max_pixels": 10000, "max_bytes": 200000}), raw])
+    # One worker whose batches wait 300 ms for more requests: requests sent at once share one.
+    pipeline(repo, "held", [("decode_image", {}), raw],
+             extra="instance_count = 1\n\n[dynamic_batching]\nmax_queue_delay_microseconds = 300000\n")
     for w, h in CV_SIZES:
         for f in ("bilinear", "area"):
             pipeline(repo, f"cv_{f}_{w}x{h}", [("decode_image", {}), ("resize", {"size": [w, h], "filter": f,
@@ -295,6 +298,31 @@ def test_images_of_different_sizes_share_a_batch_and_bad_ones_fail_alone(image_s
     # Two rows of one request, the second corrupt: the error names its row.
     e = call_rows(image_server.url, [good[0], b"junk"])
     assert "[400]" in str(e) and "row 1" in str(e), e
+
+
+def test_a_bad_image_does_not_make_its_batch_decode_again(image_server):
+    """A corrupt image and three good ones in one pipeline batch: the corrupt one fails its own
+    request, and the batch goes on without it, each good image decoded once (the batch used to
+    run again without the failed request, decoding every other image twice: a client sending bad
+    images could double what everyone batched with it cost)."""
+    def decodes():
+        text = urllib.request.urlopen(image_server.metrics_url, timeout=10).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("ferrite_pipeline_step_duration_seconds_count{")
+                   and '"held"' in line and '"decode_image"' in line)
+
+    # Of one size: answers of several sizes do not stack into one batch's tensor, which is then
+    # run in halves until they do.
+    good = [encode(photo(10, 8, seed=i)) for i in range(3)]
+    before = decodes()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        goods = [pool.submit(pixels, image_server.url, "held", [g]) for g in good]
+        bad = pool.submit(pixels, image_server.url, "held", [b"\xff\xd8\xff\xe0 truncated jpeg"])
+        for f in goods:
+            assert f.result().shape == (1, 8, 10, 3)
+        with pytest.raises(Exception, match=r"\[400\].*step 'decode_image'.*cannot decode"):
+            bad.result()
+    assert decodes() - before == 1, "the batch ran its image steps again"
 
 
 def test_a_batch_of_large_images_holds_one_at_its_sent_size_at_a_time(image_server):

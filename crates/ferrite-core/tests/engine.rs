@@ -724,6 +724,80 @@ async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
     assert!(core.metrics().contains("ferrite_backend_panics_total{model=\"p\",version=\"1\"} 4"));
 }
 
+/// Echoes every row, naming rows of -1 as failed on their own (as a pipeline's per-row steps do)
+/// while the run succeeds for the others.
+struct RowWise(Vec<TensorSpec>);
+struct RowWiseInstance(Vec<(usize, Error)>);
+
+impl Backend for RowWise {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok(Box::new(RowWiseInstance(Vec::new())))
+    }
+}
+
+impl Instance for RowWiseInstance {
+    fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
+        let i = &inputs[0];
+        let mut data = Vec::new();
+        for p in &i.parts {
+            if let ferrite_core::TensorData::Fixed(b) = p {
+                data.extend_from_slice(b);
+            }
+        }
+        let values = data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+        self.0 =
+            values.enumerate().filter(|(_, v)| *v == -1.0).map(|(r, _)| (r, Error::invalid("a bad row"))).collect();
+        Ok(vec![Tensor::new("x", i.datatype, i.shape.clone(), ferrite_core::TensorData::Fixed(data.into()))])
+    }
+    fn failed_rows(&mut self) -> Vec<(usize, Error)> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_that_fail_on_their_own_fail_their_requests_and_the_others_are_answered_from_the_same_run() {
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let config: ModelConfig = toml::from_str(
+        "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 2000000\npreferred_batch_size = [6]\n",
+    )
+    .unwrap();
+    let spec = ModelSpec::resolve("r", 1, &config, &specs, &specs, 1).unwrap();
+    let model = Arc::new(Model::start(spec, &RowWise(specs), None).unwrap());
+    let core = Core::from_models([("r".to_string(), model.clone())].into(), Default::default(), Limits::default());
+    // Five requests, six rows: the fourth request's second row fails.
+    let requests: Vec<Vec<f32>> = vec![vec![10.0], vec![-1.0], vec![12.0], vec![13.0, -1.0], vec![15.0]];
+    let tasks: Vec<_> = requests
+        .iter()
+        .map(|rows| {
+            let (core, rows) = (core.clone(), rows.clone());
+            tokio::spawn(async move {
+                let x = Tensor::from_le("x", DataType::Fp32, vec![rows.len(), 1], &rows);
+                core.infer(InferRequest { model_name: "r".into(), inputs: vec![x], ..Default::default() }).await
+            })
+        })
+        .collect();
+    let results = futures_join(tasks).await;
+    for (rows, r) in requests.iter().zip(&results) {
+        match rows.iter().position(|&v| v == -1.0) {
+            Some(0) if rows.len() == 1 => assert!(r.as_ref().unwrap_err().to_string().contains("a bad row"), "{r:?}"),
+            Some(k) => assert!(r.as_ref().unwrap_err().to_string().contains(&format!("row {k}: a bad row")), "{r:?}"),
+            None => {
+                let x = Tensor::from_le("x", DataType::Fp32, vec![1, 1], rows);
+                assert_eq!(r.as_ref().unwrap().outputs[0], x);
+            }
+        }
+    }
+    // One run answered them all: nothing was run again.
+    let s = model.stats.snapshot("r", 1);
+    assert_eq!(s.execution_count, 1, "{s:?}");
+}
+
 /// Echoes after 5 ms, recording which kind of instance ran and whether a solo run ever overlapped
 /// another run.
 #[derive(Clone, Default)]

@@ -184,9 +184,11 @@ pub trait Instance: Send {
         false
     }
 
-    /// After a failed `run`: the rows of the batch that failed on their own, each with its error,
-    /// where the backend can tell (a pipeline's per-row steps). The batcher then fails the
-    /// requests those rows belong to and runs the others again. Empty: the batch failed as a whole.
+    /// After a `run`: the rows of the batch that failed on their own, each with its error, where
+    /// the backend can tell (a pipeline's per-row steps). The batcher fails the requests those
+    /// rows belong to; after a run that succeeded it answers the others from it (their rows went
+    /// on without the failed ones; the failed rows' outputs are filler), after a failed run it
+    /// runs them again. Empty: no row failed on its own.
     fn failed_rows(&mut self) -> Vec<(usize, crate::Error)> {
         Vec::new()
     }

@@ -822,9 +822,9 @@ fn run_isolated(
         return replies;
     }
     let result = run(shared, instance, &batch, quiet, cpu_from);
-    let rows = if result.is_err() && !shared.each { instance.failed_rows() } else { Vec::new() };
+    let rows = if shared.each { Vec::new() } else { instance.failed_rows() };
     if !rows.is_empty() {
-        return run_without(shared, instance, batch, rows);
+        return run_without(shared, instance, batch, rows, result.ok());
     }
     match result {
         Ok(outputs) => batch.into_iter().zip(outputs).collect(),
@@ -842,39 +842,49 @@ fn run_isolated(
     }
 }
 
-/// Fails the requests that `rows` (of the failed run of `batch`) belong to, each with its first
-/// row's error (saying which of its rows, when it has several), and runs the rest again.
+/// Fails the requests that `rows` (of the run of `batch`) belong to, each with its first row's
+/// error (saying which of its rows, when it has several). The rest are answered from `answered`
+/// (that run's outputs: it went on without the failed rows) or, when the run failed, run again.
 fn run_without(
     shared: &Shared,
     instance: &mut dyn Instance,
     batch: Vec<Pending>,
     mut rows: Vec<(usize, Error)>,
+    answered: Option<Vec<Result<Vec<Tensor>>>>,
 ) -> Vec<(Pending, Result<Vec<Tensor>>)> {
     rows.sort_by_key(|(r, _)| *r);
+    let mut answered = answered.map(Vec::into_iter);
     let (mut failed, mut rest, mut offset) = (Vec::new(), Vec::new(), 0);
     for p in batch {
-        let span = offset..offset + p.rows;
+        let (e, out) = (failure(&p, offset, &rows), answered.as_mut().and_then(Iterator::next));
         offset += p.rows;
-        match rows.iter().find(|(r, _)| span.contains(r)) {
-            Some((r, e)) => {
-                let e = match e {
-                    Error::InvalidInput(m) if p.rows > 1 => Error::InvalidInput(format!("row {}: {m}", r - span.start)),
-                    other => other.clone(),
-                };
-                failed.push((p, Err(e)));
-            }
-            None => rest.push(p),
+        match e {
+            Some(e) => failed.push((p, Err(e))),
+            None => rest.push((p, out)),
         }
     }
     if failed.is_empty() {
         // The rows named belong to no request: trust none of it, and fail the batch as it is.
-        let e = Error::internal("a failed batch named rows outside it");
-        return rest.into_iter().map(|p| (p, Err(e.clone()))).collect();
+        let e = Error::internal("a batch named failed rows outside it");
+        return rest.into_iter().map(|(p, _)| (p, Err(e.clone()))).collect();
     }
-    if !rest.is_empty() {
-        failed.extend(run_isolated(shared, instance, rest, None, None));
+    if answered.is_some() {
+        let short = || Err(Error::internal("a batch answered fewer requests than it held"));
+        failed.extend(rest.into_iter().map(|(p, out)| (p, out.unwrap_or_else(short))));
+    } else if !rest.is_empty() {
+        failed.extend(run_isolated(shared, instance, rest.into_iter().map(|(p, _)| p).collect(), None, None));
     }
     failed
+}
+
+/// The error of request `p`, whose rows start at batch row `first`, when one of `rows` (sorted)
+/// is its: its first failed row's (saying which of its rows, when it has several).
+fn failure(p: &Pending, first: usize, rows: &[(usize, Error)]) -> Option<Error> {
+    let (r, e) = rows.iter().find(|(r, _)| (first..first + p.rows).contains(r))?;
+    Some(match e {
+        Error::InvalidInput(m) if p.rows > 1 => Error::InvalidInput(format!("row {}: {m}", r - first)),
+        other => other.clone(),
+    })
 }
 
 /// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;

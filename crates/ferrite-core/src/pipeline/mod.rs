@@ -7,8 +7,10 @@
 //!
 //! Values are held per row (one tensor or image for each row of the batch), so rows whose
 //! images differ in size still share a pipeline batch; a model step groups rows of equal shapes
-//! into its calls. A step that fails for some rows names them (`Instance::failed_rows`), and the
-//! batcher runs the batch again without them: a corrupt image fails its own request alone.
+//! into its calls. A step that fails for some rows names them (`Instance::failed_rows`): the batch
+//! goes on without their requests' rows, and the batcher fails those requests and answers the
+//! others from the same run. A corrupt image fails its own request alone, and the others' work is
+//! not done twice.
 
 mod image;
 mod post;
@@ -144,7 +146,8 @@ pub(crate) enum Kind {
 }
 
 /// Why a step failed: the whole batch (a fault that is no row's), or some of its rows, each with
-/// its error (the rest of the batch is sound, and runs again without them).
+/// its error (the rest of the batch is sound: the step runs again without their requests' rows).
+/// A step that fails some rows writes nothing.
 pub(crate) enum StepError {
     Batch(Error),
     Rows(Vec<(usize, Error)>),
@@ -641,19 +644,28 @@ impl Instance for Worker {
                     Op::Post(p) => p.run(&mut values),
                 };
                 self.observe(step, start.elapsed());
-                result.map_err(|e| e.named(step))
+                result.map(|()| Vec::new()).map_err(|e| e.named(step))
             };
-            match result {
-                Ok(()) => {}
+            // Rows that failed on their own fail their requests (the batcher answers them so), and
+            // the batch goes on without those requests' rows: the others' work is not done again.
+            let failed = match result {
+                Ok(failed) => {
+                    i += chain;
+                    failed
+                }
                 // A failure of the whole batch (a model step's) is not a row's.
                 Err(StepError::Batch(e)) => return Err(e),
-                Err(StepError::Rows(rows)) => {
-                    let first = rows.first().map_or_else(|| Error::internal("a step failed"), |(_, e)| e.clone());
-                    self.failed = rows.into_iter().map(|(r, e)| (index[r], e)).collect();
-                    return Err(first);
+                // A step that fails some rows writes nothing: it runs again for the others.
+                Err(StepError::Rows(rows)) => rows.into_iter().map(|(r, e)| (index[r], e)).collect(),
+            };
+            if !failed.is_empty() {
+                let requests: Vec<usize> = failed.iter().map(|&(row, _)| live.request_of(row)).collect();
+                self.failed.extend(failed);
+                keep_rows(&mut values, &mut index, |row| !requests.contains(&live.request_of(row)));
+                if index.is_empty() {
+                    return Err(self.failed[0].1.clone());
                 }
             }
-            i += chain;
         }
         // Rows whose clients left during the last step (a model call skipped for them) go too.
         keep_rows(&mut values, &mut index, |row| live.awaited(row));
@@ -724,17 +736,17 @@ impl Worker {
         m.with_label_values(&[&self.label, &step.name]).observe(took.as_secs_f64());
     }
 
-    /// Runs `chain` (a decode and image steps) row by row; on success the batch gets the images
-    /// each value ends with. Rows that fail are all named. A row whose client has left is skipped
-    /// and dropped (from `values` and `index`). (A request's decoded pixels were charged at
-    /// admission, by `Backend::cost`.)
+    /// Runs `chain` (a decode and image steps) row by row; the batch gets the images each value
+    /// ends with. A row that fails, or whose client has left (skipped), is dropped (from `values`
+    /// and `index`); the rows that failed are returned, as batch rows, with their errors. (A
+    /// request's decoded pixels were charged at admission, by `Backend::cost`.)
     fn image_chain(
         &self,
         chain: &[Step],
         values: &mut BTreeMap<String, Value>,
         index: &mut Vec<usize>,
         live: &Live<'_>,
-    ) -> Result<(), StepError> {
+    ) -> Result<Vec<(usize, Error)>, StepError> {
         let mut took = vec![std::time::Duration::ZERO; chain.len()];
         let mut written: BTreeMap<String, Vec<image::Picture>> = BTreeMap::new();
         let mut errors = Vec::new();
@@ -764,7 +776,7 @@ impl Worker {
                     Err(StepError::Batch(e)) => return Err(StepError::Batch(e)),
                     Err(StepError::Rows(mut failed)) => {
                         let e = failed.pop().map_or_else(|| Error::internal("a step failed"), |(_, e)| e);
-                        errors.push((r, e));
+                        errors.push((row, e));
                         continue 'rows;
                     }
                 }
@@ -778,12 +790,9 @@ impl Worker {
         for (step, t) in chain.iter().zip(took) {
             self.observe(step, t);
         }
-        if !errors.is_empty() {
-            return Err(StepError::Rows(errors));
-        }
-        keep_rows(values, index, |row| !gone.contains(&row));
+        keep_rows(values, index, |row| !gone.contains(&row) && !errors.iter().any(|(failed, _)| *failed == row));
         values.extend(written.into_iter().map(|(name, pictures)| (name, Value::Images(pictures))));
-        Ok(())
+        Ok(errors)
     }
 
     /// Runs rows through another model's batcher: rows whose inputs have equal shapes go
