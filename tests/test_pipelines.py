@@ -91,8 +91,10 @@ def image_server(tmp_path_factory):
                                                                       "scale": 1.0, "mean": [10.0]})])
     pipeline(repo, "small", [("decode_image", {"max_pixels": 10000, "max_bytes": 200000}), raw])
     # One worker whose batches wait 300 ms for more requests: requests sent at once share one.
-    pipeline(repo, "held", [("decode_image", {}), raw],
-             extra="instance_count = 1\n\n[dynamic_batching]\nmax_queue_delay_microseconds = 300000\n")
+    # Answers of each image's size, and of one size.
+    held = "instance_count = 1\n\n[dynamic_batching]\nmax_queue_delay_microseconds = 300000\n"
+    pipeline(repo, "held", [("decode_image", {}), raw], extra=held)
+    pipeline(repo, "held_fixed", [("decode_image", {}), ("resize", {"size": [6, 5]}), raw], extra=held)
     for w, h in CV_SIZES:
         for f in ("bilinear", "area"):
             pipeline(repo, f"cv_{f}_{w}x{h}", [("decode_image", {}), ("resize", {"size": [w, h], "filter": f,
@@ -300,29 +302,44 @@ def test_images_of_different_sizes_share_a_batch_and_bad_ones_fail_alone(image_s
     assert "[400]" in str(e) and "row 1" in str(e), e
 
 
-def test_a_bad_image_does_not_make_its_batch_decode_again(image_server):
-    """A corrupt image and three good ones in one pipeline batch: the corrupt one fails its own
-    request, and the batch goes on without it, each good image decoded once (the batch used to
-    run again without the failed request, decoding every other image twice: a client sending bad
-    images could double what everyone batched with it cost)."""
+@pytest.mark.parametrize("model", ["held", "held_fixed"])
+def test_a_batch_of_images_of_many_sizes_and_a_bad_one_runs_once(image_server, model):
+    """A corrupt image and three good ones of three sizes in one pipeline batch: the corrupt one
+    fails its own request, and the batch goes on without it, each good image decoded once. It used
+    to run again without the failed request (a client sending bad images doubled what everyone
+    batched with it cost), and, where the answers keep each image's size, again in halves until
+    the answers of each run had one size."""
     def decodes():
         text = urllib.request.urlopen(image_server.metrics_url, timeout=10).read().decode()
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith("ferrite_pipeline_step_duration_seconds_count{")
-                   and '"held"' in line and '"decode_image"' in line)
+                   and f'"{model}"' in line and '"decode_image"' in line)
 
-    # Of one size: answers of several sizes do not stack into one batch's tensor, which is then
-    # run in halves until they do.
-    good = [encode(photo(10, 8, seed=i)) for i in range(3)]
+    good = [encode(photo(10 + i, 8 + i, seed=i)) for i in range(3)]
     before = decodes()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        goods = [pool.submit(pixels, image_server.url, "held", [g]) for g in good]
-        bad = pool.submit(pixels, image_server.url, "held", [b"\xff\xd8\xff\xe0 truncated jpeg"])
-        for f in goods:
-            assert f.result().shape == (1, 8, 10, 3)
+        goods = [pool.submit(pixels, image_server.url, model, [g]) for g in good]
+        bad = pool.submit(pixels, image_server.url, model, [b"\xff\xd8\xff\xe0 truncated jpeg"])
+        for i, f in enumerate(goods):
+            assert f.result().shape == ((1, 8 + i, 10 + i, 3) if model == "held" else (1, 5, 6, 3))
         with pytest.raises(Exception, match=r"\[400\].*step 'decode_image'.*cannot decode"):
             bad.result()
     assert decodes() - before == 1, "the batch ran its image steps again"
+    # Two requests of two rows each, one row corrupt: the error names its row; the other request
+    # is answered, its two images at their own sizes.
+    def two(images):
+        t = httpclient.InferInput("image", [2], "BYTES")
+        t.set_data_from_numpy(np.array(images, dtype=object))
+        try:
+            return httpclient.InferenceServerClient(image_server.url).infer(model, [t]).as_numpy("pixels")
+        except Exception as e:  # noqa: BLE001 - the error is the answer
+            return e
+
+    if model == "held":
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            fine, broken = pool.map(two, [[good[0], good[0]], [good[1], b"junk"]])
+        assert fine.shape == (2, 8, 10, 3)
+        assert "[400]" in str(broken) and "row 1" in str(broken), broken
 
 
 def test_a_batch_of_large_images_holds_one_at_its_sent_size_at_a_time(image_server):

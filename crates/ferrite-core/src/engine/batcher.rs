@@ -878,13 +878,19 @@ fn run_without(
 }
 
 /// The error of request `p`, whose rows start at batch row `first`, when one of `rows` (sorted)
-/// is its: its first failed row's (saying which of its rows, when it has several).
+/// is its: its first failed row's.
 fn failure(p: &Pending, first: usize, rows: &[(usize, Error)]) -> Option<Error> {
     let (r, e) = rows.iter().find(|(r, _)| (first..first + p.rows).contains(r))?;
-    Some(match e {
-        Error::InvalidInput(m) if p.rows > 1 => Error::InvalidInput(format!("row {}: {m}", r - first)),
+    Some(row_error(e, r - first, p.rows))
+}
+
+/// `e`, the error of row `row` of a request of `rows`, as the request's: saying which of its rows
+/// when it has several.
+pub(crate) fn row_error(e: &Error, row: usize, rows: usize) -> Error {
+    match e {
+        Error::InvalidInput(m) if rows > 1 => Error::InvalidInput(format!("row {row}: {m}")),
         other => other.clone(),
-    })
+    }
 }
 
 /// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;

@@ -558,6 +558,12 @@ impl Backend for Pipeline {
         Some(Cost { of: Arc::new(of), heavy: HEAVY_PIXELS })
     }
 
+    /// Answers of a size of their own (a text's ids, an image's pixels) do not stack across
+    /// requests: each request is answered apart (a batch of several sizes ran again in halves).
+    fn answers_each(&self) -> bool {
+        !fixed(&self.outputs)
+    }
+
     fn instance(&self) -> Result<Box<dyn Instance>> {
         // Each worker waits for its model steps on a runtime of its own (timers for the steps'
         // queue timeouts), never on the server's.
@@ -572,7 +578,7 @@ impl Backend for Pipeline {
             outputs: self.outputs.iter().map(|t| t.name.clone()).collect(),
             // Answers of fixed shapes (an embedding, scores) stack whatever length each row ran
             // at; a value of a text's length (its ids, say) must agree across a request's rows.
-            rows_apart: self.outputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0)),
+            rows_apart: fixed(&self.outputs),
             runtime,
             failed: Vec::new(),
             label: self.label.clone(),
@@ -600,6 +606,112 @@ impl Instance for Worker {
     }
 
     fn run_live(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Tensor>> {
+        let (mut values, index, rows) = self.run_steps(inputs, live)?;
+        if index.is_empty() {
+            return Err(self.failed[0].1.clone());
+        }
+        self.outputs
+            .iter()
+            .map(|name| match values.remove(name) {
+                Some(Value::Rows(r)) => stack(name, refill(r, &index, rows)),
+                _ => Err(Error::internal(format!("pipeline output '{name}' was not written"))),
+            })
+            .collect()
+    }
+
+    /// For a pipeline whose answers have a size of their own (a text's ids, an image's pixels),
+    /// which do not stack into one batch: each request gets its own rows' answers, or its error.
+    fn run_each(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Result<Vec<Tensor>>>> {
+        let requests = inputs.first().map_or(1, |i| i.parts.len());
+        let (mut values, index, rows) = self.run_steps(inputs, live)?;
+        let outputs = self
+            .outputs
+            .iter()
+            .map(|name| match values.remove(name) {
+                Some(Value::Rows(r)) => Ok((name, r)),
+                _ if index.is_empty() => Ok((name, Vec::new())),
+                _ => Err(Error::internal(format!("pipeline output '{name}' was not written"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let failed = std::mem::take(&mut self.failed);
+        let answer = |q: usize| {
+            let of_q = |row: &usize| live.request_of(*row) == q;
+            if let Some((row, e)) = failed.iter().filter(|(row, _)| of_q(row)).min_by_key(|(row, _)| *row) {
+                let first = (0..rows).find(of_q).unwrap_or(*row);
+                return Err(crate::engine::batcher::row_error(e, row - first, (0..rows).filter(of_q).count()));
+            }
+            let mine: Vec<usize> = (0..index.len()).filter(|&k| of_q(&index[k])).collect();
+            if mine.is_empty() {
+                return Err(Error::unavailable("the client left", None));
+            }
+            outputs.iter().map(|(name, r)| stack(name, mine.iter().map(|&k| r[k].clone()).collect())).collect()
+        };
+        Ok((0..requests).map(answer).collect())
+    }
+
+    fn failed_rows(&mut self) -> Vec<(usize, Error)> {
+        std::mem::take(&mut self.failed)
+    }
+}
+
+/// Whether every one of `outputs` has a fixed shape (an embedding, scores).
+fn fixed(outputs: &[TensorSpec]) -> bool {
+    outputs.iter().all(|t| t.dims.iter().all(|&d| d >= 0))
+}
+
+/// Keeps the rows of every value whose batch row (`index`) passes `keep`, and their index.
+fn keep_rows(values: &mut BTreeMap<String, Value>, index: &mut Vec<usize>, keep: impl Fn(usize) -> bool) {
+    // Nearly always every row is kept: nothing is allocated then.
+    if index.iter().all(|&row| keep(row)) {
+        return;
+    }
+    let kept: Vec<bool> = index.iter().map(|&row| keep(row)).collect();
+    fn retain<T>(v: &mut Vec<T>, kept: &[bool]) {
+        let mut k = kept.iter();
+        v.retain(|_| k.next().copied().unwrap_or(false));
+    }
+    for v in values.values_mut() {
+        match v {
+            Value::Rows(r) => retain(r, &kept),
+            Value::Images(p) => retain(p, &kept),
+        }
+    }
+    retain(index, &kept);
+}
+
+/// The rows of a whole batch of `rows` from those held for `index`: a row dropped (its client
+/// left) gets a copy of one held, so the batch keeps its shape; nobody reads it.
+fn refill(held: Vec<Tensor>, index: &[usize], rows: usize) -> Vec<Tensor> {
+    if index.len() == rows {
+        return held;
+    }
+    let mut out: Vec<Option<Tensor>> = vec![None; rows];
+    for (&row, t) in index.iter().zip(&held) {
+        out[row] = Some(t.clone());
+    }
+    let filler = held[0].clone();
+    out.into_iter().map(|t| t.unwrap_or_else(|| filler.clone())).collect()
+}
+
+/// `e` as step `step`'s error.
+fn named(step: &Step, e: Error) -> Error {
+    let text = format!("step '{}': {e}", step.name);
+    match e {
+        Error::InvalidInput(_) => Error::InvalidInput(text),
+        Error::Internal(_) => Error::Internal(text),
+        other => other,
+    }
+}
+
+impl Worker {
+    /// Runs the steps over a batch: its values at the end, the batch row each of their rows is,
+    /// and the batch's rows. Rows that failed on their own (`self.failed`) are not among them;
+    /// where every row failed, none is (the steps stop there).
+    fn run_steps(
+        &mut self,
+        inputs: &[BatchInput<'_>],
+        live: &Live<'_>,
+    ) -> Result<(BTreeMap<String, Value>, Vec<usize>, usize)> {
         self.failed.clear();
         let mut values: BTreeMap<String, Value> = BTreeMap::new();
         let mut rows = 0;
@@ -663,7 +775,7 @@ impl Instance for Worker {
                 self.failed.extend(failed);
                 keep_rows(&mut values, &mut index, |row| !requests.contains(&live.request_of(row)));
                 if index.is_empty() {
-                    return Err(self.failed[0].1.clone());
+                    return Ok((values, index, rows));
                 }
             }
         }
@@ -672,65 +784,9 @@ impl Instance for Worker {
         if index.is_empty() {
             return Err(Error::unavailable("every client of the batch left", None));
         }
-        self.outputs
-            .iter()
-            .map(|name| match values.remove(name) {
-                Some(Value::Rows(r)) => stack(name, refill(r, &index, rows)),
-                _ => Err(Error::internal(format!("pipeline output '{name}' was not written"))),
-            })
-            .collect()
+        Ok((values, index, rows))
     }
 
-    fn failed_rows(&mut self) -> Vec<(usize, Error)> {
-        std::mem::take(&mut self.failed)
-    }
-}
-
-/// Keeps the rows of every value whose batch row (`index`) passes `keep`, and their index.
-fn keep_rows(values: &mut BTreeMap<String, Value>, index: &mut Vec<usize>, keep: impl Fn(usize) -> bool) {
-    // Nearly always every row is kept: nothing is allocated then.
-    if index.iter().all(|&row| keep(row)) {
-        return;
-    }
-    let kept: Vec<bool> = index.iter().map(|&row| keep(row)).collect();
-    fn retain<T>(v: &mut Vec<T>, kept: &[bool]) {
-        let mut k = kept.iter();
-        v.retain(|_| k.next().copied().unwrap_or(false));
-    }
-    for v in values.values_mut() {
-        match v {
-            Value::Rows(r) => retain(r, &kept),
-            Value::Images(p) => retain(p, &kept),
-        }
-    }
-    retain(index, &kept);
-}
-
-/// The rows of a whole batch of `rows` from those held for `index`: a row dropped (its client
-/// left) gets a copy of one held, so the batch keeps its shape; nobody reads it.
-fn refill(held: Vec<Tensor>, index: &[usize], rows: usize) -> Vec<Tensor> {
-    if index.len() == rows {
-        return held;
-    }
-    let mut out: Vec<Option<Tensor>> = vec![None; rows];
-    for (&row, t) in index.iter().zip(&held) {
-        out[row] = Some(t.clone());
-    }
-    let filler = held[0].clone();
-    out.into_iter().map(|t| t.unwrap_or_else(|| filler.clone())).collect()
-}
-
-/// `e` as step `step`'s error.
-fn named(step: &Step, e: Error) -> Error {
-    let text = format!("step '{}': {e}", step.name);
-    match e {
-        Error::InvalidInput(_) => Error::InvalidInput(text),
-        Error::Internal(_) => Error::Internal(text),
-        other => other,
-    }
-}
-
-impl Worker {
     fn observe(&self, step: &Step, took: std::time::Duration) {
         let m = &crate::telemetry::metrics::global().pipeline_step_duration;
         m.with_label_values(&[&self.label, &step.name]).observe(took.as_secs_f64());
