@@ -22,6 +22,8 @@
 #        bench/run.sh --instructions A [B] [--models tiny,mlp] (the server's own instructions per request
 #                                              under callgrind, one client: bench/instructions.py)
 #        bench/run.sh --hostile [--duration 10] (a steady client beside floods: bench/hostile.py)
+#        bench/run.sh --bad-rows A B [--rounds 2] (pipeline requests beside failing rows and answers of
+#                                              other sizes, two binaries alternated: bench/bad_rows.py)
 #        bench/run.sh --python-models [--duration 5] (a model.py's cost per request: bench/python_models.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
 set -euo pipefail
@@ -120,6 +122,10 @@ fi
 if [ "${1:-}" = "--hostile" ]; then
     shift
     exec python3 bench/hostile.py "$@"
+fi
+if [ "${1:-}" = "--bad-rows" ]; then
+    shift
+    exec python3 bench/bad_rows.py "$@"
 fi
 if [ "${1:-}" = "--all" ]; then
     # The whole suite in one go (about 20 minutes): model kinds, the per-front-end profile, and
