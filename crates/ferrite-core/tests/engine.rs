@@ -659,15 +659,39 @@ impl Backend for Poisonable {
     }
 }
 
+/// The bytes of a batch input's parts, in order.
+fn batch_bytes(i: &BatchInput<'_>) -> Vec<u8> {
+    let mut data = Vec::new();
+    for p in &i.parts {
+        if let ferrite_core::TensorData::Fixed(b) = p {
+            data.extend_from_slice(b);
+        }
+    }
+    data
+}
+
+/// A model `name` of `backend` (one input and output "x", FP32 [-1, 1]) whose requests wait for
+/// each other (up to 2 s) until `rows` rows are there, so they share one batch.
+fn one_batch_of(
+    name: &str,
+    rows: usize,
+    backend: impl FnOnce(Vec<TensorSpec>) -> Box<dyn Backend>,
+) -> (Core, Arc<Model>) {
+    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
+    let config: ModelConfig = toml::from_str(&format!(
+        "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 2000000\npreferred_batch_size = [{rows}]\n"
+    ))
+    .unwrap();
+    let spec = ModelSpec::resolve(name, 1, &config, &specs, &specs, 1).unwrap();
+    let model = Arc::new(Model::start(spec, backend(specs).as_ref(), None).unwrap());
+    let core = Core::from_models([(name.to_string(), model.clone())].into(), Default::default(), Limits::default());
+    (core, model)
+}
+
 impl Instance for PoisonableInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
         let i = &inputs[0];
-        let mut data = Vec::new();
-        for p in &i.parts {
-            if let ferrite_core::TensorData::Fixed(b) = p {
-                data.extend_from_slice(b);
-            }
-        }
+        let data = batch_bytes(i);
         let values: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         if values.contains(&-2.0) {
             panic!("a bug reached with {values:?}");
@@ -681,15 +705,7 @@ impl Instance for PoisonableInstance {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
-    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
-    // Requests wait for each other (up to 2 s) until 8 rows are there: they share one batch.
-    let config: ModelConfig = toml::from_str(
-        "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 2000000\npreferred_batch_size = [8]\n",
-    )
-    .unwrap();
-    let spec = ModelSpec::resolve("p", 1, &config, &specs, &specs, 1).unwrap();
-    let model = Arc::new(Model::start(spec, &Poisonable(specs), None).unwrap());
-    let core = Core::from_models([("p".to_string(), model.clone())].into(), Default::default(), Limits::default());
+    let (core, model) = one_batch_of("p", 8, |specs| Box::new(Poisonable(specs)));
     let values = [10.0f32, 11.0, -1.0, 13.0, 14.0, -2.0, 16.0, 17.0];
     let tasks: Vec<_> = values
         .iter()
@@ -744,12 +760,7 @@ impl Backend for RowWise {
 impl Instance for RowWiseInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
         let i = &inputs[0];
-        let mut data = Vec::new();
-        for p in &i.parts {
-            if let ferrite_core::TensorData::Fixed(b) = p {
-                data.extend_from_slice(b);
-            }
-        }
+        let data = batch_bytes(i);
         let values = data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()));
         self.0 =
             values.enumerate().filter(|(_, v)| *v == -1.0).map(|(r, _)| (r, Error::invalid("a bad row"))).collect();
@@ -762,14 +773,7 @@ impl Instance for RowWiseInstance {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_that_fail_on_their_own_fail_their_requests_and_the_others_are_answered_from_the_same_run() {
-    let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
-    let config: ModelConfig = toml::from_str(
-        "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 2000000\npreferred_batch_size = [6]\n",
-    )
-    .unwrap();
-    let spec = ModelSpec::resolve("r", 1, &config, &specs, &specs, 1).unwrap();
-    let model = Arc::new(Model::start(spec, &RowWise(specs), None).unwrap());
-    let core = Core::from_models([("r".to_string(), model.clone())].into(), Default::default(), Limits::default());
+    let (core, model) = one_batch_of("r", 6, |specs| Box::new(RowWise(specs)));
     // Five requests, six rows: the fourth request's second row fails.
     let requests: Vec<Vec<f32>> = vec![vec![10.0], vec![-1.0], vec![12.0], vec![13.0, -1.0], vec![15.0]];
     let tasks: Vec<_> = requests
