@@ -32,7 +32,8 @@ use crate::{
     Backend, Error, Result, Tensor,
 };
 
-/// How long an idle worker watches for the next request before sleeping on the condvar, at least.
+/// How long a quick model's idle worker (see `WATCH_BELOW`) watches for the next request before
+/// sleeping on the condvar, at least.
 /// Waking a sleeping thread costs tens of microseconds on a VM; a request arriving within this
 /// window is picked up without that wake-up (see the `roundtrip` example).
 const IDLE_SPIN: Duration = Duration::from_micros(50);
@@ -44,10 +45,13 @@ const IDLE_SPIN_MAX: Duration = Duration::from_micros(500);
 /// many clients whose I/O keeps the cores busy, a lone batch comes now and then, and watching
 /// longer there took the I/O threads' CPU (gRPC at 128 clients lost a tenth of its requests).
 const LONE_STREAK: u32 = 8;
-/// Nor does it grow for a model whose batches take longer than this: a wake-up is then a small
-/// share of each request, and the watch took CPU its client and I/O needed (a ResNet-style model
-/// answered one client 0.1-0.9 ms later).
-const WATCH_BELOW: Duration = Duration::from_millis(2);
+/// No watch at all for a model whose batches take longer than this: the wake-up it saves is then a
+/// small share of a request, and it holds a core just when the answer's delivery and the caller's
+/// next request need one. Watching longer, a ResNet-style model answered one client 0.1-0.9 ms
+/// later; watching `IDLE_SPIN`, the text pipeline and its encoder (1.8-1.9 ms a batch) answered
+/// one client with a p99 of 4-5 ms against 2.2-2.8 ms without (`bench/results/watch-slow-ab.md`).
+/// A quick model's lone client is where a wake-up weighs (the MLP: 0.3 ms a run).
+const WATCH_BELOW: Duration = Duration::from_millis(1);
 
 /// How long to watch for the next request, given the moving average of recent gaps between a
 /// lone request's answer and the next request: twice that, within [`IDLE_SPIN`, `IDLE_SPIN_MAX`],
@@ -63,10 +67,12 @@ fn idle_spin(recent_gap: Duration) -> Duration {
 
 /// How long an idle worker watches for the next request after `lone_streak` batches of one request
 /// in a row, the model's batches taking `batch_time` and the next request coming `recent_gap` after
-/// the answer: longer than [`IDLE_SPIN`] only for one quick model's lone client (see `LONE_STREAK`
-/// and `WATCH_BELOW`).
+/// the answer: only for a quick model (see `WATCH_BELOW`), and longer than [`IDLE_SPIN`] only for
+/// its lone client (see `LONE_STREAK`).
 fn watch_for(lone_streak: u32, batch_time: Duration, recent_gap: Duration) -> Duration {
-    if lone_streak >= LONE_STREAK && batch_time <= WATCH_BELOW {
+    if batch_time > WATCH_BELOW {
+        Duration::ZERO
+    } else if lone_streak >= LONE_STREAK {
         idle_spin(recent_gap)
     } else {
         IDLE_SPIN
@@ -606,12 +612,14 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         // cores are better left to the front-ends.
                         if last_requests <= 1 {
                             idle_since.get_or_insert_with(Instant::now);
-                            drop(q);
                             let spin = watch_for(lone_streak, shared.batch_time.recent(), recent_gap);
-                            spin_for_next(&shared.submitted, seen, spin);
-                            q = shared.lock();
-                            // The watch is not the next run's cost.
-                            cpu_from = cpu_now();
+                            if !spin.is_zero() {
+                                drop(q);
+                                spin_for_next(&shared.submitted, seen, spin);
+                                q = shared.lock();
+                                // The watch is not the next run's cost.
+                                cpu_from = cpu_now();
+                            }
                         }
                         let closed = shared.closed.load(Ordering::Acquire);
                         if !closed && shared.submitted.load(Ordering::Acquire) == seen && q.is_empty() {
@@ -1137,13 +1145,17 @@ mod tests {
     }
 
     #[test]
-    fn the_watch_grows_only_for_one_quick_models_lone_client() {
+    fn only_a_quick_model_watches_and_longer_only_for_its_lone_client() {
         let (us, ms) = (Duration::from_micros, Duration::from_millis);
         assert_eq!(watch_for(LONE_STREAK, us(300), us(150)), us(300), "a lone client of a quick model");
         assert_eq!(watch_for(LONE_STREAK - 1, us(300), us(150)), IDLE_SPIN, "a lone batch now and then");
         assert_eq!(watch_for(u32::MAX, WATCH_BELOW, us(150)), us(300));
-        assert_eq!(watch_for(LONE_STREAK, ms(5), us(150)), IDLE_SPIN, "a conv net: a wake-up is a small share");
         assert_eq!(watch_for(LONE_STREAK, us(300), ms(3)), IDLE_SPIN, "a client that pauses");
+        // A slower model's worker does not watch: the answer's delivery needs the core.
+        for (streak, gap) in [(LONE_STREAK, us(150)), (0, us(150)), (LONE_STREAK, ms(3))] {
+            assert_eq!(watch_for(streak, ms(5), gap), Duration::ZERO, "a conv net");
+            assert_eq!(watch_for(streak, WATCH_BELOW + us(1), gap), Duration::ZERO, "a text encoder");
+        }
     }
 
     /// A one-row request answered on `runtime`, and where its answer arrives.
