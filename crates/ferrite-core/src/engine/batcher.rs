@@ -864,7 +864,7 @@ fn run_without(
     let mut answered = answered.map(Vec::into_iter);
     let (mut failed, mut rest, mut offset) = (Vec::new(), Vec::new(), 0);
     for p in batch {
-        let (e, out) = (failure(&p, offset, &rows), answered.as_mut().and_then(Iterator::next));
+        let (e, out) = (request_error(offset, p.rows, &rows), answered.as_mut().and_then(Iterator::next));
         offset += p.rows;
         match e {
             Some(e) => failed.push((p, Err(e))),
@@ -885,20 +885,15 @@ fn run_without(
     failed
 }
 
-/// The error of request `p`, whose rows start at batch row `first`, when one of `rows` (sorted)
-/// is its: its first failed row's.
-fn failure(p: &Pending, first: usize, rows: &[(usize, Error)]) -> Option<Error> {
-    let (r, e) = rows.iter().find(|(r, _)| (first..first + p.rows).contains(r))?;
-    Some(row_error(e, r - first, p.rows))
-}
-
-/// `e`, the error of row `row` of a request of `rows`, as the request's: saying which of its rows
-/// when it has several.
-pub(crate) fn row_error(e: &Error, row: usize, rows: usize) -> Error {
-    match e {
-        Error::InvalidInput(m) if rows > 1 => Error::InvalidInput(format!("row {row}: {m}")),
+/// The error of a request whose `count` rows start at batch row `first`, when one of the failed
+/// `rows` (sorted by row) is its: its first failed row's, saying which of its rows when it has
+/// several.
+pub(crate) fn request_error(first: usize, count: usize, rows: &[(usize, Error)]) -> Option<Error> {
+    let (r, e) = rows.iter().find(|(r, _)| (first..first + count).contains(r))?;
+    Some(match e {
+        Error::InvalidInput(m) if count > 1 => Error::InvalidInput(format!("row {}: {m}", r - first)),
         other => other.clone(),
-    }
+    })
 }
 
 /// One run of the backend over `group`, recorded in the statistics, metrics and cost estimates;

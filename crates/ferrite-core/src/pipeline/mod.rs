@@ -633,20 +633,32 @@ impl Instance for Worker {
                 _ => Err(Error::internal(format!("pipeline output '{name}' was not written"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        let failed = std::mem::take(&mut self.failed);
-        let answer = |q: usize| {
-            let of_q = |row: &usize| live.request_of(*row) == q;
-            if let Some((row, e)) = failed.iter().filter(|(row, _)| of_q(row)).min_by_key(|(row, _)| *row) {
-                let first = (0..rows).find(of_q).unwrap_or(*row);
-                return Err(crate::engine::batcher::row_error(e, row - first, (0..rows).filter(of_q).count()));
+        let mut failed = std::mem::take(&mut self.failed);
+        failed.sort_by_key(|(row, _)| *row);
+        // Each request's first batch row and row count (its rows are consecutive), and where its
+        // rows that went to the end are among the values'.
+        let mut spans = vec![(rows, 0); requests];
+        for row in 0..rows {
+            if let Some(span) = spans.get_mut(live.request_of(row)) {
+                *span = (span.0.min(row), span.1 + 1);
             }
-            let mine: Vec<usize> = (0..index.len()).filter(|&k| of_q(&index[k])).collect();
+        }
+        let mut kept = vec![Vec::new(); requests];
+        for (k, &row) in index.iter().enumerate() {
+            if let Some(mine) = kept.get_mut(live.request_of(row)) {
+                mine.push(k);
+            }
+        }
+        let answer = |(&(first, count), mine): (&(usize, usize), &Vec<usize>)| {
+            if let Some(e) = crate::engine::batcher::request_error(first, count, &failed) {
+                return Err(e);
+            }
             if mine.is_empty() {
                 return Err(Error::unavailable("the client left", None));
             }
             outputs.iter().map(|(name, r)| stack(name, mine.iter().map(|&k| r[k].clone()).collect())).collect()
         };
-        Ok((0..requests).map(answer).collect())
+        Ok(spans.iter().zip(&kept).map(answer).collect())
     }
 
     fn failed_rows(&mut self) -> Vec<(usize, Error)> {
