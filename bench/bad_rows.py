@@ -15,8 +15,6 @@ Usage: python3 bench/bad_rows.py A B [--rounds 2] [--duration 8] [--name bad-row
 """
 
 import argparse
-import json
-import struct
 import subprocess
 import sys
 import threading
@@ -29,15 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import pipelines  # noqa: E402
-from bench.run import RESULTS, WORK, free_port, oha_load, wait_ready  # noqa: E402
-
-
-def binary_file(path, jpeg):
-    """A V2 binary-tensor body of one image, written to `path`; its header's length."""
-    header = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
-                                     "parameters": {"binary_data_size": 4 + len(jpeg)}}]}).encode()
-    path.write_bytes(header + struct.pack("<I", len(jpeg)) + jpeg)
-    return len(header)
+from bench.run import RESULTS, WORK, free_port, jpeg_body, oha_load, wait_ready  # noqa: E402
 
 
 def hostile(url, path, header_len, stop, answers):
@@ -87,9 +77,9 @@ def main():
         '[[steps]]\nop = "decode_image"\n[[steps]]\nop = "resize"\nmode = "shorter_side"\nsize = [256]\n'
         '[[steps]]\nop = "normalize"\n')
     landscape, portrait = pipelines.photo(640, 480), pipelines.photo(480, 640, seed=1)
-    h_land = binary_file(WORK / "landscape.bin", landscape)
-    h_port = binary_file(WORK / "portrait.bin", portrait)
-    h_bad = binary_file(WORK / "cut.bin", landscape[: len(landscape) * 6 // 10])
+    h_land = jpeg_body(WORK / "landscape.bin", landscape)
+    h_port = jpeg_body(WORK / "portrait.bin", portrait)
+    h_bad = jpeg_body(WORK / "cut.bin", landscape[: len(landscape) * 6 // 10])
     started = time.time()
     rows = {}
     for _ in range(args.rounds):

@@ -28,7 +28,6 @@ import os
 import platform
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.run import ROOT, RESULTS, WORK, free_port, measure, oha_load  # noqa: E402
+from bench.run import ROOT, RESULTS, WORK, free_port, jpeg_body, measure, oha_load  # noqa: E402
 
 REPO = WORK / "pipelines"
 SENTENCE = "the cat eats fast food and the dog runs in the big city"  # 14 tokens with [CLS] and [SEP]
@@ -111,16 +110,14 @@ name = "embedding"
 
 
 def bodies(jpeg):
-    header = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
-                                     "parameters": {"binary_data_size": 4 + len(jpeg)}}]}).encode()
-    (WORK / "image.bin").write_bytes(header + struct.pack("<I", len(jpeg)) + jpeg)
+    header_len = jpeg_body(WORK / "image.bin", jpeg)
     (WORK / "image.jpg").write_bytes(jpeg)
     (WORK / "embed.json").write_text(json.dumps({"inputs": SENTENCE}))
     mixed = mixed_sentences()
     (WORK / "embed-mixed.jsonl").write_text("".join(json.dumps({"inputs": t}) + "\n" for t in mixed))
     (WORK / "embed-mixed16.jsonl").write_text(
         "".join(json.dumps({"inputs": mixed[i:i + 16]}) + "\n" for i in range(0, len(mixed), 16)))
-    return len(header)
+    return header_len
 
 
 def mixed_sentences(n=2000, seed=7):

@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shutil
-import struct
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.run import (RESULTS, ROOT, WORK, ferrite, free_port, measure, oha_load,  # noqa: E402
+from bench.run import (RESULTS, ROOT, WORK, ferrite, free_port, jpeg_body, measure, oha_load,  # noqa: E402
                        perf_analyzer_load)
 
 HERE = WORK / "python"
@@ -157,11 +156,8 @@ def image_body(shape):
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, "JPEG", quality=90)
     jpeg = buf.getvalue()
-    header = json.dumps({"inputs": [{"name": "image", "shape": shape, "datatype": "BYTES",
-                                     "parameters": {"binary_data_size": 4 + len(jpeg)}}]}).encode()
     path = HERE / f"image-{len(shape)}.bin"
-    path.write_bytes(header + struct.pack("<I", len(jpeg)) + jpeg)
-    return path, len(header)
+    return path, jpeg_body(path, jpeg, shape)
 
 
 def pipeline_rows(args, clients):

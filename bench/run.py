@@ -72,6 +72,15 @@ def cpu_seconds(pid):
 LOADGEN = []
 
 
+def jpeg_body(path, jpeg, shape=(1,)):
+    """Writes to `path` a V2 binary-extension body holding `jpeg` as the BYTES input "image" of
+    `shape`; returns its JSON header's length (for Inference-Header-Content-Length)."""
+    header = json.dumps({"inputs": [{"name": "image", "shape": list(shape), "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 4 + len(jpeg)}}]}).encode()
+    path.write_bytes(header + struct.pack("<I", len(jpeg)) + jpeg)
+    return len(header)
+
+
 def oha_load(url, body, clients, headers=(), lines=False):
     """A load function: oha with `clients` connections; returns (req/s, p50 ms, p99 ms, errors).
     With `lines`, each request's body is the next line of the file `body`."""
