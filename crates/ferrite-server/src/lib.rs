@@ -8,6 +8,7 @@ pub mod grpc;
 pub mod http;
 mod idle;
 pub mod serve;
+pub mod shm;
 pub mod telemetry;
 pub mod tls;
 

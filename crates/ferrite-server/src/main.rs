@@ -202,6 +202,12 @@ struct ServeArgs {
     /// without a token.
     #[arg(long, env = "FERRITE_AUTH_ALLOW_HEALTH")]
     auth_allow_health: bool,
+    /// Triton's system shared-memory extension (`system`): clients on this host register POSIX
+    /// shared-memory objects and send tensors through them instead of the request. A client
+    /// that may register can read any such object this process can open: turn it on only where
+    /// the clients are trusted with this host's (or container's) shared memory.
+    #[arg(long, env = "FERRITE_SHARED_MEMORY", value_enum, default_value_t = SharedMemory::Off)]
+    shared_memory: SharedMemory,
     /// Requests in the engine at once, all models together; past it, 429 / RESOURCE_EXHAUSTED with
     /// Retry-After. 0: no limit.
     #[arg(long, env = "FERRITE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]
@@ -282,6 +288,12 @@ enum ControlMode {
     None,
     Poll,
     Explicit,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SharedMemory {
+    Off,
+    System,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -525,6 +537,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ),
             _ => None,
         },
+        shm: Arc::new(ferrite_server::shm::Regions::new(
+            args.shared_memory == SharedMemory::System,
+            args.max_body_bytes,
+        )),
     };
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());

@@ -38,6 +38,8 @@ pub struct ServeConfig {
     pub auth: Option<std::sync::Arc<crate::auth::Auth>>,
     /// TLS (and client certificates, when mutual) on every listener, when set.
     pub tls: Option<Tls>,
+    /// Triton's system shared-memory regions, one set for both listeners (`--shared-memory`).
+    pub shm: std::sync::Arc<crate::shm::Regions>,
 }
 
 /// Listening sockets, bound before the server runs so callers learn the ports.
@@ -174,7 +176,7 @@ pub async fn run(
         })
         .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
-        .add_service(grpc::service(core.clone(), &cfg.grpc))
+        .add_service(grpc::service(core.clone(), &cfg.grpc, cfg.shm.clone()))
         .add_service(tei.info)
         .add_service(tei.embed)
         .add_service(tei.predict)
@@ -190,7 +192,7 @@ pub async fn run(
         Some(auth) => http::protect(router, auth.clone()),
         None => router,
     };
-    let mut app = http::app(core.clone(), &cfg.http);
+    let mut app = http::app(core.clone(), &cfg.http, cfg.shm.clone());
     if cfg.metrics_on_http {
         app = app.merge(http::metrics_app(core.clone()));
     }

@@ -40,7 +40,8 @@ fn server(max_body_bytes: usize) -> Server {
         Limits::default(),
     )
     .unwrap();
-    let app = app(core.clone(), &HttpLimits::new(max_body_bytes));
+    let shm = std::sync::Arc::new(ferrite_server::shm::Regions::new(false, max_body_bytes));
+    let app = app(core.clone(), &HttpLimits::new(max_body_bytes), shm);
     Server { core, app, _dir: dir }
 }
 

@@ -12,6 +12,8 @@ use ferrite_core::{
     DataType, Element, Error, InferRequest, InferResponse, Model, Number, Tensor, TensorData,
 };
 
+use crate::shm::{Access, Place, Regions};
+
 use super::pb::{
     self, infer_parameter::ParameterChoice, model_infer_request::InferInputTensor, InferParameter, InferTensorContents,
 };
@@ -44,15 +46,20 @@ pub fn wants_final_response(req: &pb::ModelInferRequest) -> bool {
     )
 }
 
-pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferRequest, Error> {
+/// A request in the core's terms; inputs that name a shared-memory place (`shm`'s regions) are
+/// read from it and take no `raw_input_contents` entry (as Triton: the entries are the other
+/// inputs', in order).
+pub fn to_core(req: pb::ModelInferRequest, max_elements: usize, shm: Option<&Access>) -> Result<InferRequest, Error> {
     ferrite_core::wire::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
+    let places =
+        req.inputs.iter().map(|i| Place::of(&i.name, |k| param(&i.parameters, k))).collect::<Result<Vec<_>, _>>()?;
     let raw = req.raw_input_contents;
     if !raw.is_empty() {
-        if raw.len() != req.inputs.len() {
+        let wanted = places.iter().filter(|p| p.is_none()).count();
+        if raw.len() != wanted {
             return Err(Error::invalid(format!(
-                "{} raw_input_contents for {} inputs; there must be one per input",
+                "{} raw_input_contents for {wanted} inputs not in shared memory; there must be one per input",
                 raw.len(),
-                req.inputs.len()
             )));
         }
         if let Some(i) = req.inputs.iter().find(|i| i.contents.is_some()) {
@@ -66,9 +73,20 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize) -> Result<InferR
     let inputs = req
         .inputs
         .into_iter()
-        .map(|i| {
-            let r = raw.next();
-            input(i, r, max_elements)
+        .zip(places)
+        .map(|(i, place)| match place {
+            Some(place) => {
+                if i.contents.is_some() {
+                    return Err(Error::invalid(format!("input '{}' is in shared memory and has contents", i.name)));
+                }
+                let (datatype, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
+                let data = shm.ok_or_else(Regions::off)?.read(&i.name, &place, datatype, count)?;
+                Ok(Tensor::new(i.name, datatype, shape, data))
+            }
+            None => {
+                let r = raw.next();
+                input(i, r, max_elements)
+            }
         })
         .collect::<Result<Vec<_>, _>>()?;
     let params = request_params(&req.parameters)?;
@@ -145,7 +163,28 @@ fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Resu
     Ok(data)
 }
 
-pub fn from_core(resp: InferResponse, final_flag: bool) -> pb::ModelInferResponse {
+/// The bytes the request's inputs ask to be read from shared memory (as their parameters say).
+pub fn shared_input_bytes(req: &pb::ModelInferRequest) -> u64 {
+    let size = |i: &InferInputTensor| match param(&i.parameters, "shared_memory_byte_size") {
+        Some(Param::Uint(v)) => v,
+        Some(Param::Int(v)) => v.max(0) as u64,
+        _ => 0,
+    };
+    req.inputs.iter().map(size).fold(0, u64::saturating_add)
+}
+
+/// The requested outputs that name a shared-memory place.
+pub fn shared_outputs(req: &pb::ModelInferRequest) -> Result<Vec<(String, Place)>, Error> {
+    let place = |o: &pb::model_infer_request::InferRequestedOutputTensor| {
+        Ok(Place::of(&o.name, |k| param(&o.parameters, k))?.map(|p| (o.name.clone(), p)))
+    };
+    req.outputs.iter().filter_map(|o| place(o).transpose()).collect()
+}
+
+/// The response; outputs in `shared` (already written there) come with their place's region and
+/// size as parameters and an empty `raw_output_contents` entry, which keeps the entries in the
+/// outputs' order (as Triton).
+pub fn from_core(resp: InferResponse, final_flag: bool, shared: &[(String, Place)]) -> pb::ModelInferResponse {
     let mut parameters = HashMap::new();
     if final_flag {
         parameters.insert(
@@ -153,12 +192,22 @@ pub fn from_core(resp: InferResponse, final_flag: bool) -> pb::ModelInferRespons
             InferParameter { parameter_choice: Some(ParameterChoice::BoolParam(true)) },
         );
     }
-    let raw_output_contents = resp.outputs.iter().map(|t| t.data.to_wire()).collect();
+    let place = |t: &Tensor| shared.iter().find(|(name, _)| *name == t.name).map(|(_, p)| p);
+    let raw_output_contents =
+        resp.outputs.iter().map(|t| if place(t).is_some() { Bytes::new() } else { t.data.to_wire() }).collect();
     let outputs = resp
         .outputs
-        .into_iter()
+        .iter()
         .map(|t| pb::model_infer_response::InferOutputTensor {
-            name: t.name,
+            parameters: place(t).map_or_else(HashMap::new, |p| {
+                let string =
+                    |s: &str| InferParameter { parameter_choice: Some(ParameterChoice::StringParam(s.into())) };
+                let size =
+                    InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(t.data.wire_len() as i64)) };
+                [("shared_memory_region".to_string(), string(&p.region)), ("shared_memory_byte_size".to_string(), size)]
+                    .into()
+            }),
+            name: t.name.clone(),
             datatype: t.datatype.as_str().to_string(),
             shape: t.shape.iter().map(|&d| d as i64).collect(),
             ..Default::default()
@@ -261,7 +310,7 @@ mod tests {
             raw_input_contents: vec![Bytes::from_static(&[0xfd, 0xff, 4, 0])],
             ..Default::default()
         };
-        assert_eq!(to_core(typed, 100).unwrap().inputs, to_core(raw, 100).unwrap().inputs);
+        assert_eq!(to_core(typed, 100, None).unwrap().inputs, to_core(raw, 100, None).unwrap().inputs);
     }
 
     #[test]
@@ -311,7 +360,7 @@ mod tests {
             ),
         ];
         for (req, needle) in cases {
-            let err = to_core(req, 100).unwrap_err();
+            let err = to_core(req, 100, None).unwrap_err();
             assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
             assert!(err.to_string().contains(needle), "{needle}: {err}");
         }
@@ -397,7 +446,7 @@ mod fuzz {
                 raw_input_contents: if use_raw { vec![Bytes::from(raw)] } else { vec![] },
                 ..Default::default()
             };
-            let _ = to_core(req, 1 << 16);
+            let _ = to_core(req, 1 << 16, None);
         }
     }
 }

@@ -43,14 +43,16 @@ struct CallMeta {
 #[derive(Clone)]
 pub struct Service {
     core: Core,
+    /// Triton's system shared-memory regions, shared with the HTTP listener.
+    shm: Arc<crate::shm::Regions>,
 }
 
 /// The inference service, with its message size limits. Requests may come gzip- or
 /// deflate-compressed (tritonclient's `compression_algorithm`); a message is decompressed to at
 /// most the decoding limit, so a compression bomb costs no more than a plain message.
-pub fn service(core: Core, limits: &GrpcLimits) -> GrpcInferenceServiceServer<Service> {
+pub fn service(core: Core, limits: &GrpcLimits, shm: Arc<crate::shm::Regions>) -> GrpcInferenceServiceServer<Service> {
     use tonic::codec::CompressionEncoding;
-    GrpcInferenceServiceServer::new(Service { core })
+    GrpcInferenceServiceServer::new(Service { core, shm })
         .accept_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Deflate)
         .max_decoding_message_size(limits.max_decoding_message_size)
@@ -195,6 +197,11 @@ impl Service {
         Ok(CallMeta { tenant, canary })
     }
 
+    /// The tenant a shared-memory call acts for (as its inferences would).
+    fn shm_tenant<T>(&self, r: &Request<T>) -> Result<Option<String>, Status> {
+        Ok(self.call_meta(r.metadata(), r.extensions())?.tenant)
+    }
+
     /// One inference, shared by the unary and streaming calls.
     async fn infer(
         &self,
@@ -203,14 +210,30 @@ impl Service {
         meta: CallMeta,
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
-        let mut core_req = convert::to_core(req, self.core.limits().max_elements)?;
+        let shared = convert::shared_outputs(&req)?;
+        let shm = crate::shm::Access { regions: self.shm.clone(), tenant: meta.tenant.clone() };
+        let max = self.core.limits().max_elements;
+        // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
+        let mut core_req = if convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64 {
+            let shm = shm.clone();
+            tokio::task::spawn_blocking(move || convert::to_core(req, max, Some(&shm)))
+                .await
+                .map_err(|e| Error::internal(format!("a decoding task failed: {e}")))??
+        } else {
+            convert::to_core(req, max, Some(&shm))?
+        };
         core_req.tenant = meta.tenant;
         core_req.canary = meta.canary;
         if let Some(d) = deadline_us {
             core_req.timeout_us = Some(core_req.timeout_us.filter(|&t| t > 0 && t < d).unwrap_or(d));
         }
         let resp = self.core.infer(core_req).await?;
-        Ok(convert::from_core(resp, final_flag))
+        for (name, place) in &shared {
+            if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
+                shm.write(t, place)?;
+            }
+        }
+        Ok(convert::from_core(resp, final_flag, &shared))
     }
 }
 
@@ -242,7 +265,7 @@ impl GrpcInferenceService for Service {
         Ok(Response::new(pb::ServerMetadataResponse {
             name: "ferrite".into(),
             version: ferrite_core::wire::VERSION.into(),
-            extensions: ferrite_core::wire::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+            extensions: self.shm.extensions(),
             onnxruntime_version: ferrite_core::engine::onnx::runtime_version().unwrap_or_default().into(),
         }))
     }
@@ -381,6 +404,71 @@ impl GrpcInferenceService for Service {
         let core = self.core.clone();
         run_blocking(move || core.unload_model(&r.model_name, r.parameters.keys().map(String::as_str))).await?;
         Ok(Response::new(pb::RepositoryModelUnloadResponse {}))
+    }
+
+    async fn system_shared_memory_status(
+        &self,
+        r: Request<pb::SystemSharedMemoryStatusRequest>,
+    ) -> Result<Response<pb::SystemSharedMemoryStatusResponse>, Status> {
+        let tenant = self.shm_tenant(&r)?;
+        let regions = self.shm.status(tenant.as_deref(), &r.get_ref().name).map_err(status)?;
+        let regions = regions
+            .iter()
+            .map(|g| {
+                let region = pb::system_shared_memory_status_response::RegionStatus {
+                    name: g.name.clone(),
+                    key: g.key.clone(),
+                    offset: g.offset,
+                    byte_size: g.byte_size,
+                };
+                (g.name.clone(), region)
+            })
+            .collect();
+        Ok(Response::new(pb::SystemSharedMemoryStatusResponse { regions }))
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        r: Request<pb::SystemSharedMemoryRegisterRequest>,
+    ) -> Result<Response<pb::SystemSharedMemoryRegisterResponse>, Status> {
+        let tenant = self.shm_tenant(&r)?;
+        let g = r.into_inner();
+        self.shm.register(tenant.as_deref(), &g.name, &g.key, g.offset, g.byte_size).map_err(status)?;
+        Ok(Response::new(pb::SystemSharedMemoryRegisterResponse {}))
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        r: Request<pb::SystemSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<pb::SystemSharedMemoryUnregisterResponse>, Status> {
+        let tenant = self.shm_tenant(&r)?;
+        self.shm.unregister(tenant.as_deref(), &r.get_ref().name);
+        Ok(Response::new(pb::SystemSharedMemoryUnregisterResponse {}))
+    }
+
+    async fn cuda_shared_memory_status(
+        &self,
+        r: Request<pb::CudaSharedMemoryStatusRequest>,
+    ) -> Result<Response<pb::CudaSharedMemoryStatusResponse>, Status> {
+        let name = &r.get_ref().name;
+        if !name.is_empty() {
+            return Err(Status::not_found(format!("no CUDA shared memory region '{name}'")));
+        }
+        Ok(Response::new(pb::CudaSharedMemoryStatusResponse::default()))
+    }
+
+    async fn cuda_shared_memory_register(
+        &self,
+        _: Request<pb::CudaSharedMemoryRegisterRequest>,
+    ) -> Result<Response<pb::CudaSharedMemoryRegisterResponse>, Status> {
+        Err(Status::unimplemented("CUDA shared memory: this server has no GPU"))
+    }
+
+    async fn cuda_shared_memory_unregister(
+        &self,
+        _: Request<pb::CudaSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<pb::CudaSharedMemoryUnregisterResponse>, Status> {
+        Ok(Response::new(pb::CudaSharedMemoryUnregisterResponse {}))
     }
 }
 

@@ -132,6 +132,30 @@ pub struct RepositoryRequest {
 #[derive(Serialize, ToSchema)]
 pub struct Empty {}
 
+/// A system shared-memory region to register: `byte_size` bytes of the POSIX shared-memory
+/// object `key` (as `shm_open` names it) from `offset`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterRegion {
+    pub key: String,
+    #[serde(default)]
+    pub offset: u64,
+    pub byte_size: u64,
+}
+
+/// A registered system shared-memory region.
+#[derive(Serialize, ToSchema)]
+pub struct RegionStatus {
+    pub name: String,
+    pub key: String,
+    pub offset: u64,
+    pub byte_size: u64,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct RegionsStatus(pub Vec<RegionStatus>);
+
 /// The V2 error body.
 #[derive(Serialize, ToSchema)]
 pub struct Error {

@@ -131,6 +131,11 @@ fn as_wire(p: &Param) -> WireParam<'_> {
     }
 }
 
+/// The shared-memory place a tensor's `parameters` name, if any.
+pub fn place(tensor: &str, params: &Params) -> Result<Option<crate::shm::Place>, Error> {
+    crate::shm::Place::of(tensor, |k| wire(params, k))
+}
+
 /// The request's parameters as one JSON object (see the core's `wire::parameters_json`).
 pub fn parameters_json(params: &Params) -> Option<String> {
     ferrite_core::wire::parameters_json(params.iter().map(|(k, v)| (k, as_wire(v))))
@@ -636,11 +641,13 @@ impl<'de> Visitor<'de> for Flatten<'_> {
     }
 }
 
-/// Which outputs go back as binary: per output `binary_data`, else request `binary_data_output`.
+/// Which outputs go back as binary: per output `binary_data`, else request `binary_data_output`;
+/// and which go to shared memory instead.
 #[derive(Debug, Default)]
 pub struct BinaryOutputs {
     pub default: bool,
     pub named: HashMap<String, bool>,
+    pub shared: Vec<(String, crate::shm::Place)>,
 }
 
 impl BinaryOutputs {

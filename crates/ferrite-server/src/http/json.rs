@@ -11,6 +11,7 @@ use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
 use super::decode::{param_bool, param_u64, request_params, Params, Sink};
+use crate::shm::{Access, Regions};
 use ferrite_core::wire::{check_tensor_counts, parse_header};
 
 /// A V2 inference request (JSON; the same fields in MessagePack, with tensors as bytes).
@@ -93,6 +94,7 @@ pub fn parse(
     json: &[u8],
     binary: Option<Bytes>,
     max_elements: usize,
+    shm: Option<&Access>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     // A binary extension's header has no `data` to read apart: not worth the pass.
     let spans = memchr::memmem::find(json, b"\"data\"").and_then(|_| data_spans(json));
@@ -107,12 +109,29 @@ pub fn parse(
         rest.extend_from_slice(&json[from..]);
         if let Ok(req) = serde_json::from_slice::<JsonRequest<'_>>(&rest) {
             let data = DataText::Spans(json, &spans);
-            if let Ok(parsed) = build(model, version.clone(), req, data, binary.clone(), max_elements) {
+            if let Ok(parsed) = build(model, version.clone(), req, data, binary.clone(), max_elements, shm) {
                 return Ok(parsed);
             }
         }
     }
-    read_whole(model, version, json, binary, max_elements)
+    read_whole(model, version, json, binary, max_elements, shm)
+}
+
+/// The bytes a V2 JSON request's inputs ask to be read from shared memory, as their parameters
+/// say (all there may be, when the body cannot be read this way).
+pub fn shared_input_bytes(json: &[u8]) -> u64 {
+    #[derive(Deserialize)]
+    struct Request {
+        inputs: Vec<Input>,
+    }
+    #[derive(Deserialize)]
+    struct Input {
+        #[serde(default)]
+        parameters: Params,
+    }
+    let Ok(req) = serde_json::from_slice::<Request>(json) else { return u64::MAX };
+    let size = |i: &Input| param_u64(&i.parameters, "shared_memory_byte_size").ok().flatten().unwrap_or(0);
+    req.inputs.iter().map(size).fold(0, u64::saturating_add)
 }
 
 /// `parse` with serde reading the whole body.
@@ -122,17 +141,18 @@ pub(crate) fn read_whole(
     json: &[u8],
     binary: Option<Bytes>,
     max_elements: usize,
+    shm: Option<&Access>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     let req: JsonRequest<'_> = match serde_json::from_slice(json) {
         Ok(req) => req,
         // Python's `json` (and so tritonclient) writes non-finite floats as bare NaN/Infinity
         // tokens, as our responses do; accept them by quoting them, off the hot path.
         Err(e) => match quote_non_finite(json) {
-            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements),
+            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements, shm),
             None => return Err(Error::invalid(format!("invalid JSON request: {e}"))),
         },
     };
-    build(model, version, req, DataText::Read, binary, max_elements)
+    build(model, version, req, DataText::Read, binary, max_elements, shm)
 }
 
 /// Where each input's `data` value lies in a V2 JSON body (`{"inputs": [{"data": ...}]}`), found
@@ -285,13 +305,14 @@ fn build(
     data: DataText<'_>,
     binary: Option<Bytes>,
     max_elements: usize,
+    shm: Option<&Access>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     check_tensor_counts(req.inputs.len(), req.outputs.as_ref().map_or(0, Vec::len))?;
     let mut rest = binary.unwrap_or_default();
     let inputs = req
         .inputs
         .into_iter()
-        .map(|i| decode_input(i, data, &mut rest, max_elements))
+        .map(|i| decode_input(i, data, &mut rest, max_elements, shm))
         .collect::<Result<Vec<_>, _>>()?;
     if !rest.is_empty() {
         return Err(Error::invalid(format!("{} bytes of binary data follow the last input", rest.len())));
@@ -307,6 +328,9 @@ fn build(
         Some(outs) => {
             let mut names = Vec::with_capacity(outs.len());
             for o in outs {
+                if let Some(place) = super::decode::place(&o.name, &o.parameters)? {
+                    binary_outputs.shared.push((o.name.clone(), place));
+                }
                 if let Some(b) = param_bool(&o.parameters, "binary_data")? {
                     binary_outputs.named.insert(o.name.clone(), b);
                 }
@@ -340,9 +364,17 @@ fn decode_input(
     data: DataText<'_>,
     binary: &mut Bytes,
     max_elements: usize,
+    shm: Option<&Access>,
 ) -> Result<Tensor, Error> {
     let name = input.name;
     let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
+    if let Some(place) = super::decode::place(&name, &input.parameters)? {
+        if input.data.is_some() || input.parameters.get("binary_data_size").is_some() {
+            return Err(Error::invalid(format!("input '{name}' is in shared memory and in the body")));
+        }
+        let data = shm.ok_or_else(Regions::off)?.read(&name, &place, datatype, count)?;
+        return Ok(Tensor::new(name, datatype, shape, data));
+    }
     let data = match (param_u64(&input.parameters, "binary_data_size")?, input.data) {
         (Some(_), Some(_)) => {
             return Err(Error::invalid(format!("input '{name}' has both 'data' and binary_data_size")))
@@ -399,7 +431,11 @@ pub fn write_response(resp: &InferResponse, binary: &BinaryOutputs) -> (String, 
             }
             out.push_str(ib.format(*d));
         }
-        if binary.is_binary(&t.name) {
+        if binary.shared.iter().any(|(name, _)| *name == t.name) {
+            // Its bytes went to the region (`shm::Access::write`): no data, and no parameters
+            // (Triton's C++ client reads an output's parameters as a binary one's).
+            out.push_str("]}");
+        } else if binary.is_binary(&t.name) {
             let blob = t.data.to_wire();
             out.push_str("],\"parameters\":{\"binary_data_size\":");
             out.push_str(ib.format(blob.len()));
@@ -481,7 +517,7 @@ mod tests {
     /// is wrong.
     fn decode(json: &str, max: usize) -> Result<Tensor, Error> {
         let request = format!(r#"{{"inputs":[{json}]}}"#);
-        let read = parse("m", None, request.as_bytes(), None, max).map(|(mut r, _)| r.inputs.remove(0));
+        let read = parse("m", None, request.as_bytes(), None, max, None).map(|(mut r, _)| r.inputs.remove(0));
         let input: JsonInput<'_> = serde_json::from_str(json).unwrap();
         if let (Ok((datatype, _, count)), Some(raw)) =
             (parse_header(&input.name, &input.datatype, &input.shape, max), input.data)
@@ -540,20 +576,31 @@ mod tests {
     }
 
     #[test]
+    fn shared_memory_reads_are_counted_before_the_body_is_parsed() {
+        let body = br#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","parameters":{"shared_memory_region":"r",
+            "shared_memory_byte_size":4}},{"name":"b","shape":[2],"datatype":"FP32","parameters":{"shared_memory_region":"r",
+            "shared_memory_byte_size":8,"shared_memory_offset":4}},{"name":"c","shape":[1],"datatype":"FP32","data":[1]}]}"#;
+        assert_eq!(shared_input_bytes(body), 12);
+        assert_eq!(shared_input_bytes(br#"{"inputs":[]}"#), 0);
+        // A body this reading cannot take may still parse (bare NaN): counted as the most.
+        assert_eq!(shared_input_bytes(br#"{"inputs":[{"data":[NaN]}]}"#), u64::MAX);
+    }
+
+    #[test]
     fn binary_inputs_are_slices_of_the_body_and_lengths_are_checked() {
         let json = br#"{"inputs":[{"name":"a","shape":[2],"datatype":"INT16","parameters":{"binary_data_size":4}},
             {"name":"s","shape":[1],"datatype":"BYTES","parameters":{"binary_data_size":6}}],
             "outputs":[{"name":"y","parameters":{"binary_data":true}}],"parameters":{"binary_data_output":false}}"#;
         let body = Bytes::from_static(b"\x01\x00\x02\x00\x02\x00\x00\x00hi");
-        let (req, bin) = parse("m", None, json, Some(body.clone()), 100).unwrap();
+        let (req, bin) = parse("m", None, json, Some(body.clone()), 100, None).unwrap();
         assert_eq!(req.inputs[0], Tensor::from_le("a", DataType::Int16, vec![2], &[1i16, 2]));
         assert_eq!(req.inputs[1].data, TensorData::Strings(vec![Bytes::from_static(b"hi")]));
         assert!(bin.is_binary("y") && !bin.is_binary("z"));
-        let err = parse("m", None, json, Some(body.slice(..9)), 100).unwrap_err().to_string();
+        let err = parse("m", None, json, Some(body.slice(..9)), 100, None).unwrap_err().to_string();
         assert!(err.contains("'s'") && err.contains("exceeds"), "{err}");
         let mut long = body.to_vec();
         long.push(0);
-        let err = parse("m", None, json, Some(long.into()), 100).unwrap_err().to_string();
+        let err = parse("m", None, json, Some(long.into()), 100, None).unwrap_err().to_string();
         assert!(err.contains("1 bytes of binary data follow"), "{err}");
     }
 
@@ -647,7 +694,7 @@ mod tests {
         let last = r#"{"data":[1,2],"datatype":"FP32","shape":[2],"name":"x"}"#;
         let expected = Tensor::from_le("x", DataType::Fp32, vec![2], &[1f32, 2.0]);
         for json in [first, last] {
-            let (req, _) = parse("m", None, format!(r#"{{"inputs":[{json}]}}"#).as_bytes(), None, 100).unwrap();
+            let (req, _) = parse("m", None, format!(r#"{{"inputs":[{json}]}}"#).as_bytes(), None, 100, None).unwrap();
             assert_eq!(req.inputs, std::slice::from_ref(&expected), "{json}");
         }
         // Bare non-finite tokens go through the quoting fallback.
@@ -657,6 +704,7 @@ mod tests {
             br#"{"inputs":[{"name":"x","shape":[3],"datatype":"FP32","data":[NaN,-Infinity,1]}]}"#,
             None,
             100,
+            None,
         )
         .unwrap();
         assert!(matches!(&req.inputs[0].data, TensorData::Fixed(b) if b.len() == 12));
@@ -675,8 +723,9 @@ mod tests {
             (r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,]}]}"#, "invalid JSON request"),
             (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[01]}]}"#, "invalid JSON request"),
         ] {
-            let err =
-                parse("m", None, json.as_bytes(), Some(Bytes::from_static(&[0; 4])), 100).unwrap_err().to_string();
+            let err = parse("m", None, json.as_bytes(), Some(Bytes::from_static(&[0; 4])), 100, None)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(needle), "{json}: {err}");
         }
     }
@@ -738,8 +787,8 @@ mod tests {
         };
         let same = |body: &[u8]| {
             let binary = body.windows(16).any(|w| w == b"binary_data_size").then(|| Bytes::from_static(&[0; 4]));
-            let apart = said(parse("m", None, body, binary.clone(), 64));
-            let whole = said(read_whole("m", None, body, binary, 64));
+            let apart = said(parse("m", None, body, binary.clone(), 64, None));
+            let whole = said(read_whole("m", None, body, binary, 64, None));
             assert_eq!(apart, whole, "{}", String::from_utf8_lossy(body));
             apart.is_ok()
         };

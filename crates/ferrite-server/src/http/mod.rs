@@ -29,6 +29,8 @@ pub use error::ApiError;
 #[derive(Clone)]
 pub struct AppState {
     pub core: Core,
+    /// Triton's system shared-memory regions, shared with the gRPC listener.
+    pub shm: Arc<crate::shm::Regions>,
 }
 
 /// Limits the HTTP front-end applies before anything reaches the core.
@@ -79,7 +81,7 @@ pub fn default_max_connections() -> usize {
     (limit / 4).clamp(16, 10_000)
 }
 
-fn libc_rlimit_nofile() -> usize {
+pub(crate) fn libc_rlimit_nofile() -> usize {
     // /proc/self/limits: "Max open files  <soft>  <hard>  files".
     std::fs::read_to_string("/proc/self/limits")
         .ok()
@@ -168,7 +170,7 @@ fn content_length(headers: &axum::http::HeaderMap) -> Option<usize> {
 
 /// Bodies larger than this are decoded, and responses larger than this encoded, on the blocking
 /// pool, so a few large requests cannot hold the async I/O threads every other request needs.
-const OFFLOAD_BYTES: usize = 256 << 10;
+pub(crate) const OFFLOAD_BYTES: usize = 256 << 10;
 
 /// Runs `work` on the blocking pool when `large`, else here.
 async fn off_io<T: Send + 'static>(large: bool, work: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
@@ -196,7 +198,8 @@ fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
 /// when asked).
 pub fn metrics_app(core: Core) -> Router {
-    Router::new().route("/metrics", get(metrics)).with_state(AppState { core })
+    let shm = Arc::new(crate::shm::Regions::new(false, 0));
+    Router::new().route("/metrics", get(metrics)).with_state(AppState { core, shm })
 }
 
 /// Requires a bearer token with the route's scope on every route of `router`: `/metrics` and the
@@ -285,6 +288,15 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         (tei("/tokenize", "TEI's tokenize API: a text model's tokens, with byte offsets, never cut", json::<texts::TeiTokenizeRequest>(), json::<b::TeiTokenizeResponse>()), post(texts::tokenize)),
         (tei("/decode", "TEI's decode API: token ids back to text", json::<texts::TeiDecodeRequest>(), json::<b::TeiDecodeResponse>()), post(texts::decode)),
         (Doc { error: json::<b::TeiError>(), ..doc("get", "/info", "TEI's info: the text model (?model= when several), its task and limits", user, None, json::<b::TeiInfo>()) }, get(texts::info)),
+        (doc("get", "/v2/systemsharedmemory/status", "Every system shared-memory region this client's tenant registered", user, None, json::<b::RegionsStatus>()), get(shm_status)),
+        (doc("get", "/v2/systemsharedmemory/region/{name}/status", "One registered system shared-memory region", user, None, json::<b::RegionsStatus>()), get(shm_status)),
+        (doc("post", "/v2/systemsharedmemory/region/{name}/register", "Registers a POSIX shared-memory object as a region that inputs and outputs name (--shared-memory system)", user, Some(json::<b::RegisterRegion>()), json::<b::Empty>()), post(shm_register)),
+        (doc("post", "/v2/systemsharedmemory/unregister", "Unregisters every system shared-memory region of this client's tenant", user, None, json::<b::Empty>()), post(shm_unregister)),
+        (doc("post", "/v2/systemsharedmemory/region/{name}/unregister", "Unregisters one system shared-memory region", user, None, json::<b::Empty>()), post(shm_unregister)),
+        (doc("get", "/v2/cudasharedmemory/status", "CUDA shared-memory regions: none on a server without a GPU", user, None, json::<b::RegionsStatus>()), get(cuda_status)),
+        (doc("post", "/v2/cudasharedmemory/unregister", "Unregisters CUDA shared-memory regions: there are none", user, None, json::<b::Empty>()), post(cuda_unregister)),
+        (doc("post", "/v2/cudasharedmemory/region/{name}/unregister", "Unregisters a CUDA shared-memory region: there are none", user, None, json::<b::Empty>()), post(cuda_unregister)),
+        (doc("post", "/v2/cudasharedmemory/region/{name}/register", "CUDA shared memory: refused, this server has no GPU", user, None, json::<b::Empty>()), post(cuda_register)),
         (doc("get", "/v2/openapi.json", "This description of the HTTP API (OpenAPI 3)", user, None, json::<b::OpenApi>()), get(openapi_json)),
         (doc("get", "/docs", "The HTTP API's documentation page, rendered from /v2/openapi.json", user, None, Body::Html), get(docs_page)),
         (doc("get", "/dashboard/metrics", "The Prometheus metrics, for the live page on this port (the same text as /metrics)", Some("metrics"), None, Body::Text), get(metrics)),
@@ -395,7 +407,7 @@ async fn docs_page() -> Response {
 }
 
 /// The whole V2 REST surface.
-pub fn app(core: Core, limits: &HttpLimits) -> Router {
+pub fn app(core: Core, limits: &HttpLimits, shm: Arc<crate::shm::Regions>) -> Router {
     let mut router = Router::new();
     for (doc, handler) in routes() {
         router = router.route(doc.path, handler);
@@ -404,7 +416,7 @@ pub fn app(core: Core, limits: &HttpLimits) -> Router {
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(Arc::new(limits.clone()), read_body))
-        .with_state(AppState { core })
+        .with_state(AppState { core, shm })
 }
 
 #[derive(Deserialize)]
@@ -419,11 +431,11 @@ impl AppState {
     }
 }
 
-async fn server_metadata() -> Json<bodies::ServerMetadata> {
+async fn server_metadata(State(s): State<AppState>) -> Json<bodies::ServerMetadata> {
     Json(bodies::ServerMetadata {
         name: "ferrite".into(),
         version: ferrite_core::wire::VERSION.into(),
-        extensions: ferrite_core::wire::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+        extensions: s.shm.extensions(),
         onnxruntime_version: ferrite_core::engine::onnx::runtime_version().unwrap_or_default().to_string(),
     })
 }
@@ -561,6 +573,74 @@ async fn repository_promote(
     blocking(move || s.core.promote_canary(&model)).await
 }
 
+#[derive(Deserialize)]
+struct RegionPath {
+    name: Option<String>,
+}
+
+async fn shm_status(
+    State(s): State<AppState>,
+    Path(p): Path<RegionPath>,
+    principal: Option<axum::Extension<crate::auth::Principal>>,
+    headers: HeaderMap,
+) -> Result<Json<bodies::RegionsStatus>, ApiError> {
+    let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
+    let regions = s.shm.status(tenant.as_deref(), p.name.as_deref().unwrap_or(""))?;
+    Ok(Json(bodies::RegionsStatus(
+        regions
+            .iter()
+            .map(|r| bodies::RegionStatus {
+                name: r.name.clone(),
+                key: r.key.clone(),
+                offset: r.offset,
+                byte_size: r.byte_size,
+            })
+            .collect(),
+    )))
+}
+
+async fn shm_register(
+    State(s): State<AppState>,
+    Path(p): Path<RegionPath>,
+    principal: Option<axum::Extension<crate::auth::Principal>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<bodies::Empty>, ApiError> {
+    let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
+    let r: bodies::RegisterRegion = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid shared memory registration: {e}")))?;
+    let name = p.name.unwrap_or_default();
+    s.shm.register(tenant.as_deref(), &name, &r.key, r.offset, r.byte_size)?;
+    Ok(Json(bodies::Empty {}))
+}
+
+async fn shm_unregister(
+    State(s): State<AppState>,
+    p: Option<Path<RegionPath>>,
+    principal: Option<axum::Extension<crate::auth::Principal>>,
+    headers: HeaderMap,
+) -> Result<Json<bodies::Empty>, ApiError> {
+    let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
+    let name = p.and_then(|p| p.0.name).unwrap_or_default();
+    s.shm.unregister(tenant.as_deref(), &name);
+    Ok(Json(bodies::Empty {}))
+}
+
+async fn cuda_status(p: Option<Path<RegionPath>>) -> Result<Json<bodies::RegionsStatus>, ApiError> {
+    match p.and_then(|p| p.0.name) {
+        Some(name) => Err(ferrite_core::Error::NotFound(format!("no CUDA shared memory region '{name}'")).into()),
+        None => Ok(Json(bodies::RegionsStatus(Vec::new()))),
+    }
+}
+
+async fn cuda_unregister() -> Json<bodies::Empty> {
+    Json(bodies::Empty {})
+}
+
+async fn cuda_register() -> Result<Json<bodies::Empty>, ApiError> {
+    Err(ferrite_core::Error::Unsupported("CUDA shared memory: this server has no GPU".into()).into())
+}
+
 /// The header of Triton's binary tensor extension: how many body bytes are JSON.
 const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -606,15 +686,23 @@ async fn infer_inner(
         }
     };
     let (model, version) = (p.model, p.version);
-    let large = body.len() > OFFLOAD_BYTES;
+    let tenant = tenant_of(&s, principal.as_ref(), &headers)?;
+    let shm = crate::shm::Access { regions: s.shm.clone(), tenant: tenant.clone() };
+    // Inputs read from shared memory may be large as bodies are: off the I/O threads too.
+    let large = body.len() > OFFLOAD_BYTES
+        || (!msgpack_in
+            && memchr::memmem::find(&body, b"shared_memory_region").is_some()
+            && json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64);
     let parsed = off_io(large, move || -> Result<_, ApiError> {
-        if msgpack_in {
-            return Ok((msgpack::parse(&model, version, &body, max)?, json::BinaryOutputs::default()));
-        }
-        Ok(json::parse(&model, version, &body, binary_part, max)?)
+        let parsed = if msgpack_in {
+            (msgpack::parse(&model, version, &body, max)?, json::BinaryOutputs::default())
+        } else {
+            json::parse(&model, version, &body, binary_part, max, Some(&shm))?
+        };
+        Ok((parsed, shm))
     });
-    let (mut req, binary) = parsed.await??;
-    req.tenant = tenant_of(&s, principal.as_ref(), &headers)?;
+    let ((mut req, binary), shm) = parsed.await??;
+    req.tenant = tenant;
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
         req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
             ApiError::bad_request(format!("{}: expected always, never or auto", crate::CANARY_HEADER))
@@ -624,7 +712,15 @@ async fn infer_inner(
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
     let msgpack_out = accept.contains("msgpack") || (msgpack_in && !accept.contains("json"));
     let large = resp.outputs.iter().map(|t| t.data.wire_len()).sum::<usize>() > OFFLOAD_BYTES;
-    off_io(large, move || encode_response(&resp, &binary, msgpack_out)).await
+    off_io(large, move || -> Result<Response, ApiError> {
+        for (name, place) in &binary.shared {
+            if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
+                shm.write(t, place)?;
+            }
+        }
+        Ok(encode_response(&resp, &binary, msgpack_out))
+    })
+    .await?
 }
 
 /// The tenant a request counts against, when tenants are configured (from its token, or the
@@ -742,12 +838,12 @@ mod fuzz {
 
         #[test]
         fn json_and_binary_bodies_never_panic((json, binary) in request()) {
-            let _ = super::json::parse("m", None, json.as_bytes(), Some(Bytes::from(binary)), 1 << 16);
+            let _ = super::json::parse("m", None, json.as_bytes(), Some(Bytes::from(binary)), 1 << 16, None);
         }
 
         #[test]
         fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = super::json::parse("m", None, &body, None, 1 << 16);
+            let _ = super::json::parse("m", None, &body, None, 1 << 16, None);
             let _ = super::msgpack::parse("m", None, &body, 1 << 16);
         }
 

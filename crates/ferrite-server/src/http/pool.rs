@@ -115,6 +115,12 @@ impl Pooled {
         self.buf.extend_from_slice(data);
     }
 
+    /// Fills the buffer with `len` bytes `read` writes (`len` at most its capacity: no growth).
+    pub fn fill<E>(&mut self, len: usize, read: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<(), E> {
+        self.buf.resize(len, 0);
+        read(&mut self.buf)
+    }
+
     pub fn into_bytes(self) -> Bytes {
         Bytes::from_owner(self)
     }
