@@ -25,6 +25,8 @@
 #        bench/run.sh --bad-rows A B [--rounds 2] (pipeline requests beside failing rows and answers of
 #                                              other sizes, two binaries alternated: bench/bad_rows.py)
 #        bench/run.sh --python-models [--duration 5] (a model.py's cost per request: bench/python_models.py)
+#        bench/run.sh --shared-memory [--models detector320,resnet,mlp] (tensors through Triton's system
+#                                              shared memory against the request, pinned: bench/shared_memory.py)
 #        bench/run.sh --all                     (kinds, profile and soak in one go, about 20 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +95,10 @@ fi
 if [ "${1:-}" = "--soak" ]; then
     shift
     exec python3 bench/soak.py "$@"
+fi
+if [ "${1:-}" = "--shared-memory" ]; then
+    shift
+    exec python3 bench/shared_memory.py "$@"
 fi
 if [ "${1:-}" = "--python-models" ]; then
     shift
