@@ -378,6 +378,11 @@ def bundled(tmp_path_factory):
     # The ids as the encoder got them: its runs make concurrent requests share pipeline batches.
     pipeline(repo, "tokens_encoded", [*tok, ("model", {"model": "text_encoder"})], outputs=("input_ids",))
     shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "tokens_encoded")
+    # One worker whose batches wait 300 ms for more requests: texts sent at once share one.
+    held = "instance_count = 1\n\n[dynamic_batching]\nmax_queue_delay_microseconds = 300000\n"
+    pipeline(repo, "tokens_held", [("tokenize", {"max_length": 8, "truncation": False})], outputs=("input_ids",),
+             extra=held)
+    shutil.copy(repo / "text_embedder" / "tokenizer.json", repo / "tokens_held")
     for name, layout, formats in [("detect_v8", "v8", {}), ("detect_v5", "v5", {}),
                                   ("detect_v8_cxcywhn", "v8", {"box_format": "CXCYWH", "normalized": True}),
                                   ("detect_v8_xywh", "v8", {"box_format": "xywh"}),
@@ -476,6 +481,30 @@ def test_an_empty_or_too_long_text_fails_its_request_alone(bundled):
     with pytest.raises(Exception, match=r"\[400\].*more than max_length 8"):
         infer(bundled.url, "strict", {"text": [b"one two three four five six seven eight"]})
     assert infer(bundled.url, "strict", {"text": [b"one two"]}).as_numpy("input_ids").shape == (1, 4)
+
+
+def test_a_bad_text_in_a_batch_fails_alone_and_the_others_are_tokenized_once(bundled):
+    """An empty text and one over max_length (truncation off) batched with good ones: each fails
+    its own request, and the batch's tokenize step runs once (it used to run again for the others)."""
+    def tokenize_runs():
+        text = urllib.request.urlopen(bundled.metrics_url, timeout=10).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("ferrite_pipeline_step_duration_seconds_count{")
+                   and '"tokens_held"' in line and '"tokenize"' in line)
+
+    good = ["a cat", "one two", "the dog"]
+    before = tokenize_runs()
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        goods = [pool.submit(infer, bundled.url, "tokens_held", {"text": [g.encode()]}) for g in good]
+        empty = pool.submit(infer, bundled.url, "tokens_held", {"text": [b"  "]})
+        long = pool.submit(infer, bundled.url, "tokens_held", {"text": [b"one two three four five six seven eight"]})
+        for g, f in zip(good, goods):
+            assert f.result().as_numpy("input_ids").shape == (1, len(reference_tokenizer(8).encode(g).ids))
+        with pytest.raises(Exception, match=r"\[400\].*step 'tokenize'.*empty"):
+            empty.result()
+        with pytest.raises(Exception, match=r"\[400\].*more than max_length 8"):
+            long.result()
+    assert tokenize_runs() - before == 1, "the batch tokenized its texts again"
 
 
 def test_the_text_embedder_matches_tokenizers_onnxruntime_and_numpy(bundled):

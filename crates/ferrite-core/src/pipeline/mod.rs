@@ -147,7 +147,8 @@ pub(crate) enum Kind {
 
 /// Why a step failed: the whole batch (a fault that is no row's), or some of its rows, each with
 /// its error (the rest of the batch is sound: the step runs again without their requests' rows).
-/// A step that fails some rows writes nothing.
+/// A step that fails some rows writes nothing (tokenize, which writes the others, returns its
+/// failed rows instead).
 pub(crate) enum StepError {
     Batch(Error),
     Rows(Vec<(usize, Error)>),
@@ -755,20 +756,25 @@ impl Worker {
                 let start = Instant::now();
                 let result = match &step.op {
                     Op::Decode(_) => Err(StepError::Batch(Error::internal("a decode runs in an image chain"))),
-                    Op::Image(op) => op.run(&mut values),
-                    Op::Normalize(n) => n.run(&mut values),
+                    Op::Image(op) => op.run(&mut values).map(|()| Vec::new()),
+                    Op::Normalize(n) => n.run(&mut values).map(|()| Vec::new()),
+                    // Writes the rows that did not fail: tokenizing the others again would cost
+                    // as much as the step itself.
                     Op::Tokenize(t) => {
                         let rows_apart = self.rows_apart;
                         t.run(&mut values, &|r| if rows_apart { r } else { live.request_of(index[r]) })
+                            .map(|failed| failed.into_iter().map(|(r, e)| (index[r], named(step, e))).collect())
                     }
                     Op::Model(m) => {
                         let awaited = |r: usize| live.awaited(index[r]);
-                        self.model_step(m, &mut values, index.len(), &awaited).map_err(StepError::Batch)
+                        self.model_step(m, &mut values, index.len(), &awaited)
+                            .map(|()| Vec::new())
+                            .map_err(StepError::Batch)
                     }
-                    Op::Post(p) => p.run(&mut values),
+                    Op::Post(p) => p.run(&mut values).map(|()| Vec::new()),
                 };
                 self.observe(step, start.elapsed());
-                result.map(|()| Vec::new()).map_err(|e| e.named(step))
+                result.map_err(|e| e.named(step))
             };
             // Rows that failed on their own fail their requests (the batcher answers them so), and
             // the batch goes on without those requests' rows: the others' work is not done again.

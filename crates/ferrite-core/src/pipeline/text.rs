@@ -8,9 +8,9 @@
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
-use tokenizers::{Tokenizer, TruncationParams};
+use tokenizers::{Encoding, Tokenizer, TruncationParams};
 
-use super::{model_file, per_row, post::Pooling, Kind, StepError, Value};
+use super::{model_file, post::Pooling, Kind, StepError, Value};
 use crate::{
     engine::spec::{Task, TensorSpec, TextSpec},
     DataType, Error, Result, Tensor, TensorData,
@@ -116,19 +116,19 @@ impl Tokenize {
 
     /// Tokenizes every row; `request_of(row)` is the request a row belongs to, whose rows are
     /// padded alike (so values of a text's length stack into its answer; a pipeline whose answers
-    /// have fixed shapes gives each row a request of its own).
+    /// have fixed shapes gives each row a request of its own). The rows that failed, with their
+    /// errors (their rows are written, empty); every row failing fails the step.
     pub fn run(
         &self,
         values: &mut BTreeMap<String, Value>,
         request_of: &dyn Fn(usize) -> usize,
-    ) -> Result<(), StepError> {
+    ) -> Result<Vec<(usize, Error)>, StepError> {
         let texts = super::rows_of(values, &self.input)?;
         let pairs = match &self.pair {
             Some(p) => Some(super::rows_of(values, p)?),
             None => None,
         };
-        let index: Vec<usize> = (0..texts.len()).collect();
-        let encodings = per_row(&index, |&i| {
+        let one = |i: usize| {
             let pair = match pairs {
                 Some(p) => Some(one_text(&p[i])?),
                 None => None,
@@ -141,7 +141,21 @@ impl Tokenize {
                 )));
             }
             Ok(encoding)
-        })?;
+        };
+        // A row that fails gets no tokens here and is returned, so its request's rows go after
+        // this step and the others' are not tokenized again.
+        let mut failed = Vec::new();
+        let encodings: Vec<Encoding> = (0..texts.len())
+            .map(|i| {
+                one(i).unwrap_or_else(|e| {
+                    failed.push((i, e));
+                    Encoding::default()
+                })
+            })
+            .collect();
+        if failed.len() == texts.len() {
+            return Err(StepError::Rows(failed));
+        }
         let own: Vec<usize> = encodings.iter().map(|e| e.get_ids().len()).collect();
         let lengths = padded_lengths(&own, &(0..own.len()).map(request_of).collect::<Vec<_>>());
         let counts = encodings
@@ -177,7 +191,7 @@ impl Tokenize {
                 .collect();
             values.insert(name.clone(), Value::Rows(rows));
         }
-        Ok(())
+        Ok(failed)
     }
 }
 
@@ -511,6 +525,34 @@ mod tests {
         for (m, n) in mask.iter().zip(&own) {
             assert_eq!(m.shape, vec![*n]);
         }
+    }
+
+    fn texts(texts: &[&'static str]) -> BTreeMap<String, Value> {
+        let rows = texts
+            .iter()
+            .map(|x| {
+                let data = TensorData::Strings(vec![bytes::Bytes::from_static(x.as_bytes())]);
+                Tensor::new("text", DataType::Bytes, vec![1], data)
+            })
+            .collect();
+        BTreeMap::from([("text".to_string(), Value::Rows(rows))])
+    }
+
+    #[test]
+    fn rows_that_fail_are_returned_and_the_others_tokenized_once() {
+        let t = tokenize(8, false);
+        let mut values = texts(&["a cat", " ", "a dog", "one two three four five six seven eight nine"]);
+        let Ok(failed) = t.run(&mut values, &|r| r) else { panic!("the good rows are written") };
+        let failed: Vec<(usize, String)> = failed.into_iter().map(|(r, e)| (r, e.to_string())).collect();
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(failed[0].0 == 1 && failed[0].1.contains("empty"), "{failed:?}");
+        assert!(failed[1].0 == 3 && failed[1].1.contains("max_length"), "{failed:?}");
+        let Some(Value::Rows(ids)) = values.get("input_ids") else { panic!("no input_ids") };
+        assert_eq!(ids.len(), 4, "every row written, the batch's rows stay aligned");
+        let own = t.encode("a cat", None).unwrap().get_ids().len();
+        assert_eq!((ids[0].shape[0], ids[2].shape[0]), (own, own));
+        // Every row failing fails the step.
+        assert!(matches!(t.run(&mut texts(&["", " "]), &|r| r), Err(StepError::Rows(rows)) if rows.len() == 2));
     }
 
     #[test]
