@@ -137,7 +137,7 @@ fn serve(
         auth,
         tls,
         // Shared memory is for clients in other processes; off here, as `ferrite serve` has it.
-        shm: std::sync::Arc::new(srv::shm::Regions::new(false, max_body_bytes)),
+        shm: std::sync::Arc::new(ferrite_server::shm::Regions::new(false, max_body_bytes)),
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
