@@ -122,11 +122,12 @@ fn serve(
         (None, None) if tls_client_ca.is_none() => None,
         _ => return Err(InvalidInput::new_err("TLS needs both tls_cert and tls_key (tls_client_ca needs them too)")),
     };
+    let http_limits = HttpLimits::new(max_body_bytes);
     let cfg = srv::ServeConfig {
         host,
         http_port,
         grpc_port,
-        http: HttpLimits::new(max_body_bytes),
+        http: http_limits.clone(),
         grpc: GrpcLimits { max_decoding_message_size: max_body_bytes, max_encoding_message_size: max_body_bytes },
         grpc_max_concurrent_streams: 1024,
         exit_timeout: Duration::from_secs_f64(exit_timeout.max(0.0)),
@@ -137,7 +138,7 @@ fn serve(
         auth,
         tls,
         // Shared memory is for clients in other processes; off here, as `ferrite serve` has it.
-        shm: std::sync::Arc::new(ferrite_server::shm::Regions::new(false, max_body_bytes)),
+        shm: std::sync::Arc::new(ferrite_server::shm::Regions::new(false, max_body_bytes, http_limits.body_budget)),
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

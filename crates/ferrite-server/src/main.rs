@@ -494,6 +494,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(source) = source {
         source.follow(core.clone());
     }
+    let body_budget = Arc::new(tokio::sync::Semaphore::new(
+        args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     let cfg = ServeConfig {
         host: args.host,
         http_port: args.http_port,
@@ -505,9 +508,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             idle_timeout: Duration::from_secs(args.http_idle_timeout_secs.max(1)),
             max_connections: args.http_max_connections.unwrap_or_else(http::default_max_connections).max(1),
             max_streams: args.grpc_max_concurrent_streams,
-            body_budget: Arc::new(tokio::sync::Semaphore::new(
-                args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),
-            )),
+            body_budget: body_budget.clone(),
         },
         grpc: grpc::GrpcLimits {
             max_decoding_message_size: args.grpc_max_decoding_message_size,
@@ -537,9 +538,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ),
             _ => None,
         },
+        // Tensors read from shared memory count against the bodies' budget.
         shm: Arc::new(ferrite_server::shm::Regions::new(
             args.shared_memory == SharedMemory::System,
             args.max_body_bytes,
+            body_budget,
         )),
     };
     let bound = serve::bind(&cfg).await?;

@@ -19,6 +19,8 @@ use std::{
 
 use bytes::Bytes;
 use ferrite_core::{wire::Param, DataType, Error, Tensor, TensorData};
+use std::sync::atomic::Ordering::Relaxed;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Regions one server holds at most: each holds a file descriptor, so an eighth of the open-files
 /// limit (connections may take three quarters of it), 16 to 1024.
@@ -85,14 +87,18 @@ impl Region {
 pub struct Regions {
     enabled: bool,
     max_regions: usize,
-    /// Bytes one BYTES input may read (the body limit); a fixed-size type's are its shape's.
+    /// Bytes one request may read (the body limit).
     max_bytes: usize,
+    /// The bytes all requests may hold at once, shared with the bodies being read: a read holds
+    /// its share until its tensor is dropped.
+    budget: Arc<Semaphore>,
     regions: Mutex<Vec<Arc<Region>>>,
 }
 
 impl Regions {
-    pub fn new(enabled: bool, max_bytes: usize) -> Regions {
-        Regions { enabled, max_regions: max_regions(), max_bytes, regions: Mutex::new(Vec::new()) }
+    /// `max_bytes`: what one request may read; `budget`: the bodies' budget (permits of 1 KiB).
+    pub fn new(enabled: bool, max_bytes: usize, budget: Arc<Semaphore>) -> Regions {
+        Regions { enabled, max_regions: max_regions(), max_bytes, budget, regions: Mutex::new(Vec::new()) }
     }
 
     /// The protocol extensions the server metadata lists: the core's, and this one when on.
@@ -205,14 +211,30 @@ fn open(key: &str) -> Result<File, Error> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-/// One request's way to the regions: its tenant's.
-#[derive(Clone)]
+/// One request's way to the regions: its tenant's, and at most the body limit read in all.
 pub struct Access {
-    pub regions: Arc<Regions>,
-    pub tenant: Option<String>,
+    regions: Arc<Regions>,
+    tenant: Option<String>,
+    read: std::sync::atomic::AtomicUsize,
+}
+
+/// A tensor's bytes read from shared memory, holding their share of the budget while they live.
+struct Held<B> {
+    bytes: B,
+    _reserved: OwnedSemaphorePermit,
+}
+
+impl<B: AsRef<[u8]>> AsRef<[u8]> for Held<B> {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes.as_ref()
+    }
 }
 
 impl Access {
+    pub fn new(regions: Arc<Regions>, tenant: Option<String>) -> Access {
+        Access { regions, tenant, read: Default::default() }
+    }
+
     /// Where, within its region's object, `place`'s bytes lie, checked against the region.
     fn locate(&self, tensor: &str, place: &Place) -> Result<(Arc<Region>, u64), Error> {
         let region = self.regions.get(self.tenant.as_deref(), &place.region)?;
@@ -229,14 +251,26 @@ impl Access {
     pub fn read(&self, input: &str, place: &Place, datatype: DataType, count: usize) -> Result<TensorData, Error> {
         let size = usize::try_from(place.byte_size).unwrap_or(usize::MAX);
         // A fixed-size type's bytes are its count's (checked within the request's element limit);
-        // BYTES elements are length-prefixed, bounded by the body limit.
-        let bound = datatype.size().map_or(self.regions.max_bytes, |s| count.saturating_mul(s));
+        // BYTES elements are length-prefixed. All of a request's reads: within the body limit.
+        let bound = datatype.size().map_or(usize::MAX, |s| count.saturating_mul(s));
         if size > bound {
             return Err(Error::invalid(format!(
                 "input '{input}': shared_memory_byte_size {size} is more than its {bound} bytes"
             )));
         }
+        let total = self.read.fetch_add(size, Relaxed).saturating_add(size);
+        if total > self.regions.max_bytes {
+            return Err(Error::invalid(format!(
+                "input '{input}': the request's inputs in shared memory are over {} bytes (--max-body-bytes)",
+                self.regions.max_bytes
+            )));
+        }
         let (region, at) = self.locate(input, place)?;
+        let permits = u32::try_from(size.div_ceil(1024)).unwrap_or(u32::MAX);
+        let reserved = self.regions.budget.clone().try_acquire_many_owned(permits).map_err(|_| Error::Unavailable {
+            message: "too many request bytes in flight on this server; retry shortly".into(),
+            retry_after: Some(std::time::Duration::from_secs(1)),
+        })?;
         let failed = |e: std::io::Error| {
             Error::invalid(format!("input '{input}': cannot read shared memory region '{}': {e}", place.region))
         };
@@ -245,11 +279,11 @@ impl Access {
         let data = if size >= crate::http::pool::POOLED_FROM {
             let mut buf = crate::http::pool::BODIES.buffer(size);
             buf.fill(size, |b| region.file.read_exact_at(b, at)).map_err(failed)?;
-            buf.into_bytes()
+            Bytes::from_owner(Held { bytes: buf, _reserved: reserved })
         } else {
             let mut buf = vec![0; size];
             region.file.read_exact_at(&mut buf, at).map_err(failed)?;
-            Bytes::from(buf)
+            Bytes::from_owner(Held { bytes: buf, _reserved: reserved })
         };
         TensorData::from_wire(input, datatype, count, data)
     }
@@ -303,8 +337,12 @@ mod tests {
         }
     }
 
+    fn budget() -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(1 << 20))
+    }
+
     fn access(regions: &Arc<Regions>, tenant: Option<&str>) -> Access {
-        Access { regions: regions.clone(), tenant: tenant.map(str::to_string) }
+        Access::new(regions.clone(), tenant.map(str::to_string))
     }
 
     fn place(region: &str, offset: u64, byte_size: u64) -> Place {
@@ -315,7 +353,7 @@ mod tests {
     fn inputs_are_read_and_outputs_written_within_their_regions_only() {
         let obj = Object::new(64);
         obj.file().write_all_at(&[1, 0, 0, 0, 2, 0, 0, 0], 16).unwrap();
-        let regions = Arc::new(Regions::new(true, 1 << 20));
+        let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
         regions.register(None, "r", &obj.0, 8, 32).unwrap();
         let a = access(&regions, None);
         let data = a.read("x", &place("r", 8, 8), DataType::Int32, 2).unwrap();
@@ -342,7 +380,7 @@ mod tests {
     #[test]
     fn a_region_shrunk_under_the_server_fails_its_read_and_the_process_goes_on() {
         let obj = Object::new(4096);
-        let regions = Arc::new(Regions::new(true, 1 << 20));
+        let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
         regions.register(None, "r", &obj.0, 0, 4096).unwrap();
         obj.file().set_len(0).unwrap();
         let e = access(&regions, None).read("x", &place("r", 0, 4096), DataType::Uint8, 4096).unwrap_err();
@@ -352,7 +390,7 @@ mod tests {
     #[test]
     fn a_tenant_sees_uses_and_unregisters_its_own_regions_only() {
         let obj = Object::new(16);
-        let regions = Arc::new(Regions::new(true, 1 << 20));
+        let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
         regions.register(Some("a"), "r", &obj.0, 0, 16).unwrap();
         // The same name is another region for another tenant.
         regions.register(Some("b"), "r", &obj.0, 0, 8).unwrap();
@@ -371,7 +409,7 @@ mod tests {
     #[test]
     fn regions_are_bounded_and_their_places_come_back_when_unregistered() {
         let obj = Object::new(16);
-        let mut regions = Regions::new(true, 1 << 20);
+        let mut regions = Regions::new(true, 1 << 20, budget());
         regions.max_regions = 2;
         regions.register(Some("a"), "1", &obj.0, 0, 16).unwrap();
         regions.register(Some("b"), "2", &obj.0, 0, 16).unwrap();
@@ -381,9 +419,31 @@ mod tests {
     }
 
     #[test]
+    fn reads_are_bounded_per_request_and_hold_the_bodies_budget_while_their_tensors_live() {
+        let obj = Object::new(8192);
+        let budget = Arc::new(Semaphore::new(4)); // 4 KiB
+        let regions = Arc::new(Regions::new(true, 6000, budget.clone()));
+        regions.register(None, "r", &obj.0, 0, 8192).unwrap();
+        let a = access(&regions, None);
+        let first = a.read("x", &place("r", 0, 3000), DataType::Uint8, 3000).unwrap();
+        assert_eq!(budget.available_permits(), 1, "3 KiB held while the tensor lives");
+        // Another request finds the budget spent: refused to come back, nothing read.
+        let e = access(&regions, None).read("y", &place("r", 0, 2048), DataType::Uint8, 2048).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { retry_after: Some(_), .. }), "{e:?}");
+        drop(first);
+        assert_eq!(budget.available_permits(), 4);
+        // One request's reads together: within the body limit.
+        let e = a.read("z", &place("r", 0, 3001), DataType::Uint8, 3001).unwrap_err().to_string();
+        assert!(e.contains("over 6000 bytes"), "{e}");
+    }
+
+    #[test]
     fn nothing_registers_while_off_and_places_are_read_from_parameters() {
         let obj = Object::new(16);
-        assert!(matches!(Regions::new(false, 1 << 20).register(None, "r", &obj.0, 0, 16), Err(Error::Unsupported(_))));
+        assert!(matches!(
+            Regions::new(false, 1 << 20, budget()).register(None, "r", &obj.0, 0, 16),
+            Err(Error::Unsupported(_))
+        ));
         let params =
             |p: Vec<(&'static str, Param<'static>)>| move |k: &str| p.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
         assert_eq!(Place::of("x", params(vec![])).unwrap(), None);

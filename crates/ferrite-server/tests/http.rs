@@ -40,8 +40,9 @@ fn server(max_body_bytes: usize) -> Server {
         Limits::default(),
     )
     .unwrap();
-    let shm = std::sync::Arc::new(ferrite_server::shm::Regions::new(false, max_body_bytes));
-    let app = app(core.clone(), &HttpLimits::new(max_body_bytes), shm);
+    let limits = HttpLimits::new(max_body_bytes);
+    let shm = ferrite_server::shm::Regions::new(false, max_body_bytes, limits.body_budget.clone());
+    let app = app(core.clone(), &limits, std::sync::Arc::new(shm));
     Server { core, app, _dir: dir }
 }
 

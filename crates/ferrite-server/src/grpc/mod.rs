@@ -211,7 +211,7 @@ impl Service {
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let shared = convert::shared_outputs(&req)?;
-        let shm = crate::shm::Access { regions: self.shm.clone(), tenant: meta.tenant.clone() };
+        let shm = Arc::new(crate::shm::Access::new(self.shm.clone(), meta.tenant.clone()));
         let max = self.core.limits().max_elements;
         // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
         let mut core_req = if convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64 {

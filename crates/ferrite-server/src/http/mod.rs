@@ -198,7 +198,7 @@ fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
 /// when asked).
 pub fn metrics_app(core: Core) -> Router {
-    let shm = Arc::new(crate::shm::Regions::new(false, 0));
+    let shm = Arc::new(crate::shm::Regions::new(false, 0, Arc::new(tokio::sync::Semaphore::new(0))));
     Router::new().route("/metrics", get(metrics)).with_state(AppState { core, shm })
 }
 
@@ -687,7 +687,7 @@ async fn infer_inner(
     };
     let (model, version) = (p.model, p.version);
     let tenant = tenant_of(&s, principal.as_ref(), &headers)?;
-    let shm = crate::shm::Access { regions: s.shm.clone(), tenant: tenant.clone() };
+    let shm = crate::shm::Access::new(s.shm.clone(), tenant.clone());
     // Inputs read from shared memory may be large as bodies are: off the I/O threads too.
     let large = body.len() > OFFLOAD_BYTES
         || (!msgpack_in
