@@ -103,7 +103,8 @@ pub fn classification<'a>(get: impl Fn(&str) -> Option<Param<'a>>) -> Result<Opt
     Ok(unsigned(&get, "classification")?.map(|k| usize::try_from(k).unwrap_or(usize::MAX)))
 }
 
-fn unsigned<'a>(get: &impl Fn(&str) -> Option<Param<'a>>, key: &str) -> Result<Option<u64>> {
+/// A parameter that must be a non-negative integer, when given.
+pub fn unsigned<'a>(get: &impl Fn(&str) -> Option<Param<'a>>, key: &str) -> Result<Option<u64>> {
     match get(key) {
         None => Ok(None),
         Some(Param::Uint(v)) => Ok(Some(v)),

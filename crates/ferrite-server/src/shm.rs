@@ -40,12 +40,8 @@ impl Place {
     /// The place a tensor's parameters name, if they name one: `shared_memory_region` with
     /// `shared_memory_byte_size` (and `shared_memory_offset`, 0 when absent).
     pub fn of<'a>(tensor: &str, get: impl Fn(&str) -> Option<Param<'a>>) -> Result<Option<Place>, Error> {
-        let unsigned = |key: &str| match get(key) {
-            None => Ok(None),
-            Some(Param::Uint(v)) => Ok(Some(v)),
-            Some(Param::Int(v)) if v >= 0 => Ok(Some(v as u64)),
-            Some(_) => Err(Error::invalid(format!("'{tensor}': parameter '{key}' must be a non-negative integer"))),
-        };
+        let unsigned =
+            |key: &str| ferrite_core::wire::unsigned(&get, key).map_err(|e| Error::invalid(format!("'{tensor}': {e}")));
         let region = match get("shared_memory_region") {
             None => {
                 if get("shared_memory_byte_size").is_some() || get("shared_memory_offset").is_some() {
