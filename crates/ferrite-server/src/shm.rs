@@ -143,6 +143,12 @@ impl Regions {
                 format!("{} shared memory regions are registered, the most this server holds", self.max_regions);
             return Err(Error::Overloaded { message, retry_after: None });
         }
+        // A tenant holds a quarter of them at most, so no one tenant leaves the others none.
+        let share = self.max_regions / 4;
+        if tenant.is_some() && regions.iter().filter(|r| r.tenant.as_deref() == tenant).count() >= share {
+            let message = format!("this tenant holds {share} shared memory regions, its most");
+            return Err(Error::Overloaded { message, retry_after: None });
+        }
         // Opened unlocked: another call may have registered the name meanwhile.
         if regions.iter().any(|r| r.is(tenant, name)) {
             return Err(Self::taken(name));
@@ -406,12 +412,25 @@ mod tests {
     fn regions_are_bounded_and_their_places_come_back_when_unregistered() {
         let obj = Object::new(16);
         let mut regions = Regions::new(true, 1 << 20, budget());
-        regions.max_regions = 2;
+        regions.max_regions = 8;
+        // A tenant holds a quarter at most: the others still register.
         regions.register(Some("a"), "1", &obj.0, 0, 16).unwrap();
-        regions.register(Some("b"), "2", &obj.0, 0, 16).unwrap();
-        assert!(matches!(regions.register(Some("c"), "3", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        regions.register(Some("a"), "2", &obj.0, 0, 16).unwrap();
+        assert!(matches!(regions.register(Some("a"), "3", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        for (t, n) in [("b", "1"), ("b", "2"), ("c", "1"), ("c", "2"), ("d", "1"), ("d", "2")] {
+            regions.register(Some(t), n, &obj.0, 0, 16).unwrap();
+        }
+        // The server's bound: full.
+        assert!(matches!(regions.register(Some("e"), "1", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
         regions.unregister(Some("a"), "");
-        regions.register(Some("c"), "3", &obj.0, 0, 16).unwrap();
+        regions.register(Some("e"), "1", &obj.0, 0, 16).unwrap();
+        // Without tenants, one client may take them all.
+        let mut one = Regions::new(true, 1 << 20, budget());
+        one.max_regions = 8;
+        for n in 0..8 {
+            one.register(None, &n.to_string(), &obj.0, 0, 16).unwrap();
+        }
+        assert!(matches!(one.register(None, "8", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
     }
 
     #[test]
