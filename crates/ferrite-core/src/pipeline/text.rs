@@ -501,19 +501,7 @@ mod tests {
     fn a_batch_of_texts_is_padded_per_group_and_the_mask_marks_each_texts_own_tokens() {
         let t = tokenize(128, true);
         let texts = ["a cat", "a dog", "the quick brown fox jumps over the lazy dog near the river bank today"];
-        let mut values = BTreeMap::new();
-        values.insert(
-            "text".to_string(),
-            Value::Rows(
-                texts
-                    .iter()
-                    .map(|x| {
-                        let data = TensorData::Strings(vec![bytes::Bytes::from_static(x.as_bytes())]);
-                        Tensor::new("text", DataType::Bytes, vec![1], data)
-                    })
-                    .collect(),
-            ),
-        );
+        let mut values = rows_of_texts(&texts);
         // Each text its own request, as TEI's clients send them.
         assert!(t.run(&mut values, &|r| r).is_ok());
         let Some(Value::Rows(ids)) = values.get("input_ids") else { panic!("no input_ids") };
@@ -527,7 +515,8 @@ mod tests {
         }
     }
 
-    fn texts(texts: &[&'static str]) -> BTreeMap<String, Value> {
+    /// A `text` value of one row per text.
+    fn rows_of_texts(texts: &[&'static str]) -> BTreeMap<String, Value> {
         let rows = texts
             .iter()
             .map(|x| {
@@ -541,7 +530,7 @@ mod tests {
     #[test]
     fn rows_that_fail_are_returned_and_the_others_tokenized_once() {
         let t = tokenize(8, false);
-        let mut values = texts(&["a cat", " ", "a dog", "one two three four five six seven eight nine"]);
+        let mut values = rows_of_texts(&["a cat", " ", "a dog", "one two three four five six seven eight nine"]);
         let Ok(failed) = t.run(&mut values, &|r| r) else { panic!("the good rows are written") };
         let failed: Vec<(usize, String)> = failed.into_iter().map(|(r, e)| (r, e.to_string())).collect();
         assert_eq!(failed.len(), 2, "{failed:?}");
@@ -552,7 +541,7 @@ mod tests {
         let own = t.encode("a cat", None).unwrap().get_ids().len();
         assert_eq!((ids[0].shape[0], ids[2].shape[0]), (own, own));
         // Every row failing fails the step.
-        assert!(matches!(t.run(&mut texts(&["", " "]), &|r| r), Err(StepError::Rows(rows)) if rows.len() == 2));
+        assert!(matches!(t.run(&mut rows_of_texts(&["", " "]), &|r| r), Err(StepError::Rows(rows)) if rows.len() == 2));
     }
 
     #[test]

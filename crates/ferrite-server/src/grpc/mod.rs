@@ -211,17 +211,17 @@ impl Service {
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let shared = convert::shared_outputs(&req)?;
-        let shm = Arc::new(crate::shm::Access::new(self.shm.clone(), meta.tenant.clone()));
+        let shm = crate::shm::Access::new(self.shm.clone(), meta.tenant.clone());
         let max = self.core.limits().max_elements;
         // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
-        let mut core_req = if convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64 {
-            let shm = shm.clone();
-            tokio::task::spawn_blocking(move || convert::to_core(req, max, Some(&shm)))
+        let (core_req, shm) = if convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64 {
+            tokio::task::spawn_blocking(move || (convert::to_core(req, max, Some(&shm)), shm))
                 .await
-                .map_err(|e| Error::internal(format!("a decoding task failed: {e}")))??
+                .map_err(|e| Error::internal(format!("a decoding task failed: {e}")))?
         } else {
-            convert::to_core(req, max, Some(&shm))?
+            (convert::to_core(req, max, Some(&shm)), shm)
         };
+        let mut core_req = core_req?;
         core_req.tenant = meta.tenant;
         core_req.canary = meta.canary;
         if let Some(d) = deadline_us {

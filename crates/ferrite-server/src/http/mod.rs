@@ -616,18 +616,17 @@ async fn shm_register(
 
 async fn shm_unregister(
     State(s): State<AppState>,
-    p: Option<Path<RegionPath>>,
+    Path(p): Path<RegionPath>,
     principal: Option<axum::Extension<crate::auth::Principal>>,
     headers: HeaderMap,
 ) -> Result<Json<bodies::Empty>, ApiError> {
     let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
-    let name = p.and_then(|p| p.0.name).unwrap_or_default();
-    s.shm.unregister(tenant.as_deref(), &name);
+    s.shm.unregister(tenant.as_deref(), p.name.as_deref().unwrap_or(""));
     Ok(Json(bodies::Empty {}))
 }
 
-async fn cuda_status(p: Option<Path<RegionPath>>) -> Result<Json<bodies::RegionsStatus>, ApiError> {
-    match p.and_then(|p| p.0.name) {
+async fn cuda_status(Path(p): Path<RegionPath>) -> Result<Json<bodies::RegionsStatus>, ApiError> {
+    match p.name {
         Some(name) => Err(ferrite_core::Error::NotFound(format!("no CUDA shared memory region '{name}'")).into()),
         None => Ok(Json(bodies::RegionsStatus(Vec::new()))),
     }
