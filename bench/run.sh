@@ -12,6 +12,8 @@
 #        bench/run.sh --texts [--duration 10]  (TEI's /rerank and /predict vs FastAPI and the ceiling: bench/texts.py)
 #        bench/run.sh --text-lengths [--secs 3]  (texts of many lengths in one batch, in-process: what
 #                                              padding costs and grouping gives back: bench/text_lengths.py)
+#        bench/run.sh --text-latency [--rounds 4]  (one client's text embeddings against the engine in-process,
+#                                              side by side round by round: bench/text_latency.py)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
@@ -80,6 +82,10 @@ fi
 if [ "${1:-}" = "--text-lengths" ]; then
     shift
     exec python3 bench/text_lengths.py "$@"
+fi
+if [ "${1:-}" = "--text-latency" ]; then
+    shift
+    exec python3 bench/text_latency.py "$@"
 fi
 if [ "${1:-}" = "--kinds" ]; then
     shift
