@@ -355,7 +355,8 @@ def test_a_client_that_leaves_a_pipeline_batch_costs_its_other_requests_nothing(
     """A pipeline batch of a short and a long text (one worker, a queue delay that merges them)
     calls a model once per length; the long text's client leaves while its call runs. Its call is
     dropped and the short text is answered from its own call: it used to fail the whole batch,
-    which ran again without the client that left, the short text's call twice."""
+    which ran again without the client that left, the short text's call twice. Alone, a long text
+    whose client leaves ends its batch without a warning of a backend failure."""
     repo = tmp_path / "repo"
     model = repo / "lengths"
     (model / "1").mkdir(parents=True)
@@ -401,6 +402,16 @@ def test_a_client_that_leaves_a_pipeline_batch_costs_its_other_requests_nothing(
         runs = (marks / "runs").read_text().split()
         assert runs.count("4") == 1, f"the short text's call ran {runs.count('4')} times: {runs}"
         assert runs.count("32") == 1, runs
+        # Alone, the long text's client leaving ends its batch: no backend failure to warn of.
+        leaving = socket.create_connection(("127.0.0.1", s.port))
+        leaving.sendall(b"POST /v2/models/texts/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(long)}\r\n\r\n".encode() + long)
+        time.sleep(1.0)
+        leaving.close()
+        # Answered after that batch has ended (one worker; its call waits for the model).
+        short()
+        assert answer["short"]["outputs"][0]["data"] == [4], answer
+        assert "failed in the backend" not in s.logs(), s.logs()
     finally:
         s.stop()
 

@@ -837,7 +837,13 @@ fn run_isolated(
     match result {
         Ok(outputs) => batch.into_iter().zip(outputs).collect(),
         Err(e) if batch.len() == 1 => {
-            tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
+            // A pipeline stops paying for a request whose client left mid-run: no failure of its.
+            if batch[0].reply.is_closed() {
+                shared.cancelled.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(model = %shared.spec.name, error = %e, "request ended: its client left");
+            } else {
+                tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
+            }
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
         Err(e) => {
