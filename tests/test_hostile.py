@@ -5,6 +5,7 @@ flat over 100 repeats. Slow senders (headers and bodies) are cut off."""
 import gzip
 import http.client
 import json
+import re
 import socket
 import time
 import zlib
@@ -129,6 +130,26 @@ def test_hostile_input_gets_a_clear_4xx(hardened, what, path, headers, body, exp
     assert status == expected, (what, answer[:300])
     assert json.loads(answer)["error"], "every refusal carries a message"
     assert send(hardened, "GET", "/v2/health/live")[0] == 200
+
+
+def test_requests_failing_in_a_model_are_warned_of_a_line_a_second(hardened):
+    """A client sending request after request that fails in the model cannot fill the log: one
+    warning a second, the next saying how many were left out."""
+    headers, body = lookup_binary([1, 12], b"hi")
+
+    def lines():
+        return [x for x in hardened.logs().splitlines() if "request failed in the backend" in x]
+
+    before = len(lines())
+    started = time.time()
+    for _ in range(50):
+        assert send(hardened, "POST", LOOKUP, headers, body)[0] == 400
+    took = time.time() - started
+    time.sleep(1.1)
+    assert send(hardened, "POST", LOOKUP, headers, body)[0] == 400
+    new = lines()[before:]
+    assert 1 <= len(new) <= int(took) + 3, new
+    assert re.search(r"left_out=[1-9]", re.sub(r"\x1b\[[0-9;]*m", "", new[-1])), new[-1]
 
 
 def test_memory_stays_flat_over_100_repeats(hardened):

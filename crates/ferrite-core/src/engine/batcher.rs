@@ -195,6 +195,8 @@ struct Shared {
     heavy_running: AtomicUsize,
     /// Requests whose clients left after they were taken from the queue, before they ran.
     cancelled: std::sync::atomic::AtomicU64,
+    /// Requests that failed in the backend, warned of a line a second (a client can send many).
+    failures: crate::telemetry::quiet::Quiet,
     /// One batch's recent run time, for refusing requests whose deadline cannot be met.
     batch_time: BatchTime,
     /// Run time per element by batch size and size of rows, from which the merge limit follows.
@@ -322,6 +324,7 @@ impl Batcher {
         let shared = Arc::new(Shared {
             submitted: Default::default(),
             cancelled: Default::default(),
+            failures: Default::default(),
             heavy_running: AtomicUsize::new(0),
             formed: Default::default(),
             queue: Mutex::new(Queue::new(&spec.batch.level_queues)),
@@ -841,8 +844,8 @@ fn run_isolated(
             if batch[0].reply.is_closed() {
                 shared.cancelled.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(model = %shared.spec.name, error = %e, "request ended: its client left");
-            } else {
-                tracing::warn!(model = %shared.spec.name, error = %e, "request failed in the backend");
+            } else if let Some(left_out) = shared.failures.pass(Instant::now()) {
+                tracing::warn!(model = %shared.spec.name, error = %e, left_out, "request failed in the backend");
             }
             batch.into_iter().map(|p| (p, Err(e.clone()))).collect()
         }
