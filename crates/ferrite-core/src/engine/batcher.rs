@@ -193,7 +193,8 @@ struct Shared {
     /// Batches of heavy requests running now: at most all instances but one, so light work
     /// always finds one (see `Pending::heavy`).
     heavy_running: AtomicUsize,
-    /// Requests whose clients left after they were taken from the queue, before they ran.
+    /// Requests whose clients left after they were taken from the queue: before they ran, or
+    /// while they ran in a backend that stopped paying for them (a pipeline).
     cancelled: std::sync::atomic::AtomicU64,
     /// Requests that failed in the backend, warned of a line a second (a client can send many).
     failures: crate::telemetry::quiet::Quiet,
@@ -422,7 +423,7 @@ impl Batcher {
         self.shared.lock().len()
     }
 
-    /// Requests dropped before running because their client had gone.
+    /// Requests dropped because their client had gone: before running, or (a pipeline) mid-run.
     pub fn cancelled(&self) -> u64 {
         self.shared.lock().cancelled + self.shared.cancelled.load(Ordering::Relaxed)
     }
