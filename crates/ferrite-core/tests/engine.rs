@@ -272,17 +272,27 @@ async fn a_full_queue_refuses_with_retry_after() {
     }
 }
 
-/// A backend whose runs block until the test lets them go: a fault (a stuck model) that cannot be
-/// caused on demand with a real model.
-struct Stuck {
-    release: Arc<Mutex<mpsc::Receiver<()>>>,
-    entered: Arc<AtomicUsize>,
-    specs: Vec<TensorSpec>,
+/// A made-up backend: `specs` its inputs and outputs alike, its instances made by the closure (the
+/// instance types below are the faults and behaviours the tests need).
+struct Fake<F>(Vec<TensorSpec>, F);
+
+impl<F: Fn() -> Box<dyn Instance> + Send + Sync> Backend for Fake<F> {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.0
+    }
+    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
+        Ok((self.1)())
+    }
 }
 
+/// Runs that block until the test lets them go: a fault (a stuck model) that cannot be caused on
+/// demand with a real model.
 struct StuckInstance(Arc<Mutex<mpsc::Receiver<()>>>, Arc<AtomicUsize>);
 
-/// What lets a `Stuck` model's runs go, and tells how many runs have reached the backend (a batch
+/// What lets a stuck model's runs go, and tells how many runs have reached the backend (a batch
 /// counts as running a little before that, and a request whose client left by then is never run).
 struct Gate {
     tx: mpsc::Sender<()>,
@@ -302,18 +312,6 @@ impl Gate {
     }
 }
 
-impl Backend for Stuck {
-    fn inputs(&self) -> &[TensorSpec] {
-        &self.specs
-    }
-    fn outputs(&self) -> &[TensorSpec] {
-        &self.specs
-    }
-    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(StuckInstance(self.release.clone(), self.entered.clone())))
-    }
-}
-
 impl Instance for StuckInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
         self.1.fetch_add(1, Ordering::AcqRel);
@@ -329,7 +327,7 @@ impl Instance for StuckInstance {
     }
 }
 
-/// A core serving one `Stuck` model (batch size 1), the gate that lets its runs go, and the model.
+/// A core serving one stuck model (batch size 1), the gate that lets its runs go, and the model.
 fn stuck_core(limits: Limits) -> (Core, Gate, Arc<Model>) {
     stuck_core_with(limits, "max_batch_size = 1")
 }
@@ -338,7 +336,9 @@ fn stuck_core_with(limits: Limits, config: &str) -> (Core, Gate, Arc<Model>) {
     let (tx, rx) = mpsc::channel();
     let entered = Arc::new(AtomicUsize::new(0));
     let specs = vec![TensorSpec { name: "x".into(), datatype: DataType::Fp32, dims: vec![-1, 1] }];
-    let backend = Stuck { release: Arc::new(Mutex::new(rx)), entered: entered.clone(), specs: specs.clone() };
+    let (release, ran) = (Arc::new(Mutex::new(rx)), entered.clone());
+    let backend =
+        Fake(specs.clone(), move || -> Box<dyn Instance> { Box::new(StuckInstance(release.clone(), ran.clone())) });
     let config: ModelConfig = toml::from_str(config).unwrap();
     let spec = ModelSpec::resolve("stuck", 1, &config, &specs, &specs, 1).unwrap();
     let model = Arc::new(Model::start(spec, &backend, None).unwrap());
@@ -644,20 +644,7 @@ async fn a_variable_hw_model_whose_graph_refuses_1x1_loads_and_answers() {
 
 /// Fails any run holding a row of -1 (with every row's value in its error, as a careless backend
 /// might), and panics on a row of -2; otherwise echoes.
-struct Poisonable(Vec<TensorSpec>);
 struct PoisonableInstance;
-
-impl Backend for Poisonable {
-    fn inputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn outputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(PoisonableInstance))
-    }
-}
 
 /// The bytes of a batch input's parts, in order.
 fn batch_bytes(i: &BatchInput<'_>) -> Vec<u8> {
@@ -705,7 +692,8 @@ impl Instance for PoisonableInstance {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
-    let (core, model) = one_batch_of("p", 8, |specs| Box::new(Poisonable(specs)));
+    let (core, model) =
+        one_batch_of("p", 8, |specs| Box::new(Fake(specs, || -> Box<dyn Instance> { Box::new(PoisonableInstance) })));
     let values = [10.0f32, 11.0, -1.0, 13.0, 14.0, -2.0, 16.0, 17.0];
     let tasks: Vec<_> = values
         .iter()
@@ -742,20 +730,7 @@ async fn a_bad_row_or_a_panic_fails_only_its_own_request_in_a_shared_batch() {
 
 /// Echoes every row, naming rows of -1 as failed on their own (as a pipeline's per-row steps do)
 /// while the run succeeds for the others.
-struct RowWise(Vec<TensorSpec>);
 struct RowWiseInstance(Vec<(usize, Error)>);
-
-impl Backend for RowWise {
-    fn inputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn outputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(RowWiseInstance(Vec::new())))
-    }
-}
 
 impl Instance for RowWiseInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
@@ -773,7 +748,9 @@ impl Instance for RowWiseInstance {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_that_fail_on_their_own_fail_their_requests_and_the_others_are_answered_from_the_same_run() {
-    let (core, model) = one_batch_of("r", 6, |specs| Box::new(RowWise(specs)));
+    let (core, model) = one_batch_of("r", 6, |specs| {
+        Box::new(Fake(specs, || -> Box<dyn Instance> { Box::new(RowWiseInstance(Vec::new())) }))
+    });
     // Five requests, six rows: the fourth request's second row fails.
     let requests: Vec<Vec<f32>> = vec![vec![10.0], vec![-1.0], vec![12.0], vec![13.0, -1.0], vec![15.0]];
     let tasks: Vec<_> = requests
@@ -812,20 +789,7 @@ struct Turns {
     solo_runs: Arc<std::sync::atomic::AtomicUsize>,
     narrow_runs: Arc<std::sync::atomic::AtomicUsize>,
 }
-struct TurnsBackend(Vec<TensorSpec>, Turns);
 struct TurnsInstance(Turns, bool);
-
-impl Backend for TurnsBackend {
-    fn inputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn outputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(TurnsInstance(self.1.clone(), false)))
-    }
-}
 
 impl Instance for TurnsInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
@@ -860,7 +824,9 @@ async fn a_solo_instance_takes_lone_work_and_never_runs_beside_the_others() {
     let spec = ModelSpec::resolve("t", 1, &config, &specs, &specs, 1).unwrap();
     let turns = Turns::default();
     let solo: Box<dyn Instance> = Box::new(TurnsInstance(turns.clone(), true));
-    let model = Arc::new(Model::start(spec, &TurnsBackend(specs, turns.clone()), Some(solo)).unwrap());
+    let narrow = turns.clone();
+    let backend = Fake(specs, move || -> Box<dyn Instance> { Box::new(TurnsInstance(narrow.clone(), false)) });
+    let model = Arc::new(Model::start(spec, &backend, Some(solo)).unwrap());
     let core = Core::from_models([("t".to_string(), model)].into(), Default::default(), Limits::default());
     let one = |core: Core, v: f32| async move {
         let req = InferRequest {
@@ -884,22 +850,9 @@ async fn a_solo_instance_takes_lone_work_and_never_runs_beside_the_others() {
     assert!(!turns.overlapped.load(SeqCst), "the solo instance ran beside another");
 }
 
-/// A backend that sleeps as many milliseconds as its first input value says, then echoes it: a
-/// slow and a fast request on two instances finish in the opposite order of their arrival.
-struct Sleepy(Vec<TensorSpec>);
+/// Sleeps as many milliseconds as its first input value says, then echoes it: a slow and a fast
+/// request on two instances finish in the opposite order of their arrival.
 struct SleepyInstance;
-
-impl Backend for Sleepy {
-    fn inputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn outputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(SleepyInstance))
-    }
-}
 
 impl Instance for SleepyInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
@@ -910,28 +863,15 @@ impl Instance for SleepyInstance {
     }
 }
 
-/// A backend whose instances hold "memory" after each run and ask to give it back 300 ms later:
-/// counts the runs and give-backs, and whether one came before it was due.
+/// Instances that hold "memory" after each run and ask to give it back 300 ms later: counts the
+/// runs and give-backs, and whether one came before it was due.
 #[derive(Default)]
 struct Holding {
     runs: std::sync::atomic::AtomicUsize,
     gave_back: std::sync::atomic::AtomicUsize,
     early: std::sync::atomic::AtomicBool,
 }
-struct Holder(Vec<TensorSpec>, Arc<Holding>);
 struct HolderInstance(Arc<Holding>, Option<Instant>);
-
-impl Backend for Holder {
-    fn inputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn outputs(&self) -> &[TensorSpec] {
-        &self.0
-    }
-    fn instance(&self) -> ferrite_core::Result<Box<dyn Instance>> {
-        Ok(Box::new(HolderInstance(self.1.clone(), None)))
-    }
-}
 
 impl Instance for HolderInstance {
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> ferrite_core::Result<Vec<Tensor>> {
@@ -958,7 +898,17 @@ async fn an_idle_instance_gives_back_what_it_holds_when_due_and_serves_after() {
     let config: ModelConfig = toml::from_str("max_batch_size = 8\ninstance_count = 1\n[dynamic_batching]").unwrap();
     let spec = ModelSpec::resolve("holder", 1, &config, &specs, &specs, 1).unwrap();
     let holding = Arc::new(Holding::default());
-    let model = Arc::new(Model::start(spec, &Holder(specs, holding.clone()), None).unwrap());
+    let model = Arc::new(
+        Model::start(
+            spec,
+            &Fake(specs, {
+                let holding = holding.clone();
+                move || -> Box<dyn Instance> { Box::new(HolderInstance(holding.clone(), None)) }
+            }),
+            None,
+        )
+        .unwrap(),
+    );
     let core =
         Arc::new(Core::from_models([("holder".to_string(), model)].into(), Default::default(), Limits::default()));
     let one = |v: f32| {
@@ -1000,7 +950,9 @@ async fn preserve_ordering_answers_in_the_order_requests_left_the_queue() {
         ))
         .unwrap();
         let spec = ModelSpec::resolve("sleepy", 1, &config, &specs, &specs, 1).unwrap();
-        let model = Arc::new(Model::start(spec, &Sleepy(specs), None).unwrap());
+        let model = Arc::new(
+            Model::start(spec, &Fake(specs, || -> Box<dyn Instance> { Box::new(SleepyInstance) }), None).unwrap(),
+        );
         let core = Arc::new(Core::from_models(
             [("sleepy".to_string(), model.clone())].into(),
             Default::default(),
