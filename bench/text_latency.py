@@ -18,7 +18,6 @@ Writes bench/results/text-latency.md. Usage: python3 bench/text_latency.py [--ro
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench.kinds as kinds  # noqa: E402
 import bench.pipelines as pipelines  # noqa: E402
-from bench.run import RESULTS, ROOT, WORK, free_port, oha_load, wait_ready  # noqa: E402
+from bench.run import RESULTS, ROOT, WORK, oha_load  # noqa: E402
 from bench.text_lengths import feed  # noqa: E402
 
 
@@ -69,17 +69,11 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     pipelines.repository()
     pipelines.bodies(pipelines.photo())
-    port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    cmd = [str(ROOT / "target/release/ferrite"), "serve", "--model-repository", str(pipelines.REPO),
-           "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-           "--log", "warn"]
     started = time.time()
-    log = open(WORK / "text-latency.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    # The server as bench/ab.py starts it on this repository: ready when its `text` pipeline is.
+    server, base, _ = kinds.serve("text", argparse.Namespace(extra=""), log_name="text-latency", repo=pipelines.REPO)
     rounds = []
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(f"{base}/v2/health/ready", server, timeout=120)
         load = oha_load(f"{base}/embed", WORK / "embed.json", 1, ["Content-Type: application/json"])
         load(2)
         for r in range(args.rounds):
