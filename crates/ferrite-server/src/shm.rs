@@ -279,8 +279,7 @@ impl Access {
         // Large reads go to the pooled buffers large bodies use: a fresh one would be a fresh
         // mapping, a page fault per 4 KiB written.
         let data = if size >= crate::http::pool::POOLED_FROM {
-            let mut buf = crate::http::pool::BODIES.buffer(size);
-            buf.fill(size, |b| region.file.read_exact_at(b, at)).map_err(failed)?;
+            let buf = crate::http::pool::BODIES.filled(size, |b| region.file.read_exact_at(b, at)).map_err(failed)?;
             Bytes::from_owner(Held { bytes: buf, _reserved: reserved })
         } else {
             let mut buf = vec![0; size];

@@ -35,8 +35,8 @@ impl Pool {
         Pool { idle: Mutex::new(Vec::new()), taken: AtomicBool::new(false) }
     }
 
-    /// An empty buffer of at least `len` bytes' capacity: the smallest idle one that holds them,
-    /// else a new one.
+    /// A buffer of at least `len` bytes' capacity, its bytes as the last request left them: the
+    /// smallest idle one that holds them, else a new (empty) one.
     fn take(&self, len: usize) -> Vec<u8> {
         self.taken.store(true, Relaxed);
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
@@ -48,9 +48,9 @@ impl Pool {
     }
 
     /// A buffer back from a body no one reads any more: kept while the idle ones stay within
-    /// `IDLE_BYTES`.
-    fn give(&self, mut buf: Vec<u8>) {
-        buf.clear();
+    /// `IDLE_BYTES`, with its length, so that the next `filled` of that length need not zero it
+    /// first (its bytes are never seen before a read has written over them).
+    fn give(&self, buf: Vec<u8>) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.iter().map(Vec::capacity).sum::<usize>() + buf.capacity() <= IDLE_BYTES {
             idle.push(buf);
@@ -95,7 +95,22 @@ impl Pool {
     /// An empty buffer that holds `len` bytes without growing; back to the pool when dropped (or
     /// when the last view of `into_bytes` is).
     pub fn buffer(&'static self, len: usize) -> Pooled {
-        Pooled { buf: self.take(len), pool: self }
+        let mut buf = self.take(len);
+        buf.clear();
+        Pooled { buf, pool: self }
+    }
+
+    /// A buffer of `len` bytes that `read` fills whole (an error gives it back unseen). Bytes a
+    /// previous request left in it are written over rather than zeroed first: zeroing a
+    /// detector's 1.2 MB image read from shared memory was a memset as large as the read.
+    pub fn filled<E>(&'static self, len: usize, read: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<Pooled, E> {
+        let mut buf = Pooled { buf: self.take(len), pool: self };
+        if buf.buf.len() < len {
+            buf.buf.resize(len, 0);
+        }
+        buf.buf.truncate(len);
+        read(&mut buf.buf)?;
+        Ok(buf)
     }
 }
 
@@ -113,12 +128,6 @@ impl Pooled {
 
     pub fn extend(&mut self, data: &[u8]) {
         self.buf.extend_from_slice(data);
-    }
-
-    /// Fills the buffer with `len` bytes `read` writes (`len` at most its capacity: no growth).
-    pub fn fill<E>(&mut self, len: usize, read: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<(), E> {
-        self.buf.resize(len, 0);
-        read(&mut self.buf)
     }
 
     pub fn into_bytes(self) -> Bytes {
@@ -182,6 +191,36 @@ mod tests {
         assert!(matches!(read_one(vec![0; 5 * POOLED_FROM], Some(POOLED_FROM)).await, Err(ReadError::TooLarge)));
         assert!(matches!(read_one(vec![0; 5 * POOLED_FROM], None).await, Err(ReadError::TooLarge)));
         assert!(matches!(read_one(vec![3; 10], Some(10)).await, Ok(b) if b[..] == [3; 10]), "small bodies");
+
+        // A buffer filled whole by its reader is not zeroed first; what the reader leaves is
+        // all that is seen, whatever the buffer held, and a body read into it after starts empty.
+        let write = |len: usize, v: u8| {
+            POOL.filled(len, |b: &mut [u8]| {
+                b.fill(v);
+                Ok::<_, ()>(())
+            })
+        };
+        let Ok(first) = write(POOLED_FROM + 5, 9) else { panic!("fill") };
+        assert_eq!(first.as_ref(), &[9; POOLED_FROM + 5][..]);
+        drop(first);
+        let mut seen = 0;
+        let Ok(again) = POOL.filled(POOLED_FROM, |b: &mut [u8]| {
+            seen = b[0];
+            b.fill(4);
+            Ok::<_, ()>(())
+        }) else {
+            panic!("fill")
+        };
+        assert_eq!(seen, 9, "the bytes it held were not zeroed before the read");
+        assert_eq!(again.as_ref(), &[4; POOLED_FROM][..]);
+        drop(again);
+        let Ok(longer) = write(POOLED_FROM + 5, 5) else { panic!("fill") };
+        assert_eq!(longer.as_ref(), &[5; POOLED_FROM + 5][..]);
+        drop(longer);
+        assert!(POOL.filled(POOLED_FROM, |_| Err(())).is_err(), "a failed read gives the buffer back");
+        let Ok(body) = read_one(vec![6; POOLED_FROM + 1], Some(POOLED_FROM + 1)).await else { panic!("read") };
+        assert_eq!(&body[..], &[6; POOLED_FROM + 1][..]);
+        drop(body);
 
         POOL.trim();
         assert!(!idle().is_empty(), "buffers were taken since the last trim");
