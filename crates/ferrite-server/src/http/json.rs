@@ -96,8 +96,11 @@ pub fn parse(
     max_elements: usize,
     shm: Option<&Access>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
-    // A binary extension's header has no `data` to read apart: not worth the pass.
-    let spans = memchr::memmem::find(json, b"\"data\"").and_then(|_| data_spans(json));
+    // A binary extension's header has no `data` to read apart: not worth the pass. The finder
+    // is built once: building it took what the search of a 4 KB body does.
+    static DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"data\""));
+    let spans = DATA.find(json).and_then(|_| data_spans(json));
     if let Some(spans) = spans.filter(|s| !s.is_empty()) {
         let mut rest = Vec::with_capacity(json.len().min(4096));
         let mut from = 0;

@@ -688,10 +688,10 @@ async fn infer_inner(
     let tenant = tenant_of(&s, principal.as_ref(), &headers)?;
     let shm = crate::shm::Access::new(s.shm.clone(), tenant.clone());
     // Inputs read from shared memory may be large as bodies are: off the I/O threads too.
+    static SHARED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"shared_memory_region"));
     let large = body.len() > OFFLOAD_BYTES
-        || (!msgpack_in
-            && memchr::memmem::find(&body, b"shared_memory_region").is_some()
-            && json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64);
+        || (!msgpack_in && SHARED.find(&body).is_some() && json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64);
     let parsed = off_io(large, move || -> Result<_, ApiError> {
         let parsed = if msgpack_in {
             (msgpack::parse(&model, version, &body, max)?, json::BinaryOutputs::default())
