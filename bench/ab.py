@@ -127,6 +127,11 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
     cases = args.models.split(",")
+    # A case none of whose loads is asked for would be served and measured for memory alone.
+    for case in cases:
+        own = pipeline_loads(case, "", None) if case in PIPELINES else loads(case, "", "")
+        if not set(own) & set(args.loads.split(",")):
+            sys.exit(f"{case}: none of its loads ({', '.join(own)}) is in --loads {args.loads}")
     header_len = None  # the image pipeline's V2 binary header, once its bodies are written
     if any(c in PIPELINES for c in cases):
         pipelines.repository()
