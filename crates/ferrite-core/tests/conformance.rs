@@ -202,9 +202,8 @@ fn only_a_one_thread_session_in_order_runs_on_its_callers_thread() {
 #[test]
 fn onnxruntime_refuses_a_file_that_is_not_onnx() {
     ferrite_core::engine::onnx::init_runtime(None).expect("ONNX Runtime");
-    let dir = std::env::temp_dir().join(format!("ferrite-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("model.onnx");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.onnx");
     std::fs::write(&path, b"not a model").unwrap();
     let err = OnnxBackend::load(&path, OnnxOptions { intra_threads: 1, ..Default::default() }).err().unwrap();
     assert!(err.to_string().contains("cannot load"), "{err}");
