@@ -140,8 +140,11 @@ def main():
     clients = [int(c) for c in args.clients.split(",")]
     rows, rss = {}, {}
     started = time.time()
-    for _ in range(args.rounds):
-        for label, binary in binaries.items():
+    for r in range(args.rounds):
+        # A first, then B first: a machine speeding up or slowing down through a round favours
+        # neither (two copies of one binary, one 10 s run each, differed by up to 5%).
+        order = list(binaries.items())
+        for label, binary in order if r % 2 == 0 else order[::-1]:
             kinds.BINARY = binary
             for case in cases:
                 piped = case in PIPELINES
@@ -180,7 +183,7 @@ def write(args, binaries, rows, rss, took):
         f"# Two binaries side by side (`{args.name}`)",
         "",
         f"`bench/ab.py` on {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, {took / 60:.1f} min: A = `{binaries['A'].name}`, "
-        f"B = `{binaries['B'].name}`, alternated A, B in {args.rounds} rounds; batch-1 requests for {args.duration} s per load "
+        f"B = `{binaries['B'].name}`, in {args.rounds} rounds, A first then B first by turns; batch-1 requests for {args.duration} s per load "
         f"(oha for binary HTTP `bin`, perf_analyzer for gRPC `grpc` and binary HTTP `pahttp`), {'not pinned' if args.no_pin else 'the server pinned to core 0 and the load generators to core 1'}. "
         "Each cell: the median over rounds; `switches`: context switches of all the server's threads per request; "
         "`syscalls`: the server's system calls per request; `faults`: its page faults per request; `batch`: requests per batch run. `ferrite serve` arguments: "
