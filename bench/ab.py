@@ -127,10 +127,11 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     kinds.make_models()
     cases = args.models.split(",")
+    wanted = args.loads.split(",")
     # A case none of whose loads is asked for would be served and measured for memory alone.
     for case in cases:
         own = pipeline_loads(case, "", None) if case in PIPELINES else loads(case, "", "")
-        if not set(own) & set(args.loads.split(",")):
+        if not set(own) & set(wanted):
             sys.exit(f"{case}: none of its loads ({', '.join(own)}) is in --loads {args.loads}")
     header_len = None  # the image pipeline's V2 binary header, once its bodies are written
     if any(c in PIPELINES for c in cases):
@@ -151,10 +152,11 @@ def main():
                 model = case if piped else kinds.CASES[case][0]
                 proc, base, grpc = kinds.serve(case, args, log_name=f"ab-{label}", repo=pipelines.REPO if piped else None)
                 try:
+                    # Once a server: `loads` writes the case's request bodies.
+                    case_loads = pipeline_loads(case, base, header_len) if piped else loads(case, base, grpc)
                     for c in clients:
-                        case_loads = pipeline_loads(case, base, header_len) if piped else loads(case, base, grpc)
                         for name, load in case_loads.items():
-                            if name not in args.loads.split(","):
+                            if name not in wanted:
                                 continue
                             go = load(c)
                             go(1)  # warm-up
