@@ -75,6 +75,15 @@ def test_engine_loads_a_repository_and_serves_it():
         assert c.infer("mixed", [i, v]).as_numpy("ids_sum").tolist() == [[10]]
         # The server and in-process calls share the model's statistics (one batcher).
         assert c.get_inference_statistics("mixed")["model_stats"][0]["inference_count"] == 2
+    # Stopping the server closes its listeners, not the application's engine: in-process calls go
+    # on, and another server listens on it again.
+    out = mixed.infer({"ids": np.array([[1, 1, 1, 1]], np.int64), "values": np.ones((1, 4), np.float32)})
+    assert out["ids_sum"].tolist() == [[4]]
+    with ferrite.serve(engine, http_port=0, grpc_port=0) as server:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        assert c.is_server_ready() and c.is_model_ready("mixed")
+        assert c.infer("mixed", [i, v]).as_numpy("ids_sum").tolist() == [[10]]
+        assert c.get_inference_statistics("mixed")["model_stats"][0]["inference_count"] == 4
 
 
 def test_serve_takes_the_binarys_security_options(tmp_path):
@@ -97,6 +106,48 @@ def test_serve_takes_the_binarys_security_options(tmp_path):
         req = urllib.request.Request(url, headers={"Authorization": "Bearer a-token-of-sixteen-chars"})
         with urllib.request.urlopen(req, timeout=5) as r:
             assert r.status == 200
+
+
+def test_serve_takes_shared_memory_as_the_binary_does(request):
+    import os
+
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import InferenceServerException
+
+    engine = ferrite.Engine(ROOT / "models")
+    with pytest.raises(ferrite.InvalidInput, match="'off' or 'system'"):
+        ferrite.serve(engine, http_port=0, grpc_port=0, shared_memory="cuda")
+    x = np.random.default_rng(7).standard_normal((3, 512)).astype(np.float32)
+    key = f"/ferrite-{os.getpid()}-{request.node.name[:40]}"
+    inp, out = shm.create_shared_memory_region("in", key + "-in", x.nbytes), shm.create_shared_memory_region(
+        "out", key + "-out", 3 * 10 * 4)
+    try:
+        shm.set_shared_memory_region(inp, [x])
+        # Off unless asked for, as `ferrite serve` has it.
+        with ferrite.serve(engine, http_port=0, grpc_port=0) as server:
+            c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+            assert "system_shared_memory" not in c.get_server_metadata()["extensions"]
+            with pytest.raises(InferenceServerException, match="shared memory is off"):
+                c.register_system_shared_memory("in", key + "-in", x.nbytes)
+        with ferrite.serve(engine, http_port=0, grpc_port=0, shared_memory="system") as server:
+            c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+            assert "system_shared_memory" in c.get_server_metadata()["extensions"]
+            c.register_system_shared_memory("in", key + "-in", x.nbytes)
+            c.register_system_shared_memory("out", key + "-out", 3 * 10 * 4)
+            i = httpclient.InferInput("input", [3, 512], "FP32")
+            i.set_shared_memory("in", x.nbytes)
+            o = httpclient.InferRequestedOutput("output")
+            o.set_shared_memory("out", 3 * 10 * 4)
+            c.infer("mlp", [i], outputs=[o])
+            got = shm.get_contents_as_numpy(out, np.float32, [3, 10])
+            # The same engine in-process, and onnxruntime itself, agree with what came back.
+            np.testing.assert_array_equal(got, engine.model("mlp").infer({"input": x})["output"])
+            np.testing.assert_allclose(got, reference(x), rtol=1e-5, atol=1e-6)
+            c.unregister_system_shared_memory()
+    finally:
+        shm.destroy_shared_memory_region(inp)
+        shm.destroy_shared_memory_region(out)
 
 
 def test_inputs_are_read_in_place(mlp):

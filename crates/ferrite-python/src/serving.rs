@@ -68,7 +68,9 @@ struct Server {
 
 #[pymethods]
 impl Server {
-    /// Shuts down (readiness off, queued work drained) and waits for the server thread.
+    /// Stops the listeners (the requests they hold are answered first, for at most `exit_timeout`)
+    /// and waits for the server thread. The engine stays open: in-process calls go on, and a
+    /// later `serve` can listen again.
     fn stop(&self, py: Python<'_>) {
         if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(());
@@ -87,7 +89,7 @@ impl Server {
 #[pyo3(signature = (
     engine, *, host="127.0.0.1", http_port=8000, grpc_port=8001, max_body_bytes=67108864, exit_timeout=30.0,
     auth_token_file=None, auth_allow_health=false, tls_cert=None, tls_key=None, tls_client_ca=None,
-    allow_unauthenticated=false,
+    allow_unauthenticated=false, shared_memory="off",
 ))]
 fn serve(
     py: Python<'_>,
@@ -103,6 +105,7 @@ fn serve(
     tls_key: Option<PathBuf>,
     tls_client_ca: Option<PathBuf>,
     allow_unauthenticated: bool,
+    shared_memory: &str,
 ) -> PyResult<Server> {
     use ferrite_server::{auth::Auth, grpc::GrpcLimits, http::HttpLimits, serve as srv, tls};
     let host: std::net::IpAddr = host.parse().map_err(|e| InvalidInput::new_err(format!("host '{host}': {e}")))?;
@@ -122,6 +125,13 @@ fn serve(
         (None, None) if tls_client_ca.is_none() => None,
         _ => return Err(InvalidInput::new_err("TLS needs both tls_cert and tls_key (tls_client_ca needs them too)")),
     };
+    // As the binary's --shared-memory: off unless asked for, since a client that may register a
+    // region can read any shared-memory object this process can open.
+    let shared_memory = match shared_memory {
+        "off" => false,
+        "system" => true,
+        other => return Err(InvalidInput::new_err(format!("shared_memory '{other}': 'off' or 'system'"))),
+    };
     let http_limits = HttpLimits::new(max_body_bytes);
     let cfg = srv::ServeConfig {
         host,
@@ -137,8 +147,13 @@ fn serve(
         scale_window: Duration::from_secs(30),
         auth,
         tls,
-        // Shared memory is for clients in other processes; off here, as `ferrite serve` has it.
-        shm: std::sync::Arc::new(ferrite_server::shm::Regions::new(false, max_body_bytes, http_limits.body_budget)),
+        shm: std::sync::Arc::new(ferrite_server::shm::Regions::new(
+            shared_memory,
+            max_body_bytes,
+            http_limits.body_budget,
+        )),
+        // The engine is the application's: stopping the server leaves it open for its own calls.
+        owns_core: false,
     };
     let core = engine.core.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -544,6 +544,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.max_body_bytes,
             body_budget,
         )),
+        owns_core: true,
     };
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());

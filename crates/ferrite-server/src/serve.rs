@@ -40,6 +40,11 @@ pub struct ServeConfig {
     pub tls: Option<Tls>,
     /// Triton's system shared-memory regions, one set for both listeners (`--shared-memory`).
     pub shm: std::sync::Arc<crate::shm::Regions>,
+    /// Whether stopping shuts the engine down with the listeners (readiness off, queues closed and
+    /// drained): the binary's, which exits after. Off where the engine is the application's
+    /// (`ferrite.serve` in Python): the listeners finish the requests they hold and close, and the
+    /// engine goes on serving the application's own calls, or a later server.
+    pub owns_core: bool,
 }
 
 /// Listening sockets, bound before the server runs so callers learn the ports.
@@ -144,16 +149,21 @@ pub async fn run(
     health.set_serving::<InferenceServer>().await;
     let shutdown_core = core.clone();
     let phase = phase_tx.clone();
+    let owns_core = cfg.owns_core;
     tokio::spawn(async move {
         let grace = stop.await;
         tracing::info!(grace_secs = grace.as_secs_f64(), "shutting down: readiness off, still serving for the grace");
-        shutdown_core.withdraw();
+        if owns_core {
+            shutdown_core.withdraw();
+        }
         health.set_not_serving::<InferenceServer>().await;
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         let _ = phase.send(Phase::Closing);
         tokio::time::sleep(grace).await;
         tracing::info!("grace over: refusing new requests, draining");
-        shutdown_core.begin_shutdown();
+        if owns_core {
+            shutdown_core.begin_shutdown();
+        }
         let _ = drain_tx.send(true);
     });
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -207,24 +217,32 @@ pub async fn run(
     // The gRPC listener stops taking connections and sends GOAWAY now: its calls in flight
     // finish, new ones go to another replica rather than being refused here.
     let _ = stop_tx.send(true);
-    let drain_core = core.clone();
     let exit_timeout = cfg.exit_timeout;
-    let failed = tokio::task::spawn_blocking(move || drain_core.drain(exit_timeout)).await.unwrap_or(0);
+    let failed = if owns_core {
+        let drain_core = core.clone();
+        tokio::task::spawn_blocking(move || drain_core.drain(exit_timeout)).await.unwrap_or(0)
+    } else {
+        0
+    };
     if failed > 0 {
         tracing::warn!(failed, "requests failed at shutdown");
     }
     let _ = phase_tx.send(Phase::Stopped);
-    // Give in-flight responses a moment to be written.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+    // Give in-flight responses a moment to be written; with the engine left open, the listeners'
+    // own requests finish here, as long as the exit timeout allows.
+    let written = if owns_core { Duration::from_secs(2) } else { exit_timeout };
+    let _ = tokio::time::timeout(written, async {
         let _ = tokio::join!(http_server, grpc_server);
         if let Some(m) = metrics_server {
             let _ = m.await;
         }
     })
     .await;
-    // Python models' workers finalize as their channel closes with this process; their shared
-    // files go now.
-    ferrite_core::engine::python::remove_directory();
+    if owns_core {
+        // Python models' workers finalize as their channel closes with this process; their shared
+        // files go now.
+        ferrite_core::engine::python::remove_directory();
+    }
     tracing::info!("stopped");
     failed
 }

@@ -490,7 +490,9 @@ class Server:
         return self._native.grpc_port
 
     def stop(self) -> None:
-        """Readiness off, queued work drained, listeners closed."""
+        """Closes the listeners once the requests they hold are answered (for at most
+        `exit_timeout`). The engine stays open: in-process calls go on, and a later `serve` can
+        listen again."""
         self._native.stop()
 
     def __enter__(self) -> "Server":
@@ -514,13 +516,18 @@ def serve(
     tls_key: "Optional[os.PathLike[str] | str]" = None,
     tls_client_ca: "Optional[os.PathLike[str] | str]" = None,
     allow_unauthenticated: bool = False,
+    shared_memory: str = "off",
 ) -> Server:
     """Serves `engine`'s models over HTTP and gRPC (KServe V2) from a background thread, sharing
     their batchers with in-process calls. Port 0 picks a free port (see `Server.http_port`).
 
     The security options are the `ferrite` binary's: bearer tokens from `auth_token_file` (the
     `--auth-token-file` format), TLS from `tls_cert`/`tls_key` (mutual with `tls_client_ca`). A
-    `host` other than loopback needs a token file, or `allow_unauthenticated=True` said outright."""
+    `host` other than loopback needs a token file, or `allow_unauthenticated=True` said outright.
+    `shared_memory="system"` turns on Triton's system shared-memory extension (the binary's
+    `--shared-memory system`): clients on this host send and receive tensors through POSIX
+    shared-memory objects they register; such a client can read any object this process can
+    open, so it is off unless asked for."""
     def path(p: "Optional[os.PathLike[str] | str]") -> Optional[str]:
         return None if p is None else os.fspath(p)
 
@@ -538,5 +545,6 @@ def serve(
             tls_key=path(tls_key),
             tls_client_ca=path(tls_client_ca),
             allow_unauthenticated=allow_unauthenticated,
+            shared_memory=shared_memory,
         )
     )

@@ -143,4 +143,5 @@ def serve(
     tls_key: Optional[str] = None,
     tls_client_ca: Optional[str] = None,
     allow_unauthenticated: bool = False,
+    shared_memory: str = "off",
 ) -> Server: ...
