@@ -271,6 +271,57 @@ def test_one_tenant_is_never_answered_from_anothers_flight(start_server, tmp_pat
     assert m["inference_count"] == 2 and coalesced(s) == 2
 
 
+def test_tokens_bound_to_tenants_keep_their_entries_without_a_tenant_config(start_server, tmp_path):
+    """Tokens that name their tenants are enough: with no --tenant-header / --tenant-config, one
+    tenant is still never answered from another's entry (over HTTP or gRPC), nor sees its
+    shared-memory regions; a token with no tenant shares the anonymous entries."""
+    import tritonclient.grpc as grpcclient
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("acme-token-0123456789 infer tenant=acme\nglobex-token-0123456789 infer tenant=globex\n"
+                      "plain-token-0123456789 infer\nother-plain-token-0123 infer\nstats-token-0123456789 metrics\n")
+    s = start_server("--auth-token-file", str(tokens), "--shared-memory", "system", repository=cached_repo(tmp_path))
+    as_ = lambda token: {"Authorization": f"Bearer {token}"}  # noqa: E731
+
+    def counts():
+        body = httpclient.InferenceServerClient(s.url).get_inference_statistics("mlp", headers=as_("stats-token-0123456789"))
+        st = body["model_stats"][0]["inference_stats"]
+        return st["cache_hit"]["count"], st["cache_miss"]["count"]
+
+    x = np.random.default_rng(11).standard_normal((1, 512)).astype(np.float32)
+    first = mlp_infer(s, x, headers=as_("acme-token-0123456789")).as_numpy("output")
+    assert counts() == (0, 1)
+    # Globex, the same input, both protocols, whatever tenant header it sends: computed anew.
+    assert mlp_infer(s, x, headers={**as_("globex-token-0123456789"), "x-tenant": "acme"}).as_numpy(
+        "output").tobytes() == first.tobytes()
+    assert counts() == (0, 2)
+    g = grpcclient.InferenceServerClient(s.grpc_url)
+    i = grpcclient.InferInput("input", [1, 512], "FP32")
+    i.set_data_from_numpy(x)
+    g.infer("mlp", [i], headers={"authorization": "Bearer globex-token-0123456789"})
+    assert counts() == (1, 2)  # globex's own entry, now
+    g.infer("mlp", [i], headers={"authorization": "Bearer acme-token-0123456789"})
+    assert counts() == (2, 2)
+    # Tokens without a tenant act for no tenant: they share one set of entries, apart from acme's.
+    mlp_infer(s, x, headers=as_("plain-token-0123456789"))
+    mlp_infer(s, x, headers=as_("other-plain-token-0123"))
+    assert counts() == (3, 3)
+    # Shared-memory region names are per tenant too: globex neither sees nor removes acme's.
+    c = httpclient.InferenceServerClient(s.url)
+    import tritonclient.utils.shared_memory as shm
+
+    h = shm.create_shared_memory_region("r", f"/ferrite-{os.getpid()}-bound-tenants", 64)
+    try:
+        c.register_system_shared_memory("r", f"/ferrite-{os.getpid()}-bound-tenants", 64,
+                                        headers=as_("acme-token-0123456789"))
+        assert c.get_system_shared_memory_status(headers=as_("globex-token-0123456789")) == []
+        c.unregister_system_shared_memory("r", headers=as_("globex-token-0123456789"))
+        assert [r["name"] for r in c.get_system_shared_memory_status(headers=as_("acme-token-0123456789"))] == ["r"]
+    finally:
+        c.unregister_system_shared_memory(headers=as_("acme-token-0123456789"))
+        shm.destroy_shared_memory_region(h)
+
+
 def test_a_leader_that_leaves_does_not_fail_its_followers(start_server, tmp_path):
     import threading
     import tritonclient.grpc as grpcclient

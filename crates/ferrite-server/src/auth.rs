@@ -201,20 +201,26 @@ impl Auth {
     }
 }
 
-/// The tenant a request acts for: its token's, whatever the header says; else the one its header
-/// claims, unless tokens are in use and the claim names a tenant the config lists (those are
-/// bound to their own tokens: the claim is refused). Without tokens the header is taken on trust.
-pub fn tenant(
+/// The tenant a request acts for: its token's, whatever the header says, with or without a tenant
+/// config (the cache keys and shared-memory regions of tokens bound to tenants are their own);
+/// else, with a tenant config (`tenants`), the one its header (`claimed` by the config's header
+/// name) names, unless tokens are in use and the claim names a tenant the config lists (those
+/// are bound to their own tokens: the claim is refused). Without tokens the header is taken on
+/// trust; without a config it is not read.
+pub fn tenant<'a>(
     principal: Option<&Principal>,
-    claimed: Option<&str>,
-    tenants: &Tenants,
+    tenants: Option<&Tenants>,
+    claimed: impl FnOnce(&str) -> Option<&'a str>,
 ) -> Result<Option<String>, String> {
-    match (principal, claimed) {
-        (Some(Principal { tenant: Some(t) }), _) => Ok(Some(t.to_string())),
-        (Some(_), Some(c)) if tenants.is_listed(c) => {
+    if let Some(Principal { tenant: Some(t) }) = principal {
+        return Ok(Some(t.to_string()));
+    }
+    let Some(tenants) = tenants else { return Ok(None) };
+    match claimed(tenants.header.as_str()) {
+        Some(c) if principal.is_some() && tenants.is_listed(c) => {
             Err(format!("tenant '{c}' is bound to its own credentials; this token does not act for it"))
         }
-        (_, claimed) => Ok(claimed.map(str::to_string)),
+        claimed => Ok(claimed.map(str::to_string)),
     }
 }
 
@@ -249,13 +255,19 @@ mod tests {
         assert_eq!(acme.tenant.as_deref(), Some("acme"));
         let plain = auth.check(Some("Bearer plain-token-0123456789"), Scope::Infer).unwrap();
         let tenants = Tenants::new(TenantConfig::parse("[tenants.acme]\nrate = 100\n").unwrap(), "x-tenant");
+        let header = |value: &'static str| move |name: &str| (name == "x-tenant").then_some(value);
         // The bound token's tenant wins over any header.
-        assert_eq!(tenant(Some(&acme), Some("other"), &tenants), Ok(Some("acme".into())));
+        assert_eq!(tenant(Some(&acme), Some(&tenants), header("other")), Ok(Some("acme".into())));
         // An unbound token may name unlisted tenants, never a listed one.
-        assert_eq!(tenant(Some(&plain), Some("team-b"), &tenants), Ok(Some("team-b".into())));
-        assert!(tenant(Some(&plain), Some("acme"), &tenants).unwrap_err().contains("bound"));
+        assert_eq!(tenant(Some(&plain), Some(&tenants), header("team-b")), Ok(Some("team-b".into())));
+        assert!(tenant(Some(&plain), Some(&tenants), header("acme")).unwrap_err().contains("bound"));
         // Without tokens the header is taken on trust.
-        assert_eq!(tenant(None, Some("acme"), &tenants), Ok(Some("acme".into())));
+        assert_eq!(tenant(None, Some(&tenants), header("acme")), Ok(Some("acme".into())));
+        // Without a tenant config a bound token still acts for its tenant (its cache entries and
+        // shared-memory regions are its own); the header is not read.
+        assert_eq!(tenant(Some(&acme), None, header("other")), Ok(Some("acme".into())));
+        assert_eq!(tenant(Some(&plain), None, header("acme")), Ok(None));
+        assert_eq!(tenant(None, None, header("acme")), Ok(None));
         assert!(Auth::parse("acme-token-0123456789 tenant=", false).is_err());
     }
 

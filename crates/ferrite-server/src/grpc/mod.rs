@@ -178,16 +178,14 @@ impl Service {
         self.core.model(name, Some(version)).map_err(status)
     }
 
-    /// What a call's metadata says about its requests: the tenant (its `--tenant-header` key, when
-    /// tenants are configured) and the `x-ferrite-canary` routing.
+    /// What a call's metadata says about its requests: the tenant (its token's, or its
+    /// `--tenant-header` key where tenants are configured and the token allows) and the
+    /// `x-ferrite-canary` routing.
     fn call_meta(&self, metadata: &MetadataMap, extensions: &http::Extensions) -> Result<CallMeta, Status> {
-        let tenant = match self.core.tenants() {
-            None => None,
-            Some(t) => {
-                let claimed = metadata.get(t.header.as_str()).and_then(|v| v.to_str().ok());
-                crate::auth::tenant(extensions.get(), claimed, t).map_err(Status::permission_denied)?
-            }
-        };
+        let tenant = crate::auth::tenant(extensions.get(), self.core.tenants().map(|t| &**t), |h| {
+            metadata.get(h).and_then(|v| v.to_str().ok())
+        })
+        .map_err(Status::permission_denied)?;
         let canary = match metadata.get(crate::CANARY_HEADER).map(|v| v.to_str().unwrap_or("?")) {
             None => ferrite_core::CanaryRoute::Auto,
             Some(v) => ferrite_core::CanaryRoute::parse(v).ok_or_else(|| {

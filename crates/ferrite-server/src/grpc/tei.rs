@@ -67,13 +67,10 @@ struct Call {
 impl Tei {
     fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
         let model = req.metadata().get("model").map(|v| v.to_str().unwrap_or_default().to_string());
-        let tenant = match self.core.tenants() {
-            None => None,
-            Some(t) => {
-                let claimed = req.metadata().get(t.header.as_str()).and_then(|v| v.to_str().ok());
-                crate::auth::tenant(req.extensions().get(), claimed, t).map_err(Status::permission_denied)?
-            }
-        };
+        let tenant = crate::auth::tenant(req.extensions().get(), self.core.tenants().map(|t| &**t), |h| {
+            req.metadata().get(h).and_then(|v| v.to_str().ok())
+        })
+        .map_err(Status::permission_denied)?;
         Ok(Call { model, tenant })
     }
 

@@ -722,16 +722,15 @@ async fn infer_inner(
     .await?
 }
 
-/// The tenant a request counts against, when tenants are configured (from its token, or the
-/// tenant header where the token allows).
+/// The tenant a request acts for: its token's, or the tenant header's where tenants are
+/// configured and the token allows (`auth::tenant`).
 fn tenant_of(
     s: &AppState,
     principal: Option<&crate::auth::Principal>,
     headers: &HeaderMap,
 ) -> Result<Option<String>, ApiError> {
-    let Some(t) = s.core.tenants() else { return Ok(None) };
-    let claimed = headers.get(t.header.as_str()).and_then(|v| v.to_str().ok());
-    crate::auth::tenant(principal, claimed, t).map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
+    crate::auth::tenant(principal, s.core.tenants().map(|t| &**t), |h| headers.get(h).and_then(|v| v.to_str().ok()))
+        .map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
 }
 
 /// The response body: MessagePack, V2 JSON, or V2 JSON followed by the binary outputs.
