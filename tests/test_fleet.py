@@ -244,3 +244,36 @@ def test_calls_in_flight_at_sigterm_finish_over_grpc_and_http(start_server, tmp_
         t.join(30)
     assert results == {"grpc": (1, 10), "http": (200, "close")}, results
     assert s.proc.wait(30) == 0
+
+
+def test_an_open_stream_at_sigterm_gets_its_answers_then_unavailable(start_server, tmp_path):
+    """A client's ModelStreamInfer stream, open and with a request in flight when the server stops:
+    the request is answered, then the stream ends with UNAVAILABLE (so the client knows to go
+    elsewhere with what it sends next), and the stream does not hold the process up."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from conftest import make_repository as repository
+    repo = repository(tmp_path / "slow", ("mlp",))
+    (repo / "mlp" / "config.toml").write_text("[dynamic_batching]\nmax_queue_delay_microseconds = 1000000\n")
+    s = start_server("--shutdown-grace-secs", "0.5", repository=repo)
+    g = grpcclient.InferenceServerClient(s.grpc_url)
+    x = grpcclient.InferInput("input", [1, 512], "FP32")
+    x.set_data_from_numpy(np.ones((1, 512), np.float32))
+    got = []
+    g.start_stream(callback=lambda result, error: got.append((result, error)))
+    g.async_stream_infer("mlp", [x], request_id="in-flight")
+    time.sleep(0.3)
+    started = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(30) == 0
+    took = time.time() - started
+    deadline = time.time() + 10
+    while len(got) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    g.stop_stream()
+    (answer, none), (nothing, error) = got[:2]
+    assert none is None and answer.get_response().id == "in-flight" and answer.as_numpy("output").shape == (1, 10)
+    assert nothing is None and error.status() == "StatusCode.UNAVAILABLE" and "stopping" in error.message(), error
+    # The grace, the queued second and the drain; not the two seconds more an open stream held it.
+    assert took < 3.5, took

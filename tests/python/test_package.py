@@ -86,6 +86,33 @@ def test_engine_loads_a_repository_and_serves_it():
         assert c.get_inference_statistics("mixed")["model_stats"][0]["inference_count"] == 4
 
 
+def test_stopping_a_server_ends_its_open_streams_and_waits_for_no_idle_client():
+    import tritonclient.grpc as grpcclient
+
+    engine = ferrite.Engine(ROOT / "models")
+    server = ferrite.serve(engine, http_port=0, grpc_port=0, exit_timeout=20)
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    x = grpcclient.InferInput("input", [1, 512], "FP32")
+    x.set_data_from_numpy(np.ones((1, 512), np.float32))
+    got = []
+    c.start_stream(callback=lambda result, error: got.append((result, error)))
+    c.async_stream_infer("mlp", [x], request_id="before")
+    deadline = time.time() + 10
+    while not got and time.time() < deadline:
+        time.sleep(0.01)
+    started = time.time()
+    server.stop()
+    # An idle stream no longer holds stop() for the exit timeout: it ends with UNAVAILABLE.
+    assert time.time() - started < 5
+    deadline = time.time() + 10
+    while len(got) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    c.stop_stream()
+    (answer, none), (nothing, error) = got
+    assert none is None and answer.get_response().id == "before"
+    assert nothing is None and error.status() == "StatusCode.UNAVAILABLE" and "stopping" in error.message()
+
+
 def test_serve_takes_the_binarys_security_options(tmp_path):
     import urllib.error
     import urllib.request

@@ -174,7 +174,7 @@ pub async fn run(
     if let Some(tls) = &cfg.tls {
         grpc_builder = grpc_builder.tls_config(tls.grpc()).expect("a valid TLS configuration");
     }
-    let tei = grpc::tei::services(core.clone(), &cfg.grpc);
+    let tei = grpc::tei::services(core.clone(), &cfg.grpc, stop_rx.clone());
     let grpc_server = grpc_builder
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .max_frame_size(grpc::MAX_FRAME)
@@ -186,7 +186,7 @@ pub async fn run(
         })
         .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
-        .add_service(grpc::service(core.clone(), &cfg.grpc, cfg.shm.clone()))
+        .add_service(grpc::service(core.clone(), &cfg.grpc, cfg.shm.clone(), stop_rx.clone()))
         .add_service(tei.info)
         .add_service(tei.embed)
         .add_service(tei.predict)

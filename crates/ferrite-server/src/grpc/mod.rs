@@ -12,7 +12,7 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 
 use ferrite_core::{Core, Error, Model};
 use tokio::sync::{mpsc, Semaphore};
-use tokio_stream::{wrappers::ReceiverStream, Stream};
+use tokio_stream::{wrappers::ReceiverStream, Stream, StreamExt};
 use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -45,18 +45,62 @@ pub struct Service {
     core: Core,
     /// Triton's system shared-memory regions, shared with the HTTP listener.
     shm: Arc<crate::shm::Regions>,
+    stopping: Stopping,
 }
 
 /// The inference service, with its message size limits. Requests may come gzip- or
 /// deflate-compressed (tritonclient's `compression_algorithm`); a message is decompressed to at
 /// most the decoding limit, so a compression bomb costs no more than a plain message.
-pub fn service(core: Core, limits: &GrpcLimits, shm: Arc<crate::shm::Regions>) -> GrpcInferenceServiceServer<Service> {
+pub fn service(
+    core: Core,
+    limits: &GrpcLimits,
+    shm: Arc<crate::shm::Regions>,
+    stopping: Stopping,
+) -> GrpcInferenceServiceServer<Service> {
     use tonic::codec::CompressionEncoding;
-    GrpcInferenceServiceServer::new(Service { core, shm })
+    GrpcInferenceServiceServer::new(Service { core, shm, stopping })
         .accept_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Deflate)
         .max_decoding_message_size(limits.max_decoding_message_size)
         .max_encoding_message_size(limits.max_encoding_message_size)
+}
+
+/// What the listener's streams watch: true once the server takes no more requests.
+pub type Stopping = tokio::sync::watch::Receiver<bool>;
+
+/// The messages of a client's stream until the server takes no more requests, then one
+/// UNAVAILABLE: a stream a client keeps open neither holds the server's stop up (until its exit
+/// timeout) nor ends as if all it sent had been answered. The caller answers what it holds first.
+pub(crate) struct UntilStopped<S> {
+    inner: S,
+    stopped: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+    done: bool,
+}
+
+pub(crate) fn until_stopped<S>(inner: S, mut stopping: Stopping) -> UntilStopped<S> {
+    let stopped = Box::pin(async move {
+        let _ = stopping.wait_for(|&s| s).await;
+    });
+    UntilStopped { inner, stopped, done: false }
+}
+
+impl<S, M> Stream for UntilStopped<S>
+where
+    S: Stream<Item = Result<M, Status>> + Unpin,
+{
+    type Item = Result<M, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
+        if self.done {
+            return std::task::Poll::Ready(None);
+        }
+        if self.stopped.as_mut().poll(cx).is_ready() {
+            self.done = true;
+            let e = Status::unavailable("the server is stopping: this stream takes no more requests");
+            return std::task::Poll::Ready(Some(Err(e)));
+        }
+        Pin::new(&mut self.inner).poll_next(cx)
+    }
 }
 
 /// Requires a bearer token with the call's scope on every gRPC call (when auth is on):
@@ -301,17 +345,20 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<InferStream>, Status> {
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
         let meta = self.call_meta(r.metadata(), r.extensions())?;
-        let mut incoming = r.into_inner();
+        let mut incoming = until_stopped(r.into_inner(), self.stopping.clone());
         let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
         let svc = self.clone();
         tokio::spawn(async move {
             loop {
                 let Ok(permit) = permits.clone().acquire_owned().await else { break };
-                let msg = match incoming.message().await {
-                    Ok(Some(m)) => m,
-                    Ok(None) => break,
-                    Err(e) => {
+                let msg = match incoming.next().await {
+                    Some(Ok(m)) => m,
+                    None => break,
+                    Some(Err(e)) => {
+                        // An error ends the stream: the requests in flight are answered first.
+                        drop(permit);
+                        let _ = permits.acquire_many(STREAM_IN_FLIGHT as u32).await;
                         let _ = tx.send(Err(e)).await;
                         break;
                     }

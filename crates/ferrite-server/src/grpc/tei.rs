@@ -24,6 +24,7 @@ pub mod pb {
 #[derive(Clone)]
 pub struct Tei {
     core: Core,
+    stopping: super::Stopping,
 }
 
 type Answers<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -38,8 +39,8 @@ pub struct Services {
 }
 
 /// The services, each with the message size limits of the inference service.
-pub fn services(core: Core, limits: &super::GrpcLimits) -> Services {
-    let tei = Tei { core };
+pub fn services(core: Core, limits: &super::GrpcLimits, stopping: super::Stopping) -> Services {
+    let tei = Tei { core, stopping };
     let (d, e) = (limits.max_decoding_message_size, limits.max_encoding_message_size);
     Services {
         info: pb::info_server::InfoServer::new(tei.clone()).max_decoding_message_size(d).max_encoding_message_size(e),
@@ -189,7 +190,8 @@ fn pair(inputs: Vec<String>) -> Result<texts::Row, Status> {
     }
 }
 
-/// Each message of `incoming` answered by `answer`, in order; the stream ends at the first error.
+/// Each message of `incoming` answered by `answer`, in order; the stream ends at the first error,
+/// and with UNAVAILABLE once the server takes no more requests (after the answer in hand).
 fn each<M, T, F, Fut>(tei: Tei, incoming: Streaming<M>, answer: F) -> Answers<T>
 where
     M: Send + 'static,
@@ -197,6 +199,7 @@ where
     F: Fn(Tei, M) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<T, Status>> + Send + 'static,
 {
+    let incoming = super::until_stopped(incoming, tei.stopping.clone());
     Box::pin(incoming.then(move |m| {
         let tei = tei.clone();
         let answer = &answer;
