@@ -368,7 +368,8 @@ impl pb::rerank_server::Rerank for Tei {
         req: Request<Streaming<pb::RerankStreamRequest>>,
     ) -> Result<Response<pb::RerankResponse>, Status> {
         let call = self.call(&req)?;
-        let mut incoming = req.into_inner();
+        // A stream still coming when the server stops gets UNAVAILABLE, not a ranking of part of it.
+        let mut incoming = super::until_stopped(req.into_inner(), self.stopping.clone());
         let mut first: Option<pb::RerankStreamRequest> = None;
         let mut texts = Vec::new();
         while let Some(m) = incoming.next().await {
