@@ -150,8 +150,8 @@ impl Core {
     }
 
     /// The per-tenant limits, when configured.
-    pub fn tenants(&self) -> Option<&Arc<Tenants>> {
-        self.inner.tenants.as_ref()
+    pub fn tenants(&self) -> Option<&Tenants> {
+        self.inner.tenants.as_deref()
     }
 
     /// The process's response cache, if it has one.

@@ -226,7 +226,7 @@ impl Service {
     /// `--tenant-header` key where tenants are configured and the token allows) and the
     /// `x-ferrite-canary` routing.
     fn call_meta(&self, metadata: &MetadataMap, extensions: &http::Extensions) -> Result<CallMeta, Status> {
-        let tenant = crate::auth::tenant(extensions.get(), self.core.tenants().map(|t| &**t), |h| {
+        let tenant = crate::auth::tenant(extensions.get(), self.core.tenants(), |h| {
             metadata.get(h).and_then(|v| v.to_str().ok())
         })
         .map_err(Status::permission_denied)?;

@@ -68,7 +68,7 @@ struct Call {
 impl Tei {
     fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
         let model = req.metadata().get("model").map(|v| v.to_str().unwrap_or_default().to_string());
-        let tenant = crate::auth::tenant(req.extensions().get(), self.core.tenants().map(|t| &**t), |h| {
+        let tenant = crate::auth::tenant(req.extensions().get(), self.core.tenants(), |h| {
             req.metadata().get(h).and_then(|v| v.to_str().ok())
         })
         .map_err(Status::permission_denied)?;

@@ -729,7 +729,7 @@ fn tenant_of(
     principal: Option<&crate::auth::Principal>,
     headers: &HeaderMap,
 ) -> Result<Option<String>, ApiError> {
-    crate::auth::tenant(principal, s.core.tenants().map(|t| &**t), |h| headers.get(h).and_then(|v| v.to_str().ok()))
+    crate::auth::tenant(principal, s.core.tenants(), |h| headers.get(h).and_then(|v| v.to_str().ok()))
         .map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
 }
 
