@@ -276,6 +276,7 @@ def test_tokens_bound_to_tenants_keep_their_entries_without_a_tenant_config(star
     tenant is still never answered from another's entry (over HTTP or gRPC), nor sees its
     shared-memory regions; a token with no tenant shares the anonymous entries."""
     import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
 
     tokens = tmp_path / "tokens"
     tokens.write_text("acme-token-0123456789 infer tenant=acme\nglobex-token-0123456789 infer tenant=globex\n"
@@ -308,8 +309,6 @@ def test_tokens_bound_to_tenants_keep_their_entries_without_a_tenant_config(star
     assert counts() == (3, 3)
     # Shared-memory region names are per tenant too: globex neither sees nor removes acme's.
     c = httpclient.InferenceServerClient(s.url)
-    import tritonclient.utils.shared_memory as shm
-
     h = shm.create_shared_memory_region("r", f"/ferrite-{os.getpid()}-bound-tenants", 64)
     try:
         c.register_system_shared_memory("r", f"/ferrite-{os.getpid()}-bound-tenants", 64,
