@@ -13,6 +13,7 @@ import urllib.request
 import numpy as np
 import onnxruntime as ort
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -242,6 +243,22 @@ def test_flags_read_from_environment(start_server, tmp_path):
     help_text = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True).stdout
     for flag in ["--model-repository", "--http-port", "--host", "--onnxruntime-lib", "--exit-timeout-secs", "FERRITE_HTTP_PORT"]:
         assert flag in help_text
+
+
+def test_host_takes_a_name(start_server, tmp_path):
+    """--host takes a host name as TEI's --hostname does (Triton's takes addresses only): every
+    listener on each address the name resolves to; a name that resolves to none fails before the
+    models load, in one line."""
+    s = start_server("--host", "localhost", models=("mlp",))
+    code, body = curl(f"http://localhost:{s.port}/v2/models/mlp")
+    assert code == 200 and json.loads(body)["name"] == "mlp"
+    g = grpcclient.InferenceServerClient(f"localhost:{s.grpc_port}")
+    assert g.is_model_ready("mlp")
+    out = subprocess.run([BIN, "serve", "--model-repository", str(ROOT / "models"), "--host", "no-such-host.invalid"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--host: host 'no-such-host.invalid'" in lines[0], out.stderr
 
 
 def test_over_the_concurrency_cap_gets_429_with_retry_after(start_server, tmp_path):

@@ -133,6 +133,12 @@ def test_serve_takes_the_binarys_security_options(tmp_path):
         req = urllib.request.Request(url, headers={"Authorization": "Bearer a-token-of-sixteen-chars"})
         with urllib.request.urlopen(req, timeout=5) as r:
             assert r.status == 200
+    # A host name as the binary's --host: every address it resolves to, all loopback here.
+    with ferrite.serve(engine, host="localhost", http_port=0, grpc_port=0) as server:
+        with urllib.request.urlopen(f"http://localhost:{server.http_port}/v2/health/ready", timeout=5) as r:
+            assert r.status == 200
+    with pytest.raises(ferrite.InvalidInput, match="host 'no-such-host.invalid'"):
+        ferrite.serve(engine, host="no-such-host.invalid", http_port=0, grpc_port=0)
 
 
 def test_serve_takes_shared_memory_as_the_binary_does(request):

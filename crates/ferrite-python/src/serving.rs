@@ -108,10 +108,10 @@ fn serve(
     shared_memory: &str,
 ) -> PyResult<Server> {
     use ferrite_server::{auth::Auth, grpc::GrpcLimits, http::HttpLimits, serve as srv, tls};
-    let host: std::net::IpAddr = host.parse().map_err(|e| InvalidInput::new_err(format!("host '{host}': {e}")))?;
+    let addresses = srv::addresses(host).map_err(|e| InvalidInput::new_err(e.to_string()))?;
     // As the binary: tokens and TLS from files. Listening beyond this machine with no token
     // would open every model to the network, so it takes an explicit yes.
-    if !host.is_loopback() && auth_token_file.is_none() && !allow_unauthenticated {
+    if !addresses.iter().all(|ip| ip.is_loopback()) && auth_token_file.is_none() && !allow_unauthenticated {
         return Err(InvalidInput::new_err(format!(
             "host {host} is reachable from other machines: pass auth_token_file=..., or allow_unauthenticated=True"
         )));
@@ -134,7 +134,7 @@ fn serve(
     };
     let http_limits = HttpLimits::new(max_body_bytes);
     let cfg = srv::ServeConfig {
-        host,
+        host: addresses,
         http_port,
         grpc_port,
         http: http_limits.clone(),

@@ -108,9 +108,10 @@ struct ServeArgs {
     /// `<prefix>/models/<name>` keys (TOML, as config.toml) and applies each change whole.
     #[arg(long, env = "FERRITE_CONFIG_SOURCE")]
     config_source: Option<String>,
-    /// Address to listen on.
+    /// Address to listen on: an IP address, or a host name (each listener then takes every
+    /// address it resolves to).
     #[arg(long, env = "FERRITE_HOST", default_value = "127.0.0.1")]
-    host: std::net::IpAddr,
+    host: String,
     /// HTTP port (0 picks a free one and logs it).
     #[arg(long, env = "FERRITE_HTTP_PORT", default_value_t = 8000)]
     http_port: u16,
@@ -412,6 +413,8 @@ fn main() {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Before the models load: a name that does not resolve fails at once.
+    let host = serve::addresses(&args.host).map_err(|e| anyhow::anyhow!("--host: {e}"))?;
     let tenants = match (&args.tenant_header, &args.tenant_config) {
         (Some(header), Some(path)) => {
             axum::http::HeaderName::from_bytes(header.as_bytes())
@@ -498,7 +501,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),
     ));
     let cfg = ServeConfig {
-        host: args.host,
+        host,
         http_port: args.http_port,
         grpc_port: args.grpc_port,
         http: http::HttpLimits {

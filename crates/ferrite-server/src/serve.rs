@@ -5,7 +5,14 @@
 //! answer 503 meanwhile; the gRPC listener sends GOAWAY and takes no more connections), queued and
 //! running work finished until the exit timeout, what is left failed; then the listeners close.
 
-use std::{future::Future, io, net::SocketAddr, time::Duration};
+use std::{
+    future::Future,
+    io,
+    net::{IpAddr, SocketAddr, ToSocketAddrs},
+    sync::atomic::{AtomicUsize, Ordering},
+    task::Poll,
+    time::Duration,
+};
 
 use ferrite_core::Core;
 use hyper_util::{
@@ -19,7 +26,8 @@ use crate::{grpc, http, tls::Tls};
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    pub host: std::net::IpAddr,
+    /// The addresses to listen on, each listener on all of them (`addresses` of `--host`).
+    pub host: Vec<IpAddr>,
     /// 0 picks a free port.
     pub http_port: u16,
     pub grpc_port: u16,
@@ -47,25 +55,101 @@ pub struct ServeConfig {
     pub owns_core: bool,
 }
 
+/// The addresses `host` names: an IP address (IPv6 in brackets or not), or a host name and every
+/// address it resolves to (`localhost`: 127.0.0.1, and ::1 where the hosts file lists it), so that
+/// a client reaching the name by any of them is answered.
+pub fn addresses(host: &str) -> io::Result<Vec<IpAddr>> {
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    if let Ok(ip) = bare.parse() {
+        return Ok(vec![ip]);
+    }
+    let cannot =
+        |why: &dyn std::fmt::Display| io::Error::new(io::ErrorKind::InvalidInput, format!("host '{host}': {why}"));
+    let mut ips: Vec<IpAddr> = Vec::new();
+    for a in (bare, 0).to_socket_addrs().map_err(|e| cannot(&e))? {
+        if !ips.contains(&a.ip()) {
+            ips.push(a.ip());
+        }
+    }
+    if ips.is_empty() {
+        return Err(cannot(&"the name resolves to no address"));
+    }
+    Ok(ips)
+}
+
+/// One listener's sockets: one per address of the host, all on one port.
+pub struct Listeners {
+    sockets: Vec<TcpListener>,
+    /// Which socket is asked first next time, so that a busy one cannot starve the others.
+    next: AtomicUsize,
+}
+
+impl Listeners {
+    /// Binds `port` on every address; 0 picks a port free on the first and takes it on the others.
+    /// An address of a family this host has switched off (IPv6 in many containers) is passed over
+    /// while another one binds.
+    async fn bind(host: &[IpAddr], mut port: u16) -> io::Result<Listeners> {
+        let mut sockets = Vec::new();
+        let mut passed_over = None;
+        for &ip in host {
+            let addr = SocketAddr::new(ip, port);
+            match TcpListener::bind(addr).await {
+                Ok(socket) => {
+                    port = socket.local_addr()?.port();
+                    sockets.push(socket);
+                }
+                Err(e)
+                    if host.len() > 1
+                        && matches!(e.kind(), io::ErrorKind::AddrNotAvailable | io::ErrorKind::Unsupported) =>
+                {
+                    tracing::warn!(%addr, error = %e, "cannot listen on this address of the host; listening on its others");
+                    passed_over = Some(io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")));
+                }
+                Err(e) => return Err(io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))),
+            }
+        }
+        match (sockets.is_empty(), passed_over) {
+            (true, Some(e)) => Err(e),
+            (true, None) => Err(io::Error::new(io::ErrorKind::InvalidInput, "no address to listen on")),
+            _ => Ok(Listeners { sockets, next: AtomicUsize::new(0) }),
+        }
+    }
+
+    /// The first address listened on (where port 0 was asked for, the port chosen).
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.sockets[0].local_addr()
+    }
+
+    async fn accept(&self) -> io::Result<tokio::net::TcpStream> {
+        std::future::poll_fn(|cx| {
+            let n = self.sockets.len();
+            let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
+            for i in 0..n {
+                if let Poll::Ready(r) = self.sockets[(first + i) % n].poll_accept(cx) {
+                    return Poll::Ready(r.map(|(tcp, _)| tcp));
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
+
 /// Listening sockets, bound before the server runs so callers learn the ports.
 pub struct Bound {
     pub http_addr: SocketAddr,
     pub grpc_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
-    http: TcpListener,
-    grpc: TcpListener,
-    metrics: Option<TcpListener>,
+    http: Listeners,
+    grpc: Listeners,
+    metrics: Option<Listeners>,
 }
 
 pub async fn bind(cfg: &ServeConfig) -> io::Result<Bound> {
-    let listen = |port| async move {
-        let addr = SocketAddr::new(cfg.host, port);
-        TcpListener::bind(addr).await.map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))
-    };
-    let http = listen(cfg.http_port).await?;
-    let grpc = listen(cfg.grpc_port).await?;
+    let http = Listeners::bind(&cfg.host, cfg.http_port).await?;
+    let grpc = Listeners::bind(&cfg.host, cfg.grpc_port).await?;
     let metrics = match cfg.metrics_port {
-        Some(port) => Some(listen(port).await?),
+        Some(port) => Some(Listeners::bind(&cfg.host, port).await?),
         None => None,
     };
     let metrics_addr = metrics.as_ref().map(|m| m.local_addr()).transpose()?;
@@ -252,10 +336,10 @@ pub async fn run(
 /// request head (and TLS handshake), so slow-header connections cannot pile up.
 /// The next connection, with TCP_NODELAY (small responses would otherwise wait on delayed ACKs).
 /// Accept errors (out of file descriptors and the like) back off instead of spinning.
-async fn accept(listener: &TcpListener) -> tokio::net::TcpStream {
+async fn accept(listener: &Listeners) -> tokio::net::TcpStream {
     loop {
         match listener.accept().await {
-            Ok((tcp, _)) => {
+            Ok(tcp) => {
                 let _ = tcp.set_nodelay(true);
                 return tcp;
             }
@@ -324,7 +408,7 @@ impl tonic::transport::server::Connected for Capped {
 /// once (more are closed at once), each closed if it sends nothing within `first_byte`, and
 /// closed once it has had no call open for `idle`.
 fn grpc_incoming(
-    listener: TcpListener,
+    listener: Listeners,
     max: usize,
     first_byte: Duration,
     idle: Duration,
@@ -355,7 +439,7 @@ fn grpc_incoming(
 }
 
 async fn serve_http(
-    listener: TcpListener,
+    listener: Listeners,
     app: axum::Router,
     tls: Option<tokio_rustls::TlsAcceptor>,
     limits: http::HttpLimits,
@@ -487,5 +571,43 @@ where
             }
             Ok(response)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_addresses_or_names() {
+        assert_eq!(addresses("0.0.0.0").unwrap(), ["0.0.0.0".parse::<IpAddr>().unwrap()]);
+        assert_eq!(addresses("[::1]").unwrap(), ["::1".parse::<IpAddr>().unwrap()]);
+        assert_eq!(addresses("::").unwrap(), ["::".parse::<IpAddr>().unwrap()]);
+        let local = addresses("localhost").unwrap();
+        assert!(local.iter().all(|ip| ip.is_loopback()), "{local:?}");
+        let err = addresses("no-such-host.invalid").unwrap_err().to_string();
+        assert!(err.starts_with("host 'no-such-host.invalid': "), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_listener_takes_every_address_on_one_port() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let host: Vec<IpAddr> = vec!["127.0.0.1".parse().unwrap(), "::1".parse().unwrap()];
+        let listeners = Listeners::bind(&host, 0).await.unwrap();
+        let port = listeners.local_addr().unwrap().port();
+        // Where this host has no IPv6, the second address is passed over.
+        let bound: Vec<SocketAddr> = listeners.sockets.iter().map(|s| s.local_addr().unwrap()).collect();
+        assert!(bound.iter().all(|a| a.port() == port), "{bound:?}");
+        for addr in bound {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            client.write_all(b"x").await.unwrap();
+            let mut served = listeners.accept().await.unwrap();
+            let mut got = [0u8; 1];
+            served.read_exact(&mut got).await.unwrap();
+            assert_eq!(served.local_addr().unwrap(), addr);
+        }
+        // A port another process holds is an error naming the address.
+        let taken = Listeners::bind(&host[..1], port).await.err().unwrap().to_string();
+        assert!(taken.starts_with(&format!("cannot listen on 127.0.0.1:{port}")), "{taken}");
     }
 }

@@ -523,7 +523,8 @@ def serve(
 
     The security options are the `ferrite` binary's: bearer tokens from `auth_token_file` (the
     `--auth-token-file` format), TLS from `tls_cert`/`tls_key` (mutual with `tls_client_ca`). A
-    `host` other than loopback needs a token file, or `allow_unauthenticated=True` said outright.
+    `host` (an IP address, or a name: every address it resolves to) other than loopback needs a
+    token file, or `allow_unauthenticated=True` said outright.
     `shared_memory="system"` turns on Triton's system shared-memory extension (the binary's
     `--shared-memory system`): clients on this host send and receive tensors through POSIX
     shared-memory objects they register; such a client can read any object this process can
