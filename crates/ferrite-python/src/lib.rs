@@ -86,7 +86,7 @@ struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (model_repository, *, threads=None, max_request_elements=None, cache_bytes=None, cache_ttl=300.0, redis_url=None, redis_timeout_ms=5, cache_max_value_bytes=1048576))]
+    #[pyo3(signature = (model_repository, *, threads=None, max_request_elements=None, cache_bytes=None, cache_ttl=300.0, redis_url=None, redis_timeout_ms=5, cache_max_value_bytes=1048576, tenant_header=None, tenant_config=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -98,22 +98,32 @@ impl Engine {
         redis_url: Option<String>,
         redis_timeout_ms: u64,
         cache_max_value_bytes: usize,
+        tenant_header: Option<String>,
+        tenant_config: Option<PathBuf>,
     ) -> PyResult<Self> {
+        // As the binary's --tenant-header and --tenant-config: per-tenant limits and cache pools
+        // for the requests a server on this engine takes.
+        let tenants = match (tenant_header, tenant_config) {
+            (Some(header), Some(path)) => {
+                Some(ferrite_server::auth::load_tenants(&header, &path).map_err(InvalidInput::new_err)?)
+            }
+            (None, None) => None,
+            _ => return Err(InvalidInput::new_err("tenant_header and tenant_config are given together")),
+        };
         let mut options = load_options(threads);
         // The server's two-tier response cache, for the models whose config enables it: in-process
         // (`cache_bytes`), and Redis shared with other processes (`redis_url`) when given.
         if cache_bytes.is_some() || redis_url.is_some() {
             let shared_timeout = Duration::from_millis(redis_timeout_ms.max(1));
-            let redis = match &redis_url {
-                Some(url) => {
+            let redis =
+                |url: &Option<String>, from: &str| -> PyResult<Option<Arc<dyn ferrite_core::cache::SharedTier>>> {
+                    let Some(url) = url else { return Ok(None) };
                     let _context = runtime().enter();
                     let tier = ferrite_redis::RedisTier::start(url, shared_timeout * 4)
-                        .map_err(|e| InvalidInput::new_err(format!("redis_url {e}")))?;
-                    Some(tier as Arc<dyn ferrite_core::cache::SharedTier>)
-                }
-                None => None,
-            };
-            let cache = ferrite_core::cache::ResponseCache::new(
+                        .map_err(|e| InvalidInput::new_err(format!("{from} {e}")))?;
+                    Ok(Some(tier))
+                };
+            let mut cache = ferrite_core::cache::ResponseCache::new(
                 &ferrite_core::cache::CacheOptions {
                     local_bytes: cache_bytes.unwrap_or(256 << 20),
                     ttl: Duration::from_secs_f64(cache_ttl.clamp(1.0, 1e9)),
@@ -121,12 +131,19 @@ impl Engine {
                     max_value_bytes: cache_max_value_bytes,
                     ..Default::default()
                 },
-                redis,
+                redis(&redis_url, "redis_url")?,
             );
+            for (tenant, pool) in tenants.iter().flat_map(|t| &t.config().cache_pools) {
+                let tier = redis(&pool.redis_url, &format!("tenant_config [tenants.{tenant}] cache_redis_url"))?;
+                cache = cache.with_pool(tenant, tier, pool.key_prefix.as_deref());
+            }
             options.cache = Some(Arc::new(cache));
         }
         let limits = limits(max_request_elements);
-        let core = py.detach(|| Core::load(&model_repository, &options, limits)).map_err(py_err)?;
+        let mut core = py.detach(|| Core::load(&model_repository, &options, limits)).map_err(py_err)?;
+        if let Some(t) = tenants {
+            core = core.with_tenants(t);
+        }
         Ok(Engine { core })
     }
 

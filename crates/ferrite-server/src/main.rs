@@ -11,7 +11,6 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{Parser, Subcommand};
 use ferrite_core::{
-    admission::tenant::{TenantConfig, Tenants},
     cache::{CacheOptions, ResponseCache, SharedTier},
     Core, Limits, LoadOptions, ModelControl, Startup,
 };
@@ -416,13 +415,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Before the models load: a name that does not resolve fails at once.
     let host = serve::addresses(&args.host).map_err(|e| anyhow::anyhow!("--host: {e}"))?;
     let tenants = match (&args.tenant_header, &args.tenant_config) {
-        (Some(header), Some(path)) => {
-            axum::http::HeaderName::from_bytes(header.as_bytes())
-                .map_err(|_| anyhow::anyhow!("--tenant-header '{header}' is not a valid header name"))?;
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| anyhow::anyhow!("--tenant-config {}: {e}", path.display()))?;
-            Some(Tenants::new(TenantConfig::parse(&text)?, header))
-        }
+        (Some(header), Some(path)) => Some(
+            ferrite_server::auth::load_tenants(header, path)
+                .map_err(|e| anyhow::anyhow!("--tenant-header/--tenant-config: {e}"))?,
+        ),
         _ => None,
     };
     let shared_timeout = Duration::from_millis(args.cache_redis_timeout_ms.max(1));

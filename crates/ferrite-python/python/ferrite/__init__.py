@@ -435,11 +435,16 @@ class Engine:
         redis_timeout_ms: int = 5,
         cache_max_value_bytes: int = 1 << 20,
         crash_dir: "Optional[os.PathLike[str] | str]" = None,
+        tenant_header: Optional[str] = None,
+        tenant_config: "Optional[os.PathLike[str] | str]" = None,
     ) -> None:
         """`cache_bytes` and/or `redis_url` give the engine the server's two-tier response cache
         (in-process, then Redis shared with other processes), used by the models whose config
         says `[cache] enabled = true` (Triton's `response_cache { enable: true }`). `crash_dir`
-        turns crash reports on (see `enable_crash_reports`)."""
+        turns crash reports on (see `enable_crash_reports`). `tenant_header` and `tenant_config`
+        are the binary's `--tenant-header` and `--tenant-config`, for the requests a `serve()`d
+        server takes: the header names a request's tenant, the file holds per-tenant limits and
+        cache pools; the application's own calls name no tenant (the `[default]` limits)."""
         _init_runtime()
         if crash_dir is not None:
             enable_crash_reports(crash_dir)
@@ -452,6 +457,8 @@ class Engine:
             redis_url=redis_url,
             redis_timeout_ms=redis_timeout_ms,
             cache_max_value_bytes=cache_max_value_bytes,
+            tenant_header=tenant_header,
+            tenant_config=None if tenant_config is None else os.fspath(tenant_config),
         )
 
     def cache_stats(self) -> Optional[Dict[str, Any]]:
