@@ -369,3 +369,70 @@ def test_tei_grpc_clients_get_the_http_answers(server, hf, tei_pb):
     with pytest.raises(grpc.RpcError) as e:
         embed.EmbedSparse(pb.EmbedSparseRequest(inputs="hi"), metadata=auth)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_tei_streams_end_with_unavailable_when_the_server_stops(hf, tei_pb, tmp_path):
+    """TEI's streams open when the server stops: EmbedStream answers what it was sent, then ends
+    with UNAVAILABLE; RerankStream, its passages still coming, ends with UNAVAILABLE rather than
+    ranking part of them; neither holds the process up."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    import grpc
+    pb, stubs = tei_pb
+    repo = tmp_path / "models"
+    repo.mkdir()
+    for m in ("hf_embedder", "hf_reranker"):
+        shutil.copytree(hf / m, repo / m)
+    s = Server(repo, "--shutdown-grace-secs", "0.2")
+    embeds, passages = queue.Queue(), queue.Queue()
+
+    def held(q):  # a client still sending: the stream stays open until None
+        while (item := q.get()) is not None:
+            yield item
+
+    embed_got, rerank_got = [], []
+
+    def embed_stream():
+        try:
+            for answer in stubs.EmbedStub(channel).EmbedStream(held(embeds)):
+                embed_got.append(answer)
+        except grpc.RpcError as e:
+            embed_got.append(e)
+
+    def rerank_stream():
+        try:
+            rerank_got.append(stubs.RerankStub(channel).RerankStream(held(passages)))
+        except grpc.RpcError as e:
+            rerank_got.append(e)
+
+    try:
+        channel = grpc.insecure_channel(s.grpc_url)
+        threads = [threading.Thread(target=f) for f in (embed_stream, rerank_stream)]
+        for t in threads:
+            t.start()
+        embeds.put(pb.EmbedRequest(inputs="hello world"))
+        passages.put(pb.RerankStreamRequest(query="what do cats eat", text="cats eat fish"))
+        deadline = time.time() + 30
+        while not embed_got and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # the passage read
+        started = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        took = time.time() - started
+        for t in threads:
+            t.join(10)
+        answer, ended = embed_got
+        assert len(answer.embeddings) > 0
+        assert ended.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in ended.details(), ended
+        (cut,) = rerank_got
+        assert isinstance(cut, grpc.RpcError), cut
+        assert cut.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in cut.details(), cut
+        assert took < 6, took
+    finally:
+        embeds.put(None)
+        passages.put(None)
+        s.stop()
