@@ -10,6 +10,18 @@ pub fn classifiable(datatype: DataType) -> bool {
     !matches!(datatype, DataType::Bytes | DataType::Bool)
 }
 
+/// `t`'s rows (along dim 0 when `batched`) and the elements of each.
+fn rows(t: &Tensor, batched: bool) -> (usize, usize) {
+    let rows = if batched { t.shape.first().copied().unwrap_or(1) } else { 1 };
+    (rows, t.element_count().checked_div(rows).unwrap_or(0))
+}
+
+/// How many classes `top_k` answers for `t`: `k` a row, or the row's length if smaller.
+pub fn classes(t: &Tensor, k: usize, batched: bool) -> usize {
+    let (rows, per_row) = rows(t, batched);
+    rows.saturating_mul(k.min(per_row))
+}
+
 /// `t`'s top `k` per row (rows along dim 0 when `batched`) as a BYTES tensor of shape `[rows, k']`
 /// (`[k']` without a batch dim), `k'` being `k` or the row's length if smaller.
 pub fn top_k(t: &Tensor, k: usize, batched: bool, labels: Option<&[String]>) -> Result<Tensor> {
@@ -17,16 +29,24 @@ pub fn top_k(t: &Tensor, k: usize, batched: bool, labels: Option<&[String]>) -> 
         return Err(Error::invalid(format!("output '{}': classification must ask for at least 1 class", t.name)));
     }
     let values = numbers(t)?;
-    let rows = if batched { t.shape.first().copied().unwrap_or(1) } else { 1 };
-    let per_row = values.len().checked_div(rows).unwrap_or(0);
+    let (rows, per_row) = rows(t, batched);
     let k = k.min(per_row);
     let integer = !t.datatype.is_float();
     let mut items = Vec::with_capacity(rows * k);
     for row in values.chunks(per_row.max(1)).take(rows) {
-        let mut order: Vec<usize> = (0..row.len()).collect();
         // Highest first; ties in index order, NaN last.
-        order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap_or_else(|| row[a].is_nan().cmp(&row[b].is_nan())));
-        for &i in order.iter().take(k) {
+        let first = |&a: &usize, &b: &usize| {
+            row[b].partial_cmp(&row[a]).unwrap_or_else(|| row[a].is_nan().cmp(&row[b].is_nan())).then(a.cmp(&b))
+        };
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        // The top k found first, then only they sorted: a top 5 of a segmentation map's millions
+        // of scores is a pass over them, not a sort of them all.
+        if k < order.len() {
+            order.select_nth_unstable_by(k, first);
+            order.truncate(k);
+        }
+        order.sort_unstable_by(first);
+        for &i in &order {
             let v = row[i];
             let mut s = if integer { format!("{}", v as i64) } else { format!("{v:.6}") };
             s.push_str(&format!(":{i}"));
@@ -81,5 +101,31 @@ mod tests {
         let out = top_k(&ints, 5, false, None).unwrap();
         assert_eq!((out.shape.clone(), strings(&out)), (vec![3], vec!["9:1".into(), "7:2".into(), "5:0".into()]));
         assert!(top_k(&t, 0, true, None).is_err());
+    }
+
+    #[test]
+    fn the_top_k_of_a_long_row_is_its_sorted_head() {
+        // Ties, NaN and negative zero among 10,000 scores: every k gives the head of the whole
+        // row sorted highest first, ties in index order, NaN last.
+        let row: Vec<f32> = (0..10_000u32)
+            .map(|i| match i % 97 {
+                0 => f32::NAN,
+                1 => -0.0,
+                _ => ((i.wrapping_mul(2_654_435_761) >> 20) % 50) as f32 / 7.0,
+            })
+            .collect();
+        let t = Tensor::from_le("y", DataType::Fp32, vec![row.len()], &row);
+        let mut sorted: Vec<usize> = (0..row.len()).collect();
+        sorted.sort_by(|&a, &b| {
+            let (x, y) = (row[a] as f64, row[b] as f64);
+            y.partial_cmp(&x).unwrap_or_else(|| x.is_nan().cmp(&y.is_nan()))
+        });
+        for k in [1, 2, 5, 50, 9_999, 10_000, 20_000] {
+            let got: Vec<usize> = strings(&top_k(&t, k, false, None).unwrap())
+                .iter()
+                .map(|s| s.rsplit(':').next().unwrap().parse().unwrap())
+                .collect();
+            assert_eq!(got, sorted[..k.min(row.len())], "k = {k}");
+        }
     }
 }

@@ -23,6 +23,13 @@ use crate::{
     Backend, Error, InferRequest, InferResponse, Result, Tensor, TensorData,
 };
 
+/// Most classes one request may be answered with (Triton's classification extension: rows x k
+/// over the outputs it asks to classify): 262,144, a batch of 12 with all of ImageNet-21k's.
+pub const MAX_CLASSES: usize = 1 << 18;
+/// Outputs to classify larger than this (elements, together) are ranked off the async runtime's
+/// threads: a top 5 of 5.5 million scores takes about 70 ms.
+const CLASSIFY_INLINE: usize = 1 << 16;
+
 /// Records a request whose caller went away before it was answered.
 struct Outcome<'m> {
     model: &'m Model,
@@ -99,7 +106,10 @@ impl Model {
         let id = req.id.clone();
         let classes = std::mem::take(&mut req.classification);
         let result = match self.check_classification(&classes) {
-            Ok(()) => self.run(req, max_elements, hold).await.and_then(|r| self.classify(r, &classes)),
+            Ok(()) => match self.run(req, max_elements, hold).await {
+                Ok(r) if !classes.is_empty() => self.classify(r, classes).await,
+                other => other,
+            },
             Err(e) => Err(e),
         };
         outcome.done = true;
@@ -416,15 +426,39 @@ impl Model {
         Ok(())
     }
 
-    /// Replaces each output asked for as classes by its top k (see `classify`).
-    fn classify(&self, mut resp: InferResponse, classes: &[(String, usize)]) -> Result<InferResponse> {
-        for (name, k) in classes {
-            if let Some(t) = resp.outputs.iter_mut().find(|t| &t.name == name) {
-                let labels = self.spec.labels.get(name).map(Vec::as_slice);
-                *t = classify::top_k(t, *k, self.spec.batched(), labels)?;
+    /// Replaces each output asked for as classes by its top k (see `classify`). At most
+    /// `MAX_CLASSES` a request: each is a string of its own, and ranking them all costs seconds on
+    /// a segmentation map's millions of scores. Large outputs are ranked off the async runtime's
+    /// threads (the I/O threads, when a listener is the caller).
+    async fn classify(&self, resp: InferResponse, classes: Vec<(String, usize)>) -> Result<InferResponse> {
+        let batched = self.spec.batched();
+        let (mut asked, mut elements) = (0usize, 0usize);
+        for t in resp.outputs.iter() {
+            if let Some((_, k)) = classes.iter().find(|(name, _)| *name == t.name) {
+                asked = asked.saturating_add(classify::classes(t, *k, batched));
+                elements = elements.saturating_add(t.element_count());
             }
         }
-        Ok(resp)
+        if asked > MAX_CLASSES {
+            return Err(Error::invalid(format!(
+                "classification asks for {asked} classes (rows x k); at most {MAX_CLASSES} a request"
+            )));
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) if elements > CLASSIFY_INLINE => {
+                let labels: Labels = self
+                    .spec
+                    .labels
+                    .iter()
+                    .filter(|(output, _)| classes.iter().any(|(name, _)| name == *output))
+                    .map(|(output, l)| (output.clone(), l.clone()))
+                    .collect();
+                rt.spawn_blocking(move || rank(resp, &classes, batched, &labels))
+                    .await
+                    .map_err(|e| Error::internal(format!("classification failed: {e}")))?
+            }
+            _ => rank(resp, &classes, batched, &self.spec.labels),
+        }
     }
 
     fn level(&self, priority: u32) -> Result<usize> {
@@ -435,6 +469,19 @@ impl Model {
         }
         Ok(p.max(1) as usize - 1)
     }
+}
+
+/// Class labels by output (a model's `label_filename`s).
+type Labels = std::collections::BTreeMap<String, Vec<String>>;
+
+/// Replaces each output of `resp` asked for as classes by its top k.
+fn rank(mut resp: InferResponse, classes: &[(String, usize)], batched: bool, labels: &Labels) -> Result<InferResponse> {
+    for (name, k) in classes {
+        if let Some(t) = resp.outputs.iter_mut().find(|t| &t.name == name) {
+            *t = classify::top_k(t, *k, batched, labels.get(name).map(Vec::as_slice))?;
+        }
+    }
+    Ok(resp)
 }
 
 /// Lets go of a request's model (or a registry). The last holder of a replaced or unloaded model
