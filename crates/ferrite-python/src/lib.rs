@@ -105,7 +105,7 @@ impl Engine {
         // for the requests a server on this engine takes.
         let tenants = match (tenant_header, tenant_config) {
             (Some(header), Some(path)) => {
-                Some(ferrite_server::auth::load_tenants(&header, &path).map_err(InvalidInput::new_err)?)
+                Some(ferrite_core::admission::tenant::Tenants::load(&header, &path).map_err(py_err)?)
             }
             (None, None) => None,
             _ => return Err(InvalidInput::new_err("tenant_header and tenant_config are given together")),

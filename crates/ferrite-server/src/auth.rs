@@ -10,7 +10,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use ferrite_core::admission::tenant::{TenantConfig, Tenants, MAX_TENANT_NAME};
+use ferrite_core::admission::tenant::{Tenants, MAX_TENANT_NAME};
 
 /// Who a request's token says it is, put in the request's extensions by the auth layers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -199,17 +199,6 @@ impl Auth {
             Some(_) => Err(Denied::Forbidden),
         }
     }
-}
-
-/// The tenants named by `header` (HTTP header and gRPC metadata key) with limits and cache pools
-/// from the TOML file `config` (`--tenant-header`/`--tenant-config`; the Python engine's
-/// `tenant_header`/`tenant_config`).
-pub fn load_tenants(header: &str, config: &Path) -> Result<Arc<Tenants>, String> {
-    axum::http::HeaderName::from_bytes(header.as_bytes())
-        .map_err(|_| format!("tenant header '{header}' is not a valid header name"))?;
-    let text = std::fs::read_to_string(config).map_err(|e| format!("{}: {e}", config.display()))?;
-    let config = TenantConfig::parse(&text).map_err(|e| e.to_string())?;
-    Ok(Tenants::new(config, header))
 }
 
 /// The tenant a request acts for: its token's, whatever the header says, with or without a tenant

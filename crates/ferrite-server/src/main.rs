@@ -11,6 +11,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{Parser, Subcommand};
 use ferrite_core::{
+    admission::tenant::Tenants,
     cache::{CacheOptions, ResponseCache, SharedTier},
     Core, Limits, LoadOptions, ModelControl, Startup,
 };
@@ -415,10 +416,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Before the models load: a name that does not resolve fails at once.
     let host = serve::addresses(&args.host).map_err(|e| anyhow::anyhow!("--host: {e}"))?;
     let tenants = match (&args.tenant_header, &args.tenant_config) {
-        (Some(header), Some(path)) => Some(
-            ferrite_server::auth::load_tenants(header, path)
-                .map_err(|e| anyhow::anyhow!("--tenant-header/--tenant-config: {e}"))?,
-        ),
+        (Some(header), Some(path)) => Some(Tenants::load(header, path)?),
         _ => None,
     };
     let shared_timeout = Duration::from_millis(args.cache_redis_timeout_ms.max(1));

@@ -216,6 +216,20 @@ impl Tenants {
         Arc::new(Tenants { config, header: header.to_ascii_lowercase(), buckets: Mutex::default() })
     }
 
+    /// The tenants named by `header` (an HTTP header, also read as a gRPC metadata key) with the
+    /// limits and cache pools of the TOML file `config` (`--tenant-header`/`--tenant-config`; the
+    /// Python engine's `tenant_header`/`tenant_config`).
+    pub fn load(header: &str, config: &std::path::Path) -> Result<Arc<Tenants>> {
+        // HTTP's token characters (RFC 9110), as a header name is written.
+        let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+        if header.is_empty() || !header.bytes().all(token) {
+            return Err(Error::invalid(format!("tenant header '{header}' is not a valid header name")));
+        }
+        let text = std::fs::read_to_string(config)
+            .map_err(|e| Error::invalid(format!("tenant config {}: {e}", config.display())))?;
+        Ok(Tenants::new(TenantConfig::parse(&text)?, header))
+    }
+
     /// Whether `name` is a tenant the config names (bound to credentials when tokens say so).
     pub fn is_listed(&self, name: &str) -> bool {
         self.config.tenants.contains_key(name)
@@ -264,6 +278,25 @@ mod tests {
 
     fn tenants(text: &str) -> Arc<Tenants> {
         Tenants::new(TenantConfig::parse(text).unwrap(), "X-Tenant")
+    }
+
+    #[test]
+    fn tenants_load_from_a_header_name_and_a_file() {
+        let dir = std::env::temp_dir().join(format!("ferrite-tenants-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tenants.toml");
+        std::fs::write(&file, "[tenants.acme]\nrate = 5\n").unwrap();
+        let t = Tenants::load("X-Tenant", &file).unwrap();
+        assert_eq!((t.header.as_str(), t.is_listed("acme")), ("x-tenant", true));
+        for bad in ["", "x tenant", "x:tenant", "x\u{e9}"] {
+            let e = Tenants::load(bad, &file).err().unwrap().to_string();
+            assert!(e.contains("is not a valid header name"), "{bad:?}: {e}");
+        }
+        let e = Tenants::load("x-tenant", &dir.join("none.toml")).err().unwrap().to_string();
+        assert!(e.contains("none.toml"), "{e}");
+        std::fs::write(&file, "[tenants.acme]\nrate = -1\n").unwrap();
+        assert!(Tenants::load("x-tenant", &file).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
