@@ -143,14 +143,15 @@ def test_serve_takes_the_binarys_security_options(tmp_path):
 
 def test_serve_takes_the_binarys_tenant_limits(tmp_path):
     """An engine's tenant_header and tenant_config are the binary's --tenant-header and
-    --tenant-config: a tenant over its rate is refused (429, Retry-After) while another tenant and
-    the application's own calls go on; the refusal is counted under its tenant."""
+    --tenant-config: a tenant over its rate is refused (429, Retry-After) while another tenant goes
+    on; the refusal is counted under its tenant. The application's own calls take no tenant's
+    place: anonymous clients that used up [default]'s rate do not refuse them."""
     import json
     import urllib.error
     import urllib.request
 
     limits = tmp_path / "tenants.toml"
-    limits.write_text("[tenants.acme]\nrate = 0.01\nburst = 1\n")
+    limits.write_text("[default]\nrate = 0.01\nburst = 1\n[tenants.acme]\nrate = 0.01\nburst = 1\n")
     with pytest.raises(ferrite.InvalidInput, match="together"):
         ferrite.Engine(ROOT / "models", tenant_header="x-tenant")
     with pytest.raises(ferrite.InvalidInput, match="not a valid header name"):
@@ -161,7 +162,7 @@ def test_serve_takes_the_binarys_tenant_limits(tmp_path):
     with ferrite.serve(engine, http_port=0, grpc_port=0) as server:
         def infer(tenant):
             req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/mlp/infer",
-                                         data=body.encode(), headers={"x-tenant": tenant})
+                                         data=body.encode(), headers={"x-tenant": tenant} if tenant else {})
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
                     return r.status, None
@@ -172,8 +173,12 @@ def test_serve_takes_the_binarys_tenant_limits(tmp_path):
         code, retry = infer("acme")
         assert code == 429 and retry is not None
         assert infer("globex") == (200, None)
-        out = engine.model("mlp").infer({"input": np.full((1, 512), 0.5, np.float32)})
-        assert out["output"].shape == (1, 10)
+        assert infer(None) == (200, None)
+        assert infer(None)[0] == 429
+        model = engine.model("mlp")
+        for _ in range(3):
+            assert model.infer({"input": np.full((1, 512), 0.5, np.float32)})["output"].shape == (1, 10)
+        assert asyncio.run(model.infer_async({"input": np.full((1, 512), 0.5, np.float32)}))["output"].shape == (1, 10)
         with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/metrics", timeout=5) as r:
             metrics = r.read().decode()
         assert 'ferrite_tenant_refusals_total{limit="rate",tenant="acme"} 1' in metrics, metrics

@@ -347,7 +347,8 @@ impl Model {
         use tracing::Instrument;
         let (route, req) = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
         let span = self.span(traceparent);
-        let result = block_on(py, self.core.infer_on(route, req, None).instrument(span))?;
+        let own = self.core.admit_own(&route).map_err(py_err)?;
+        let result = block_on(py, self.core.infer_on(route, req, Some(own)).instrument(span))?;
         convert::outputs(py, result.map_err(py_err)?.outputs)
     }
 
@@ -369,12 +370,13 @@ impl Model {
     ) -> PyResult<Pending> {
         use tracing::Instrument;
         let (route, req) = self.request(py, inputs, outputs, copy, timeout_us, priority)?;
+        let own = self.core.admit_own(&route).map_err(py_err)?;
         let core = self.core.clone();
         let done = completer.inner.clone();
         let span = self.span(traceparent);
         let handle = runtime().spawn(
             async move {
-                let r = core.infer_on(route, req, None).await.map(|r| r.outputs);
+                let r = core.infer_on(route, req, Some(own)).await.map(|r| r.outputs);
                 done.push(token, r);
             }
             .instrument(span),

@@ -232,16 +232,30 @@ impl Core {
         self.places(route.model(), tenant).map(Arc::new)
     }
 
+    /// Takes the place one of the application's own calls to `route`'s model holds (the Python
+    /// package's in-process calls): the process's, never a tenant's, so that clients of a server
+    /// on the same engine (anonymous ones share `[default]`) cannot use up the application's rate.
+    pub fn admit_own(&self, route: &Route) -> Result<Arc<Hold>> {
+        let mut hold = Hold::default();
+        self.process_place(route.model(), &mut hold)?;
+        Ok(Arc::new(hold))
+    }
+
     fn places(&self, model: &Model, tenant: Option<&str>) -> Result<Hold> {
         let mut hold = Hold::default();
         if let Some(t) = &self.inner.tenants {
             hold.0.push(Box::new(t.admit(tenant, Instant::now()).map_err(|e| model.record_refusal(e))?));
         }
+        self.process_place(model, &mut hold)?;
+        Ok(hold)
+    }
+
+    fn process_place(&self, model: &Model, hold: &mut Hold) -> Result<()> {
         hold.0.push(Box::new(
             admission::Admitted::enter(&self.inner.in_flight, &self.inner.limits)
                 .map_err(|e| model.record_refusal(e))?,
         ));
-        Ok(hold)
+        Ok(())
     }
 
     /// Runs `req` on the version `route` chose. With `charged`, the request is part of a call

@@ -444,7 +444,7 @@ class Engine:
         turns crash reports on (see `enable_crash_reports`). `tenant_header` and `tenant_config`
         are the binary's `--tenant-header` and `--tenant-config`, for the requests a `serve()`d
         server takes: the header names a request's tenant, the file holds per-tenant limits and
-        cache pools; the application's own calls name no tenant (the `[default]` limits)."""
+        cache pools. The application's own calls take no tenant's place."""
         _init_runtime()
         if crash_dir is not None:
             enable_crash_reports(crash_dir)
