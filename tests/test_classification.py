@@ -89,37 +89,53 @@ def test_classification_over_messagepack(labelled):
 def test_classes_of_a_segmentation_map_are_bounded(start_server, tmp_path):
     """A segmentation model's 21x512x512 scores (5.5 million) answered from 84 bytes in: its top 5
     is ranked as Triton ranks it (off the I/O threads, a pass over the scores rather than a sort of
-    them all); asking for more classes than a request may have (rows x k over 262,144) is a 400
-    before any is ranked, not a million strings built and sent."""
+    them all); asking for more classes than a request may have (rows x k over 262,144) is a 400,
+    not a million strings built and sent: before the model runs where its output's size is
+    fixed, once it is there where not."""
     import onnx
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(5)
     ramp = rng.standard_normal((1, 512, 512)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "ramp"], ["scores"])],
-        "segmenter",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [21, 1, 1])],
-        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [21, 512, 512])],
-        [helper.make_tensor("ramp", TensorProto.FLOAT, ramp.shape, ramp.tobytes(), raw=True)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     repo = make_repository(tmp_path / "seg", ("mlp",))
-    (repo / "segmenter" / "1").mkdir(parents=True)
-    onnx.save(model, repo / "segmenter" / "1" / "model.onnx")
+    # The same scores, their size known before the run; and the channels alone broadcast to a size
+    # only the run knows (an Expand to a shape sent as an input).
+    ramp_t = helper.make_tensor("ramp", TensorProto.FLOAT, ramp.shape, ramp.tobytes(), raw=True)
+    fixed = helper.make_graph([helper.make_node("Add", ["x", "ramp"], ["scores"])], "segmenter",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [21, 1, 1])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [21, 512, 512])], [ramp_t])
+    grown = helper.make_graph([helper.make_node("Expand", ["x", "size"], ["scores"])], "expander",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [21, 1, 1]),
+                               helper.make_tensor_value_info("size", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["c", "h", "w"])])
+    for graph in (fixed, grown):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+        (repo / graph.name / "1").mkdir(parents=True)
+        onnx.save(model, repo / graph.name / "1" / "model.onnx")
     s = start_server("--calibrate", "false", repository=repo)
     c = httpclient.InferenceServerClient(s.url, network_timeout=60)
     x = np.arange(21, dtype=np.float32).reshape(21, 1, 1) / 10
-    i = httpclient.InferInput("x", [21, 1, 1], "FP32")
-    i.set_data_from_numpy(x)
+    inputs = {}
+    for name, feeds in (("segmenter", {"x": x}), ("expander", {"x": x, "size": np.array([21, 512, 512], np.int64)})):
+        inputs[name] = []
+        for n, v in feeds.items():
+            inputs[name].append(httpclient.InferInput(n, list(v.shape), "FP32" if v.dtype == np.float32 else "INT64"))
+            inputs[name][-1].set_data_from_numpy(v)
     flat = (x + ramp).ravel()
-    top = np.argsort(-flat, kind="stable")[:5]
-    got = c.infer("segmenter", [i], outputs=[httpclient.InferRequestedOutput("scores", binary_data=True, class_count=5)])
-    assert list(got.as_numpy("scores")) == [f"{flat[j]:.6f}:{j}".encode() for j in top]
-    for k in ((1 << 18) + 1, 1 << 30):
-        with pytest.raises(InferenceServerException, match=r"classification asks for \d+ classes \(rows x k\); at most 262144") as e:
-            c.infer("segmenter", [i], outputs=[httpclient.InferRequestedOutput("scores", class_count=k)])
-        assert e.value.status() == "400"
+    top = {"segmenter": [f"{flat[j]:.6f}:{j}".encode() for j in np.argsort(-flat, kind="stable")[:5]],
+           # Ties in index order: the last channel's first five.
+           "expander": [f"2.000000:{20 * 512 * 512 + j}".encode() for j in range(5)]}
+    runs = {}
+    for name in ("segmenter", "expander"):
+        got = c.infer(name, inputs[name], outputs=[httpclient.InferRequestedOutput("scores", binary_data=True, class_count=5)])
+        assert list(got.as_numpy("scores")) == top[name]
+        for k in ((1 << 18) + 1, 1 << 30):
+            with pytest.raises(InferenceServerException, match=r"classification asks for \d+ classes \(rows x k\); at most 262144") as e:
+                c.infer(name, inputs[name], outputs=[httpclient.InferRequestedOutput("scores", class_count=k)])
+            assert e.value.status() == "400"
+        runs[name] = c.get_inference_statistics(name)["model_stats"][0]["execution_count"]
+    # Refused before the run where the size was known; after it where not.
+    assert runs == {"segmenter": 1, "expander": 3}, runs
     g = grpcclient.InferenceServerClient(s.grpc_url)
     gi = grpcclient.InferInput("x", [21, 1, 1], "FP32")
     gi.set_data_from_numpy(x)

@@ -105,7 +105,9 @@ impl Model {
         let mut outcome = Outcome { model: self, start, done: false };
         let id = req.id.clone();
         let classes = std::mem::take(&mut req.classification);
-        let result = match self.check_classification(&classes) {
+        let rows =
+            if self.spec.batched() { req.inputs.first().and_then(|t| t.shape.first()).copied() } else { Some(1) };
+        let result = match self.check_classification(&classes, rows.unwrap_or(1)) {
             Ok(()) => match self.run(req, max_elements, hold).await {
                 Ok(r) if !classes.is_empty() => self.classify(r, classes).await,
                 other => other,
@@ -407,8 +409,11 @@ impl Model {
         Ok(Some(idx))
     }
 
-    /// Refuses classification of an output the model lacks or whose type has no order.
-    fn check_classification(&self, classes: &[(String, usize)]) -> Result<()> {
+    /// Refuses classification of an output the model lacks or whose type has no order, and, where
+    /// the outputs' sizes are fixed, more than `MAX_CLASSES` classes for `rows` rows before the
+    /// model runs (outputs of variable size are counted once they are there).
+    fn check_classification(&self, classes: &[(String, usize)], rows: usize) -> Result<()> {
+        let mut asked = 0usize;
         for (name, k) in classes {
             let Some(o) = self.spec.outputs.iter().find(|o| &o.name == name) else {
                 return Err(Error::invalid(format!(
@@ -422,8 +427,10 @@ impl Model {
                     o.datatype
                 )));
             }
+            let per_row = o.dims.iter().try_fold(1usize, |n, &d| Some(n.saturating_mul(usize::try_from(d).ok()?)));
+            asked = asked.saturating_add(rows.saturating_mul((*k).min(per_row.unwrap_or(0))));
         }
-        Ok(())
+        classes_fit(asked)
     }
 
     /// Replaces each output asked for as classes by its top k (see `classify`). At most
@@ -439,11 +446,7 @@ impl Model {
                 elements = elements.saturating_add(t.element_count());
             }
         }
-        if asked > MAX_CLASSES {
-            return Err(Error::invalid(format!(
-                "classification asks for {asked} classes (rows x k); at most {MAX_CLASSES} a request"
-            )));
-        }
+        classes_fit(asked)?;
         match tokio::runtime::Handle::try_current() {
             Ok(rt) if elements > CLASSIFY_INLINE => {
                 let labels: Labels = self
@@ -469,6 +472,16 @@ impl Model {
         }
         Ok(p.max(1) as usize - 1)
     }
+}
+
+/// Refuses a request answered with more than `MAX_CLASSES` classes.
+fn classes_fit(asked: usize) -> Result<()> {
+    if asked > MAX_CLASSES {
+        return Err(Error::invalid(format!(
+            "classification asks for {asked} classes (rows x k); at most {MAX_CLASSES} a request"
+        )));
+    }
+    Ok(())
 }
 
 /// Class labels by output (a model's `label_filename`s).
