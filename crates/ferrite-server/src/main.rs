@@ -545,7 +545,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let bound = serve::bind(&cfg).await?;
     let metrics = bound.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "off".into());
-    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, %metrics, models = core.models().len(), "listening");
+    // Each listener is on every address of --host; the ports are the first one's.
+    let addresses = bound.addresses.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+    tracing::info!(http = %bound.http_addr, grpc = %bound.grpc_addr, %metrics, %addresses, models = core.models().len(), "listening");
     let grace = Duration::try_from_secs_f64(args.shutdown_grace_secs).unwrap_or_default();
     serve::run(core, bound, &cfg, shutdown_signal(grace)).await;
     Ok(())

@@ -137,6 +137,8 @@ impl Listeners {
 
 /// Listening sockets, bound before the server runs so callers learn the ports.
 pub struct Bound {
+    /// The addresses of `--host` the listeners took (one it resolved to may have been passed over).
+    pub addresses: Vec<IpAddr>,
     pub http_addr: SocketAddr,
     pub grpc_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
@@ -153,7 +155,16 @@ pub async fn bind(cfg: &ServeConfig) -> io::Result<Bound> {
         None => None,
     };
     let metrics_addr = metrics.as_ref().map(|m| m.local_addr()).transpose()?;
-    Ok(Bound { http_addr: http.local_addr()?, grpc_addr: grpc.local_addr()?, metrics_addr, http, grpc, metrics })
+    let addresses = http.sockets.iter().map(|s| s.local_addr().map(|a| a.ip())).collect::<io::Result<_>>()?;
+    Ok(Bound {
+        addresses,
+        http_addr: http.local_addr()?,
+        grpc_addr: grpc.local_addr()?,
+        metrics_addr,
+        http,
+        grpc,
+        metrics,
+    })
 }
 
 /// Keeps `ferrite_desired_replicas` up to date: a reading of the request metrics every tenth of
