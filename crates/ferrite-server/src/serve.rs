@@ -78,7 +78,7 @@ pub fn addresses(host: &str) -> io::Result<Vec<IpAddr>> {
 }
 
 /// One listener's sockets: one per address of the host, all on one port.
-pub struct Listeners {
+struct Listeners {
     sockets: Vec<TcpListener>,
     /// Which socket is asked first next time, so that a busy one cannot starve the others.
     next: AtomicUsize,
@@ -116,7 +116,7 @@ impl Listeners {
     }
 
     /// The first address listened on (where port 0 was asked for, the port chosen).
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+    fn local_addr(&self) -> io::Result<SocketAddr> {
         self.sockets[0].local_addr()
     }
 
