@@ -108,10 +108,15 @@ impl Model {
         let rows =
             if self.spec.batched() { req.inputs.first().and_then(|t| t.shape.first()).copied() } else { Some(1) };
         let result = match self.check_classification(&classes, rows.unwrap_or(1)) {
-            Ok(()) => match self.run(req, max_elements, hold).await {
-                Ok(r) if !classes.is_empty() => self.classify(r, classes).await,
-                other => other,
-            },
+            Ok(()) if classes.is_empty() => self.run(req, max_elements, hold).await,
+            Ok(()) => {
+                // The places stay held while the classes are ranked, as they are while it runs.
+                let kept = Arc::new(hold);
+                match self.run(req, max_elements, Hold(vec![Box::new(kept.clone())])).await {
+                    Ok(r) => self.classify(r, classes).await,
+                    Err(e) => Err(e),
+                }
+            }
             Err(e) => Err(e),
         };
         outcome.done = true;
