@@ -105,9 +105,9 @@ impl Model {
         let mut outcome = Outcome { model: self, start, done: false };
         let id = req.id.clone();
         let classes = std::mem::take(&mut req.classification);
-        let rows =
-            if self.spec.batched() { req.inputs.first().and_then(|t| t.shape.first()).copied() } else { Some(1) };
-        let result = match self.check_classification(&classes, rows.unwrap_or(1)) {
+        let batch_rows = req.inputs.first().and_then(|t| t.shape.first()).copied();
+        let rows = if self.spec.batched() { batch_rows.unwrap_or(1) } else { 1 };
+        let result = match self.check_classification(&classes, rows) {
             Ok(()) if classes.is_empty() => self.run(req, max_elements, hold).await,
             Ok(()) => {
                 // The places stay held while the classes are ranked, as they are while it runs.
