@@ -115,14 +115,13 @@ impl Engine {
         // (`cache_bytes`), and Redis shared with other processes (`redis_url`) when given.
         if cache_bytes.is_some() || redis_url.is_some() {
             let shared_timeout = Duration::from_millis(redis_timeout_ms.max(1));
-            let redis =
-                |url: &Option<String>, from: &str| -> PyResult<Option<Arc<dyn ferrite_core::cache::SharedTier>>> {
-                    let Some(url) = url else { return Ok(None) };
-                    let _context = runtime().enter();
-                    let tier = ferrite_redis::RedisTier::start(url, shared_timeout * 4)
-                        .map_err(|e| InvalidInput::new_err(format!("{from} {e}")))?;
-                    Ok(Some(tier))
-                };
+            let redis = |url: Option<&str>, from: &str| -> PyResult<Option<Arc<dyn ferrite_core::cache::SharedTier>>> {
+                let Some(url) = url else { return Ok(None) };
+                let _context = runtime().enter();
+                let tier = ferrite_redis::RedisTier::start(url, shared_timeout * 4)
+                    .map_err(|e| InvalidInput::new_err(format!("{from} {e}")))?;
+                Ok(Some(tier))
+            };
             let mut cache = ferrite_core::cache::ResponseCache::new(
                 &ferrite_core::cache::CacheOptions {
                     local_bytes: cache_bytes.unwrap_or(256 << 20),
@@ -131,10 +130,11 @@ impl Engine {
                     max_value_bytes: cache_max_value_bytes,
                     ..Default::default()
                 },
-                redis(&redis_url, "redis_url")?,
+                redis(redis_url.as_deref(), "redis_url")?,
             );
             for (tenant, pool) in tenants.iter().flat_map(|t| &t.config().cache_pools) {
-                let tier = redis(&pool.redis_url, &format!("tenant_config [tenants.{tenant}] cache_redis_url"))?;
+                let tier =
+                    redis(pool.redis_url.as_deref(), &format!("tenant_config [tenants.{tenant}] cache_redis_url"))?;
                 cache = cache.with_pool(tenant, tier, pool.key_prefix.as_deref());
             }
             options.cache = Some(Arc::new(cache));
