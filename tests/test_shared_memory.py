@@ -46,8 +46,9 @@ def shm_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("shm")
     repo = make_repository(root / "repo", ("mlp", "mixed"))
-    # Requests of 600 rows: 1.2 MB inputs, read into the pooled buffers large bodies use.
-    (repo / "mlp" / "config.toml").write_text("max_batch_size = 1024\n")
+    # Requests of 7,000 rows: 14 MB inputs, read into the pooled buffers large bodies use, and
+    # 280 KB outputs, written off the I/O threads.
+    (repo / "mlp" / "config.toml").write_text("max_batch_size = 8192\n")
     tenants = root / "tenants.toml"
     tenants.write_text("[default]\nrate = 100000\nburst = 100000\n")
     s = Server(repo, "--shared-memory", "system", "--tenant-header", "x-tenant", "--tenant-config", str(tenants))
@@ -55,7 +56,7 @@ def shm_server(tmp_path_factory):
     s.stop()
 
 
-@pytest.mark.parametrize("rows", [3, 600])
+@pytest.mark.parametrize("rows", [3, 7000])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_inputs_and_outputs_go_through_shared_memory_and_match_the_request_path(shm_server, regions, protocol, rows):
     c = client(shm_server, protocol)

@@ -270,12 +270,24 @@ impl Service {
             core_req.timeout_us = Some(core_req.timeout_us.filter(|&t| t > 0 && t < d).unwrap_or(d));
         }
         let resp = self.core.infer(core_req).await?;
-        for (name, place) in &shared {
-            if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
-                shm.write(t, place)?;
+        // Outputs written to shared memory may be as large as inputs read from it: off the I/O
+        // threads too, as HTTP does.
+        let written = resp.outputs.iter().filter(|t| shared.iter().any(|(name, _)| t.name == *name));
+        let large = written.map(|t| t.data.wire_len()).sum::<usize>() > crate::http::OFFLOAD_BYTES;
+        let write = move || -> Result<pb::ModelInferResponse, Error> {
+            for (name, place) in &shared {
+                if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
+                    shm.write(t, place)?;
+                }
             }
+            Ok(convert::from_core(resp, final_flag, &shared))
+        };
+        if !large {
+            return write();
         }
-        Ok(convert::from_core(resp, final_flag, &shared))
+        tokio::task::spawn_blocking(write)
+            .await
+            .map_err(|e| Error::internal(format!("a shared-memory writing task failed: {e}")))?
     }
 }
 
