@@ -184,6 +184,36 @@ def test_serve_takes_the_binarys_tenant_limits(tmp_path):
         assert 'ferrite_tenant_refusals_total{limit="rate",tenant="acme"} 1' in metrics, metrics
 
 
+def test_engine_caps_the_requests_in_flight(tmp_path):
+    """An engine's max_concurrent_requests is the binary's --max-concurrent-requests: while one
+    request waits in the queue, the application's next call raises Overloaded and a served
+    client gets 429 with Retry-After; the place comes back when the first is answered."""
+    import json
+    import shutil
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    shutil.copytree(MLP, tmp_path / "mlp")
+    (tmp_path / "mlp" / "config.toml").write_text("[dynamic_batching]\nmax_queue_delay_microseconds = 1000000\n")
+    engine = ferrite.Engine(tmp_path, max_concurrent_requests=1)
+    model = engine.model("mlp")
+    x = np.full((1, 512), 0.5, np.float32)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+    with ferrite.serve(engine, http_port=0, grpc_port=0) as server, ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(model.infer, {"input": x})
+        time.sleep(0.3)
+        with pytest.raises(ferrite.Overloaded, match=r"max_concurrent_requests \(1 requests in flight\)"):
+            model.infer({"input": x})
+        req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/mlp/infer", data=body.encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 429 and refused.value.headers.get("retry-after") == "1"
+        np.testing.assert_allclose(waiting.result(timeout=10)["output"], reference(x), rtol=1e-5, atol=1e-6)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
+
+
 def test_serve_takes_shared_memory_as_the_binary_does(request):
     import os
 

@@ -86,13 +86,14 @@ struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (model_repository, *, threads=None, max_request_elements=None, cache_bytes=None, cache_ttl=300.0, redis_url=None, redis_timeout_ms=5, cache_max_value_bytes=1048576, tenant_header=None, tenant_config=None))]
+    #[pyo3(signature = (model_repository, *, threads=None, max_request_elements=None, max_concurrent_requests=None, cache_bytes=None, cache_ttl=300.0, redis_url=None, redis_timeout_ms=5, cache_max_value_bytes=1048576, tenant_header=None, tenant_config=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model_repository: PathBuf,
         threads: Option<usize>,
         max_request_elements: Option<usize>,
+        max_concurrent_requests: Option<usize>,
         cache_bytes: Option<u64>,
         cache_ttl: f64,
         redis_url: Option<String>,
@@ -139,7 +140,10 @@ impl Engine {
             }
             options.cache = Some(Arc::new(cache));
         }
-        let limits = limits(max_request_elements);
+        let mut limits = limits(max_request_elements);
+        // As the binary's --max-concurrent-requests: every request in the engine at once, the
+        // application's own calls and its servers' alike.
+        limits.max_concurrent_requests = max_concurrent_requests.unwrap_or(0);
         let mut core = py.detach(|| Core::load(&model_repository, &options, limits)).map_err(py_err)?;
         if let Some(t) = tenants {
             core = core.with_tenants(t);

@@ -38,7 +38,7 @@ impl Admitted {
         let cap = limits.max_concurrent_requests;
         if cap > 0 && now > cap {
             return Err(Error::Overloaded {
-                message: format!("over --max-concurrent-requests ({cap} requests in flight)"),
+                message: format!("over max_concurrent_requests ({cap} requests in flight)"),
                 retry_after: Some(RETRY_AFTER),
             });
         }

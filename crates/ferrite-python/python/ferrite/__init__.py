@@ -429,6 +429,7 @@ class Engine:
         *,
         threads: Optional[int] = None,
         max_request_elements: Optional[int] = None,
+        max_concurrent_requests: Optional[int] = None,
         cache_bytes: Optional[int] = None,
         cache_ttl: float = 300.0,
         redis_url: Optional[str] = None,
@@ -444,7 +445,10 @@ class Engine:
         turns crash reports on (see `enable_crash_reports`). `tenant_header` and `tenant_config`
         are the binary's `--tenant-header` and `--tenant-config`, for the requests a `serve()`d
         server takes: the header names a request's tenant, the file holds per-tenant limits and
-        cache pools. The application's own calls take no tenant's place."""
+        cache pools. The application's own calls take no tenant's place. `max_concurrent_requests`
+        is the binary's `--max-concurrent-requests`: past that many requests in the engine at once
+        (the application's own calls and its servers' together), a call raises `Overloaded` and a
+        server's client gets 429 / RESOURCE_EXHAUSTED."""
         _init_runtime()
         if crash_dir is not None:
             enable_crash_reports(crash_dir)
@@ -452,6 +456,7 @@ class Engine:
             os.fspath(model_repository),
             threads=threads,
             max_request_elements=max_request_elements,
+            max_concurrent_requests=max_concurrent_requests,
             cache_bytes=cache_bytes,
             cache_ttl=cache_ttl,
             redis_url=redis_url,

@@ -54,6 +54,7 @@ class Engine:
         *,
         threads: Optional[int] = None,
         max_request_elements: Optional[int] = None,
+        max_concurrent_requests: Optional[int] = None,
         cache_bytes: Optional[int] = None,
         cache_ttl: float = 300.0,
         redis_url: Optional[str] = None,
