@@ -45,7 +45,7 @@ def body(kind, rows, shapes):
     for name, dt, shape in inputs:
         shape = shapes.get(name, shape)
         n = rows * int(eval("*".join(map(str, shape))))
-        data = struct.pack(f"<{n}{'f' if dt == 'FP32' else 'q'}", *values(dt, n))
+        data = struct.pack(f"<{n}{'f' if dt == 'FP32' else 'q'}", *values(dt, n, name))
         header.append({"name": name, "shape": [rows, *shape], "datatype": dt, "parameters": {"binary_data_size": len(data)}})
         raw += data
     head = json.dumps({"inputs": header, "parameters": {"binary_data_output": True}}).encode()
