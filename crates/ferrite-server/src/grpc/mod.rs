@@ -256,13 +256,8 @@ impl Service {
         let shm = crate::shm::Access::new(self.shm.clone(), meta.tenant.clone());
         let max = self.core.limits().max_elements;
         // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
-        let (core_req, shm) = if convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64 {
-            tokio::task::spawn_blocking(move || (convert::to_core(req, max, Some(&shm)), shm))
-                .await
-                .map_err(|e| Error::internal(format!("a decoding task failed: {e}")))?
-        } else {
-            (convert::to_core(req, max, Some(&shm)), shm)
-        };
+        let large = convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64;
+        let (core_req, shm) = crate::http::off_io(large, move || (convert::to_core(req, max, Some(&shm)), shm)).await?;
         let mut core_req = core_req?;
         core_req.tenant = meta.tenant;
         core_req.canary = meta.canary;
@@ -274,20 +269,15 @@ impl Service {
         // threads too, as HTTP does.
         let written = resp.outputs.iter().filter(|t| shared.iter().any(|(name, _)| t.name == *name));
         let large = written.map(|t| t.data.wire_len()).sum::<usize>() > crate::http::OFFLOAD_BYTES;
-        let write = move || -> Result<pb::ModelInferResponse, Error> {
+        crate::http::off_io(large, move || {
             for (name, place) in &shared {
                 if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
                     shm.write(t, place)?;
                 }
             }
             Ok(convert::from_core(resp, final_flag, &shared))
-        };
-        if !large {
-            return write();
-        }
-        tokio::task::spawn_blocking(write)
-            .await
-            .map_err(|e| Error::internal(format!("a shared-memory writing task failed: {e}")))?
+        })
+        .await?
     }
 }
 

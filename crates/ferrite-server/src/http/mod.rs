@@ -140,12 +140,14 @@ async fn read_body(
     // Decompression runs on the blocking pool: it is CPU work of up to --max-body-bytes.
     let bytes = match encoding.as_ref().map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase()).as_deref() {
         None | Some("identity") => Ok(bytes),
-        Some("gzip") => {
-            off_io(true, move || inflate(flate2::read::GzDecoder::new(&bytes[..]), max)).await.and_then(|r| r)
-        }
-        Some("deflate") => {
-            off_io(true, move || inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max)).await.and_then(|r| r)
-        }
+        Some("gzip") => off_io(true, move || inflate(flate2::read::GzDecoder::new(&bytes[..]), max))
+            .await
+            .map_err(ApiError::from)
+            .and_then(|r| r),
+        Some("deflate") => off_io(true, move || inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max))
+            .await
+            .map_err(ApiError::from)
+            .and_then(|r| r),
         Some(other) => Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("Content-Encoding '{other}' is not accepted (gzip, deflate or identity)"),
@@ -172,14 +174,18 @@ fn content_length(headers: &axum::http::HeaderMap) -> Option<usize> {
 /// pool, so a few large requests cannot hold the async I/O threads every other request needs.
 pub(crate) const OFFLOAD_BYTES: usize = 256 << 10;
 
-/// Runs `work` on the blocking pool when `large`, else here.
-async fn off_io<T: Send + 'static>(large: bool, work: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+/// Runs `work` on the blocking pool when `large`, else here (HTTP's and gRPC's large bodies and
+/// shared-memory tensors alike).
+pub(crate) async fn off_io<T: Send + 'static>(
+    large: bool,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ferrite_core::Error> {
     if !large {
         return Ok(work());
     }
     tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("a decoding task failed: {e}")))
+        .map_err(|e| ferrite_core::Error::internal(format!("a blocking task failed: {e}")))
 }
 
 fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
