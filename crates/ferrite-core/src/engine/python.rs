@@ -317,14 +317,15 @@ impl PythonInstance {
                 }
                 None => {}
             }
-            if Instant::now() > deadline {
-                return Err(Fatal(format!("did not return from execute within {timeout:?}")));
-            }
+            // Memory first: a worker past its limit and late is late because it grew.
             if let Some(limit) = limit {
                 let rss = worker.rss();
                 if rss > limit {
                     return Err(Fatal(format!("used {} MiB, over its limit of {} MiB", rss >> 20, limit >> 20)));
                 }
+            }
+            if Instant::now() > deadline {
+                return Err(Fatal(format!("did not return from execute within {timeout:?}")));
             }
             for (i, t) in told.iter_mut().enumerate() {
                 if !*t && !live.request_awaited(i) {
