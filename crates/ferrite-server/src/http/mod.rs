@@ -140,14 +140,19 @@ async fn read_body(
     // Decompression runs on the blocking pool: it is CPU work of up to --max-body-bytes.
     let bytes = match encoding.as_ref().map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase()).as_deref() {
         None | Some("identity") => Ok(bytes),
-        Some("gzip") => off_io(true, move || inflate(flate2::read::GzDecoder::new(&bytes[..]), max))
+        Some(coding @ ("gzip" | "deflate")) => {
+            let gzip = coding == "gzip";
+            off_io(true, move || {
+                if gzip {
+                    inflate(flate2::read::GzDecoder::new(&bytes[..]), max)
+                } else {
+                    inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max)
+                }
+            })
             .await
             .map_err(ApiError::from)
-            .and_then(|r| r),
-        Some("deflate") => off_io(true, move || inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max))
-            .await
-            .map_err(ApiError::from)
-            .and_then(|r| r),
+            .and_then(|r| r)
+        }
         Some(other) => Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("Content-Encoding '{other}' is not accepted (gzip, deflate or identity)"),
