@@ -236,6 +236,15 @@ def test_slow_body_gets_408(hardened):
     assert time.time() - start < 3
 
 
+def test_a_request_head_over_64_kib_gets_431(hardened):
+    """The head is read into the connection's buffer, bounded at 64 KiB (hyper's default held about
+    400 KiB a connection): a head over it is refused with 431, one just under it is served."""
+    status, _ = send(hardened, "POST", MLP, {**JSON, "X-Padding": "a" * (70 << 10)}, mlp_body())
+    assert status == 431
+    status, answer = send(hardened, "POST", MLP, {**JSON, "X-Padding": "a" * (60 << 10)}, mlp_body())
+    assert status == 200, answer[:200]
+
+
 def closed_within(sock, seconds):
     """Whether the server closes `sock` (EOF or reset) within `seconds`."""
     sock.settimeout(seconds)

@@ -457,7 +457,7 @@ async fn serve_http(
     mut phase: tokio::sync::watch::Receiver<Phase>,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).max_buf_size(http::READ_BUFFER);
     builder
         .http2()
         .timer(TokioTimer::new())

@@ -68,6 +68,12 @@ impl HttpLimits {
     }
 }
 
+/// An HTTP/1 connection's read buffer, at most: also the largest request head (past it, 431).
+/// hyper's default, about 400 KiB, is what each connection of a client sending large bodies kept:
+/// 128 connections sending a detector's 1.2 MB images held about 100 MB more at peak than with
+/// 64 KiB (`bench/results/read-buffer-ab.md`); the bodies themselves are copied out as they come.
+pub const READ_BUFFER: usize = 64 << 10;
+
 /// Bytes of bodies in flight at once, by default: 16 largest bodies (64 MiB each by default).
 pub const DEFAULT_BODY_BUDGET: usize = 1 << 30;
 
