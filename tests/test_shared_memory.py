@@ -3,9 +3,12 @@ tensors in and out through POSIX shared memory over HTTP and gRPC, mixed with te
 request, and what a client cannot do with it (another tenant's regions, past a region's end, an
 object shrunk under the server, the extension while it is off)."""
 
+import json
 import os
+import urllib.error
 import urllib.request
 
+import msgpack
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -170,6 +173,49 @@ def test_a_client_cannot_reach_past_a_region_or_into_another_tenants(shm_server,
         small.set_shared_memory("r", 8)
         with pytest.raises(InferenceServerException, match="do not fit"):
             c.infer("mlp", [i], outputs=[small], headers=a)
+    finally:
+        c.unregister_system_shared_memory(headers=a)
+
+
+def test_messagepack_bodies_name_regions_as_json_does(shm_server, regions):
+    """A MessagePack request's input and output in shared memory (the JSON parameters), each
+    region its tenant's: the output lands in its region and the response carries no data for it."""
+    c = client(shm_server, "http")
+    x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
+    inp, out = regions("in", x.nbytes), regions("out", 3 * 10 * 4)
+    shm.set_shared_memory_region(inp, [x])
+    a = {"x-tenant": "a"}
+    c.register_system_shared_memory("in", key_of(inp), x.nbytes, headers=a)
+    c.register_system_shared_memory("out", key_of(out), 3 * 10 * 4, headers=a)
+
+    def infer(tenant, **data):
+        where = {"parameters": {"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes}}
+        body = msgpack.packb({
+            "inputs": [{"name": "input", "shape": [3, 512], "datatype": "FP32", **(data or where)}],
+            "outputs": [{"name": "output", "parameters": {"shared_memory_region": "out",
+                                                          "shared_memory_byte_size": 120}}]})
+        req = urllib.request.Request(f"http://{shm_server.url}/v2/models/mlp/infer", data=body,
+                                     headers={"Content-Type": "application/msgpack", "x-tenant": tenant})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, msgpack.unpackb(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        status, answer = infer("a")
+        assert status == 200, answer
+        assert answer["outputs"][0]["shape"] == [3, 10] and "data" not in answer["outputs"][0]
+        plain = httpclient.InferInput("input", [3, 512], "FP32")
+        plain.set_data_from_numpy(x)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [3, 10]),
+                                      c.infer("mlp", [plain]).as_numpy("output"))
+        # Another tenant names the same regions: not its own.
+        status, answer = infer("b")
+        assert status == 404 and "no shared memory region 'in'" in answer["error"], answer
+        status, answer = infer("a", data=x.tobytes(),
+                               parameters={"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes})
+        assert status == 400 and "in shared memory and in the body" in answer["error"], answer
     finally:
         c.unregister_system_shared_memory(headers=a)
 

@@ -174,7 +174,7 @@ fn binary(data: &[u8]) {
 }
 
 fn msgpack(data: &[u8]) {
-    let _ = crate::http::msgpack::parse("m", None, data, MAX_ELEMENTS);
+    let _ = crate::http::msgpack::parse("m", None, data, MAX_ELEMENTS, None);
 }
 
 fn grpc(data: &[u8]) {

@@ -707,11 +707,12 @@ async fn infer_inner(
     // Inputs read from shared memory may be large as bodies are: off the I/O threads too.
     static SHARED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"shared_memory_region"));
+    // (A MessagePack body naming a region is not sized first: it is moved off in any case.)
     let large = body.len() > OFFLOAD_BYTES
-        || (!msgpack_in && SHARED.find(&body).is_some() && json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64);
+        || (SHARED.find(&body).is_some() && (msgpack_in || json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64));
     let parsed = off_io(large, move || -> Result<_, ApiError> {
         let parsed = if msgpack_in {
-            (msgpack::parse(&model, version, &body, max)?, json::BinaryOutputs::default())
+            msgpack::parse(&model, version, &body, max, Some(&shm))?
         } else {
             json::parse(&model, version, &body, binary_part, max, Some(&shm))?
         };
@@ -753,7 +754,8 @@ fn tenant_of(
 /// The response body: MessagePack, V2 JSON, or V2 JSON followed by the binary outputs.
 fn encode_response(resp: &ferrite_core::InferResponse, binary: &json::BinaryOutputs, msgpack_out: bool) -> Response {
     if msgpack_out {
-        return ([(header::CONTENT_TYPE, msgpack::CONTENT_TYPE)], msgpack::write_response(resp)).into_response();
+        return ([(header::CONTENT_TYPE, msgpack::CONTENT_TYPE)], msgpack::write_response(resp, binary))
+            .into_response();
     }
     let (text, blobs) = json::write_response(resp, binary);
     if blobs.is_empty() {
@@ -859,14 +861,14 @@ mod fuzz {
         #[test]
         fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = super::json::parse("m", None, &body, None, 1 << 16, None);
-            let _ = super::msgpack::parse("m", None, &body, 1 << 16);
+            let _ = super::msgpack::parse("m", None, &body, 1 << 16, None);
         }
 
         #[test]
         fn msgpack_bodies_never_panic((json, _) in request()) {
             let v: serde_json::Value = serde_json::from_str(&json).unwrap();
             let body = rmp_serde::to_vec_named(&v).unwrap();
-            let _ = super::msgpack::parse("m", None, &body, 1 << 16);
+            let _ = super::msgpack::parse("m", None, &body, 1 << 16, None);
         }
     }
 }

@@ -6,6 +6,10 @@
 //! Decoding takes two passes over the body: the first reads every input's name, datatype and
 //! shape (skipping `data`), the second decodes each `data` into a buffer of exactly the size that
 //! the checked shape calls for. So key order does not matter and no generic value tree is built.
+//!
+//! Tensors in system shared memory are named by the same `parameters` as in JSON
+//! (`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`): such an input has
+//! no `data`, and such an output's `data` is left out of the response.
 
 use std::fmt;
 
@@ -15,7 +19,11 @@ use serde::{
     Deserialize, Deserializer, Serialize,
 };
 
-use super::decode::{request_params, Params, Sink};
+use super::{
+    decode::{place, request_params, Params, Sink},
+    json::BinaryOutputs,
+};
+use crate::shm::{Access, Regions};
 use ferrite_core::wire::parse_header;
 
 pub const CONTENT_TYPE: &str = "application/msgpack";
@@ -36,6 +44,8 @@ struct InputHeader {
     name: String,
     shape: Vec<i64>,
     datatype: String,
+    #[serde(default)]
+    parameters: Params,
 }
 
 #[derive(Deserialize)]
@@ -60,28 +70,49 @@ fn bad(e: impl fmt::Display) -> Error {
     Error::invalid(format!("invalid MessagePack request: {e}"))
 }
 
-pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: usize) -> Result<InferRequest, Error> {
+/// The request, and which of its outputs go to shared memory (through `shm`, which reads the
+/// inputs that name a region; `None` where the extension is off).
+pub fn parse(
+    model: &str,
+    version: Option<String>,
+    body: &[u8],
+    max_elements: usize,
+    shm: Option<&Access>,
+) -> Result<(InferRequest, BinaryOutputs), Error> {
     let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
     ferrite_core::wire::check_tensor_counts(header.inputs.len(), header.outputs.as_ref().map_or(0, Vec::len))?;
-    let mut sinks = Vec::with_capacity(header.inputs.len());
+    let mut slots = Vec::with_capacity(header.inputs.len());
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {
         let (dt, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
-        sinks.push((Sink::new(&i.name, dt, count), None));
-        shapes.push((dt, shape));
+        let shared = place(&i.name, &i.parameters)?;
+        // An input read from shared memory takes no room in the body's pass.
+        let sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count });
+        slots.push(Slot { sink, error: None, shared: shared.is_some() });
+        shapes.push((dt, shape, count, shared));
     }
     let mut de = rmp_serde::Deserializer::from_read_ref(body);
-    let pass = DataPass { sinks: &mut sinks };
+    let pass = DataPass { slots: &mut slots };
     if let Err(e) = pass.deserialize(&mut de) {
-        // A data error recorded by a sink is the precise reason.
-        return Err(sinks.iter_mut().find_map(|(_, err)| err.take()).unwrap_or_else(|| bad(e)));
+        // A data error recorded by a slot is the precise reason.
+        return Err(slots.iter_mut().find_map(|s| s.error.take()).unwrap_or_else(|| bad(e)));
     }
-    let mut inputs = Vec::with_capacity(sinks.len());
-    for ((sink, _), (i, (dt, shape))) in sinks.into_iter().zip(header.inputs.into_iter().zip(shapes)) {
-        inputs.push(ferrite_core::Tensor::new(i.name, dt, shape, sink.finish()));
+    let mut inputs = Vec::with_capacity(slots.len());
+    for (slot, (i, (dt, shape, count, shared))) in slots.into_iter().zip(header.inputs.into_iter().zip(shapes)) {
+        let data = match shared {
+            Some(place) => shm.ok_or_else(Regions::off)?.read(&i.name, &place, dt, count)?,
+            None => slot.sink.finish(),
+        };
+        inputs.push(ferrite_core::Tensor::new(i.name, dt, shape, data));
+    }
+    let mut outputs = BinaryOutputs::default();
+    for o in header.outputs.iter().flatten() {
+        if let Some(place) = place(&o.name, &o.parameters)? {
+            outputs.shared.push((o.name.clone(), place));
+        }
     }
     let params = request_params(&header.parameters)?;
-    Ok(InferRequest {
+    let req = InferRequest {
         model_name: model.to_string(),
         model_version: version,
         id: header.id,
@@ -94,14 +125,21 @@ pub fn parse(model: &str, version: Option<String>, body: &[u8], max_elements: us
         tenant: None,
         canary: Default::default(),
         parameters: super::decode::parameters_json(&header.parameters),
-    })
+    };
+    Ok((req, outputs))
 }
 
-type Slot = (Sink, Option<Error>);
+/// An input's place in the second pass: where its `data` goes, the precise error its data caused,
+/// and whether it is in shared memory instead (and so has no `data`).
+struct Slot {
+    sink: Sink,
+    error: Option<Error>,
+    shared: bool,
+}
 
 /// Second pass: the request map, of which only `inputs` is read.
 struct DataPass<'s> {
-    sinks: &'s mut [Slot],
+    slots: &'s mut [Slot],
 }
 
 impl<'de> DeserializeSeed<'de> for DataPass<'_> {
@@ -119,7 +157,7 @@ impl<'de> Visitor<'de> for DataPass<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         while let Some(key) = map.next_key::<String>()? {
             if key == "inputs" {
-                map.next_value_seed(Inputs { sinks: &mut *self.sinks })?;
+                map.next_value_seed(Inputs { slots: &mut *self.slots })?;
             } else {
                 map.next_value::<IgnoredAny>()?;
             }
@@ -129,7 +167,7 @@ impl<'de> Visitor<'de> for DataPass<'_> {
 }
 
 struct Inputs<'s> {
-    sinks: &'s mut [Slot],
+    slots: &'s mut [Slot],
 }
 
 impl<'de> DeserializeSeed<'de> for Inputs<'_> {
@@ -145,7 +183,7 @@ impl<'de> Visitor<'de> for Inputs<'_> {
         f.write_str("an array of inputs")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        for slot in self.sinks.iter_mut() {
+        for slot in self.slots.iter_mut() {
             if seq.next_element_seed(Input { slot })?.is_none() {
                 break;
             }
@@ -172,18 +210,25 @@ impl<'de> Visitor<'de> for Input<'_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut seen = false;
+        let fail = |slot: &mut Slot, err: Error| {
+            slot.error = Some(err.clone());
+            serde::de::Error::custom(err)
+        };
         while let Some(key) = map.next_key::<String>()? {
-            if key == "data" {
+            if key == "data" && self.slot.shared {
+                let err =
+                    Error::invalid(format!("input '{}' is in shared memory and in the body", self.slot.sink.name()));
+                return Err(fail(self.slot, err));
+            } else if key == "data" {
                 seen = true;
                 map.next_value_seed(Data { slot: &mut *self.slot })?;
             } else {
                 map.next_value::<IgnoredAny>()?;
             }
         }
-        if !seen {
-            let err = Error::invalid(format!("input '{}' has no 'data'", self.slot.0.name()));
-            self.slot.1 = Some(err.clone());
-            return Err(serde::de::Error::custom(err));
+        if !seen && !self.slot.shared {
+            let err = Error::invalid(format!("input '{}' has no 'data'", self.slot.sink.name()));
+            return Err(fail(self.slot, err));
         }
         Ok(())
     }
@@ -196,8 +241,8 @@ struct Data<'s> {
 impl<'de> DeserializeSeed<'de> for Data<'_> {
     type Value = ();
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        self.slot.0.fill(d).map_err(|e| {
-            self.slot.1 = Some(e.clone());
+        self.slot.sink.fill(d).map_err(|e| {
+            self.slot.error = Some(e.clone());
             serde::de::Error::custom(e)
         })
     }
@@ -217,7 +262,8 @@ struct Output<'a> {
     name: &'a str,
     datatype: &'static str,
     shape: &'a [usize],
-    data: OutputData<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<OutputData<'a>>,
 }
 
 #[derive(Serialize)]
@@ -227,7 +273,8 @@ enum OutputData<'a> {
     Items(Vec<&'a serde_bytes::Bytes>),
 }
 
-pub fn write_response(resp: &InferResponse) -> Vec<u8> {
+/// The response; an output written to shared memory has no `data`.
+pub fn write_response(resp: &InferResponse, binary: &BinaryOutputs) -> Vec<u8> {
     let outputs = resp
         .outputs
         .iter()
@@ -235,12 +282,12 @@ pub fn write_response(resp: &InferResponse) -> Vec<u8> {
             name: &t.name,
             datatype: t.datatype.as_str(),
             shape: &t.shape,
-            data: match &t.data {
+            data: (!binary.shared.iter().any(|(name, _)| *name == t.name)).then(|| match &t.data {
                 TensorData::Fixed(b) => OutputData::Raw(serde_bytes::Bytes::new(b)),
                 TensorData::Strings(items) => {
                     OutputData::Items(items.iter().map(|b| serde_bytes::Bytes::new(b)).collect())
                 }
-            },
+            }),
         })
         .collect();
     let r =
@@ -278,7 +325,7 @@ mod tests {
         rmp::encode::write_array_len(&mut body, 1).unwrap();
         rmp::encode::write_uint(&mut body, 2).unwrap();
         body.extend(pack(&json!({"name": "y", "shape": [1, 2], "datatype": "FP32", "data": [[1.5, -2]]})));
-        let req = parse("m", None, &body, 100).unwrap();
+        let req = parse("m", None, &body, 100, None).unwrap().0;
         assert_eq!(req.inputs[0], Tensor::from_le("x", DataType::Fp32, vec![2], &[1.5f32, -2.0]));
         assert_eq!(req.inputs[1].data, req.inputs[0].data);
     }
@@ -303,11 +350,11 @@ mod tests {
             rmpv::encode::write_value(&mut out, &v).unwrap();
             out
         };
-        let req = parse("m", None, &body(&[&ints[..1], &ints[1..7], &ints[7..]]), 100).unwrap();
+        let req = parse("m", None, &body(&[&ints[..1], &ints[1..7], &ints[7..]]), 100, None).unwrap().0;
         assert_eq!(req.inputs[0], Tensor::from_le("x", DataType::Int32, vec![3], &[1i32, 2, 3]));
-        let e = parse("m", None, &body(&[&ints[..1], &ints[1..11]]), 100).unwrap_err().to_string();
+        let e = parse("m", None, &body(&[&ints[..1], &ints[1..11]]), 100, None).unwrap_err().to_string();
         assert!(e.contains("11 raw bytes are not whole INT32 elements"), "{e}");
-        let e = parse("m", None, &body(&[&ints, &ints[..1]]), 100).unwrap_err().to_string();
+        let e = parse("m", None, &body(&[&ints, &ints[..1]]), 100, None).unwrap_err().to_string();
         assert!(e.contains("more than the 3 elements"), "{e}");
     }
 
@@ -319,10 +366,38 @@ mod tests {
             (json!({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8"}]}), "no 'data'"),
             (json!({"inputs": [{"name": "x", "shape": [-1], "datatype": "INT8", "data": []}]}), "negative"),
         ] {
-            let err = parse("m", None, &pack(&v), 100).unwrap_err().to_string();
+            let err = parse("m", None, &pack(&v), 100, None).unwrap_err().to_string();
             assert!(err.contains(needle) && err.contains('x'), "{v}: {err}");
         }
-        assert!(parse("m", None, b"\xc1", 100).is_err());
+        assert!(parse("m", None, b"\xc1", 100, None).is_err());
+    }
+
+    #[test]
+    fn shared_memory_tensors_are_named_by_their_parameters() {
+        let shared = json!({"shared_memory_region": "r", "shared_memory_byte_size": 8});
+        let v = json!({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "parameters": shared}],
+                       "outputs": [{"name": "y", "parameters": shared}, {"name": "z"}]});
+        // Without the extension the input cannot be read (the server passes its regions).
+        let err = parse("m", None, &pack(&v), 100, None).unwrap_err().to_string();
+        assert!(err.contains("shared memory is off"), "{err}");
+        let mut both = v.clone();
+        both["inputs"][0]["data"] = json!([1, 2]);
+        let err = parse("m", None, &pack(&both), 100, None).unwrap_err().to_string();
+        assert!(err.contains("'x' is in shared memory and in the body"), "{err}");
+        // The output's data is left out of the response, the other's kept.
+        let y = Tensor::from_le("y", DataType::Int32, vec![1], &[7i32]);
+        let resp = InferResponse {
+            model_name: "m".into(),
+            model_version: "1".into(),
+            id: None,
+            outputs: vec![y.clone(), Tensor { name: "z".into(), ..y }],
+        };
+        let mut to_shm = BinaryOutputs::default();
+        let params: Params = serde_json::from_value(shared).unwrap();
+        to_shm.shared.push(("y".into(), place("y", &params).unwrap().unwrap()));
+        let v: rmpv::Value = rmp_serde::from_slice(&write_response(&resp, &to_shm)).unwrap();
+        assert!(v["outputs"][0]["data"].is_nil() && v["outputs"][0]["shape"][0].as_u64() == Some(1));
+        assert_eq!(v["outputs"][1]["data"].as_slice().unwrap(), &[7, 0, 0, 0]);
     }
 
     #[test]
@@ -333,7 +408,7 @@ mod tests {
             id: None,
             outputs: vec![Tensor::from_le("y", DataType::Int32, vec![2], &[7i32, 8])],
         };
-        let v: rmpv::Value = rmp_serde::from_slice(&write_response(&resp)).unwrap();
+        let v: rmpv::Value = rmp_serde::from_slice(&write_response(&resp, &BinaryOutputs::default())).unwrap();
         let out = &v["outputs"][0];
         assert_eq!(out["data"].as_slice().unwrap(), &[7, 0, 0, 0, 8, 0, 0, 0]);
         assert_eq!(out["datatype"].as_str(), Some("INT32"));
