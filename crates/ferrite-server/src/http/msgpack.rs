@@ -88,8 +88,8 @@ pub fn parse(
         let shared = place(&i.name, &i.parameters)?;
         // An input read from shared memory takes no room in the body's pass.
         let sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count });
-        slots.push(Slot { sink, error: None, shared: shared.is_some() });
-        shapes.push((dt, shape, count, shared));
+        slots.push(Slot { sink, error: None, shared });
+        shapes.push((dt, shape, count));
     }
     let mut de = rmp_serde::Deserializer::from_read_ref(body);
     let pass = DataPass { slots: &mut slots };
@@ -98,8 +98,8 @@ pub fn parse(
         return Err(slots.iter_mut().find_map(|s| s.error.take()).unwrap_or_else(|| bad(e)));
     }
     let mut inputs = Vec::with_capacity(slots.len());
-    for (slot, (i, (dt, shape, count, shared))) in slots.into_iter().zip(header.inputs.into_iter().zip(shapes)) {
-        let data = match shared {
+    for (slot, (i, (dt, shape, count))) in slots.into_iter().zip(header.inputs.into_iter().zip(shapes)) {
+        let data = match slot.shared {
             Some(place) => shm.ok_or_else(Regions::off)?.read(&i.name, &place, dt, count)?,
             None => slot.sink.finish(),
         };
@@ -130,11 +130,11 @@ pub fn parse(
 }
 
 /// An input's place in the second pass: where its `data` goes, the precise error its data caused,
-/// and whether it is in shared memory instead (and so has no `data`).
+/// and where in shared memory it is instead (and so has no `data`).
 struct Slot {
     sink: Sink,
     error: Option<Error>,
-    shared: bool,
+    shared: Option<crate::shm::Place>,
 }
 
 /// Second pass: the request map, of which only `inputs` is read.
@@ -215,7 +215,7 @@ impl<'de> Visitor<'de> for Input<'_> {
             serde::de::Error::custom(err)
         };
         while let Some(key) = map.next_key::<String>()? {
-            if key == "data" && self.slot.shared {
+            if key == "data" && self.slot.shared.is_some() {
                 let err =
                     Error::invalid(format!("input '{}' is in shared memory and in the body", self.slot.sink.name()));
                 return Err(fail(self.slot, err));
@@ -226,7 +226,7 @@ impl<'de> Visitor<'de> for Input<'_> {
                 map.next_value::<IgnoredAny>()?;
             }
         }
-        if !seen && !self.slot.shared {
+        if !seen && self.slot.shared.is_none() {
             let err = Error::invalid(format!("input '{}' has no 'data'", self.slot.sink.name()));
             return Err(fail(self.slot, err));
         }
