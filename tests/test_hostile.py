@@ -5,6 +5,7 @@ flat over 100 repeats. Slow senders (headers and bodies) are cut off."""
 import gzip
 import http.client
 import json
+import os
 import re
 import socket
 import time
@@ -323,6 +324,58 @@ def test_keep_alive_connections_idle_past_the_timeout_are_closed(start_server):
         assert r.status == 200
         time.sleep(0.5)
     conn.close()
+
+
+def sockets_of(pid):
+    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_answers_a_client_does_not_read_are_dropped_with_its_connection(start_server, tmp_path):
+    """A client that sends requests with large answers and never reads them: each connection is
+    closed once its writes have made no progress for the idle timeout, and the memory of the
+    answers it held goes with it (before, six such connections held 300 MB for good)."""
+    from conftest import make_repository
+    repo = make_repository(tmp_path / "repo", ("scale",))
+    (repo / "scale" / "config.toml").write_text("max_batch_size = 2000000\n")
+    s = start_server("--http-idle-timeout-secs", "3", "--max-body-bytes", str(64 << 20), repository=repo)
+    rows = 1_000_000  # 16 MB in and 16 MB out: more than the sockets' buffers hold
+    x = np.ones((rows, 4), np.float32).tobytes()
+    header = json.dumps({"inputs": [{"name": "x", "shape": [rows, 4], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(x)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    listening = sockets_of(s.proc.pid)
+    socks = []
+    for _ in range(6):
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"POST /v2/models/scale/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: %d\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (len(header), len(header) + len(x)) + header + x)
+        socks.append(sock)
+    try:
+        # Computed, answered, never read: the server lets each connection go (the socket reads
+        # nothing, so the client cannot see it close), and the answers' memory with it.
+        time.sleep(1)
+        held, open_ = rss_kib(s.proc.pid), sockets_of(s.proc.pid) - listening
+        assert open_ >= 3, f"only {open_} of the connections were open a second after their requests"
+        deadline = time.time() + 20
+        while sockets_of(s.proc.pid) > listening and time.time() < deadline:
+            time.sleep(0.2)
+        assert sockets_of(s.proc.pid) == listening, "connections whose answers were never read stayed open"
+        # (Part of what they held goes back to the pools that bodies and outputs reuse, not to the system.)
+        gone = held - rss_kib(s.proc.pid)
+        assert gone > 16 * 1024, f"{open_} unread 16 MB answers closed, {gone} KiB given back"
+        # A client that reads slowly but steadily gets its whole answer.
+        conn = http.client.HTTPConnection(s.url, timeout=30)
+        conn.request("POST", "/v2/models/scale/infer", header + x, {"Inference-Header-Content-Length": str(len(header))})
+        resp = conn.getresponse()
+        got = 0
+        while chunk := resp.read(4 << 20):
+            got += len(chunk)
+            time.sleep(0.3)
+        assert resp.status == 200 and got > len(x)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_the_grpc_listener_closes_silent_connections_and_holds_its_cap(start_server):

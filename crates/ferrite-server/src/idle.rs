@@ -1,7 +1,9 @@
 //! Closing HTTP connections that hold a place while doing nothing: no request in flight on them
 //! for the idle timeout (between keep-alive requests, or an HTTP/2 connection kept open with pings
 //! alone). A request being received or computed is never cut: the clock runs only while none is in
-//! flight on the connection.
+//! flight on the connection. Nor may a client hold its answers by not reading them: a write that
+//! makes no progress for the idle timeout fails, and the connection, with the answers it holds,
+//! is closed.
 
 use std::{
     future::Future,
@@ -43,11 +45,43 @@ pub struct IdleIo<T> {
     deadline: Pin<Box<Sleep>>,
     /// `in_flight.finished` when the deadline was last set.
     seen: usize,
+    /// Armed when a write finds the client not reading (the socket's buffer full), until one
+    /// makes progress.
+    write_deadline: Pin<Box<Sleep>>,
+    write_stalled: bool,
 }
 
 impl<T> IdleIo<T> {
     pub fn new(inner: T, in_flight: Arc<InFlight>, idle: Duration) -> IdleIo<T> {
-        IdleIo { inner, in_flight, idle, deadline: Box::pin(tokio::time::sleep(idle)), seen: 0 }
+        IdleIo {
+            inner,
+            in_flight,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+            seen: 0,
+            write_deadline: Box::pin(tokio::time::sleep(idle)),
+            write_stalled: false,
+        }
+    }
+
+    /// `r`, a write's outcome, unless the writes have been stuck for the idle timeout.
+    fn progress<R>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        if !r.is_pending() {
+            self.write_stalled = false;
+            return r;
+        }
+        if !self.write_stalled {
+            self.write_stalled = true;
+            let next = Instant::now() + self.idle;
+            self.write_deadline.as_mut().reset(next);
+        }
+        match self.write_deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client took no bytes of its answers for {} s", self.idle.as_secs()),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
@@ -75,11 +109,15 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.progress(cx, r)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_flush(cx);
+        this.progress(cx, r)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -91,7 +129,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.progress(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -106,5 +146,35 @@ impl Drop for Held {
     fn drop(&mut self) {
         self.0.finished.fetch_add(1, Ordering::AcqRel);
         self.0.now.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_stuck_for_the_idle_timeout_fail_and_slow_progress_does_not() {
+        let (ours, mut client) = tokio::io::duplex(1024);
+        let mut io = IdleIo::new(ours, Arc::new(InFlight::default()), Duration::from_secs(5));
+        // A client reading 1 KiB every 4 s: each write waits, none as long as the timeout.
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0; 1024];
+            for _ in 0..4 {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                client.read_exact(&mut buf).await.unwrap();
+            }
+            client // kept open, never read again
+        });
+        io.write_all(&[7; 5 * 1024]).await.unwrap();
+        let _client = reader.await.unwrap();
+        // Now nothing reads: the next write fails after the timeout.
+        let started = Instant::now();
+        let stuck = tokio::time::timeout(Duration::from_secs(60), io.write_all(&[7; 2048])).await;
+        let err = stuck.expect("the write was still waiting after 60 s").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(err.to_string().contains("no bytes of its answers for 5 s"), "{err}");
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
     }
 }

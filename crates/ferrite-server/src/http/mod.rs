@@ -43,7 +43,8 @@ pub struct HttpLimits {
     pub header_timeout: Duration,
     /// Time a client has to send its whole body.
     pub body_timeout: Duration,
-    /// Time a connection may stay open with no request in flight (keep-alive, HTTP/2 pings).
+    /// Time a connection may stay open with no request in flight (keep-alive, HTTP/2 pings), or
+    /// with its writes making no progress (a client not reading its answers).
     pub idle_timeout: Duration,
     /// Connections a listener holds at once; past it, new ones are closed at once.
     pub max_connections: usize,
