@@ -37,7 +37,8 @@ impl InFlight {
     }
 }
 
-/// A connection's stream that fails its reads once it has had no request in flight for `idle`.
+/// A connection's stream that fails its reads once it has had no request in flight for `idle`, and
+/// its writes once they have waited on the client for `idle`.
 pub struct IdleIo<T> {
     inner: T,
     in_flight: Arc<InFlight>,
