@@ -654,6 +654,11 @@ impl BinaryOutputs {
     pub fn is_binary(&self, name: &str) -> bool {
         self.named.get(name).copied().unwrap_or(self.default)
     }
+
+    /// Whether the output goes to shared memory (and so has no data in the response).
+    pub fn is_shared(&self, name: &str) -> bool {
+        self.shared.iter().any(|(n, _)| n == name)
+    }
 }
 
 /// The forms of numbers the tests of JSON `data` read: every integer type's limits and one past,

@@ -434,7 +434,7 @@ pub fn write_response(resp: &InferResponse, binary: &BinaryOutputs) -> (String, 
             }
             out.push_str(ib.format(*d));
         }
-        if binary.shared.iter().any(|(name, _)| *name == t.name) {
+        if binary.is_shared(&t.name) {
             // Its bytes went to the region (`shm::Access::write`): no data, and no parameters
             // (Triton's C++ client reads an output's parameters as a binary one's).
             out.push_str("]}");

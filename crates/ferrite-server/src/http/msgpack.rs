@@ -282,7 +282,7 @@ pub fn write_response(resp: &InferResponse, binary: &BinaryOutputs) -> Vec<u8> {
             name: &t.name,
             datatype: t.datatype.as_str(),
             shape: &t.shape,
-            data: (!binary.shared.iter().any(|(name, _)| *name == t.name)).then(|| match &t.data {
+            data: (!binary.is_shared(&t.name)).then(|| match &t.data {
                 TensorData::Fixed(b) => OutputData::Raw(serde_bytes::Bytes::new(b)),
                 TensorData::Strings(items) => {
                     OutputData::Items(items.iter().map(|b| serde_bytes::Bytes::new(b)).collect())
