@@ -393,6 +393,121 @@ def test_answers_a_client_does_not_read_are_dropped_with_its_connection(start_se
             sock.close()
 
 
+def h2_request_held_without_window(port, path, headers, body):
+    """Opens an HTTP/2 connection that grants the server no window for its answers (SETTINGS
+    INITIAL_WINDOW_SIZE 0, never a WINDOW_UPDATE) and sends one request on it, whole."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    sock.sendall(conn.data_to_send())
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"), *headers])
+    while body:
+        n = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size, len(body))
+        if n:
+            conn.send_data(sid, body[:n], end_stream=n == len(body))
+            body = body[n:]
+        else:
+            conn.receive_data(sock.recv(1 << 16))
+        sock.sendall(conn.data_to_send())
+    return sock, conn
+
+
+def answer_pings(clients):
+    """Takes what the server sent on each connection and acks its pings, as a live client would."""
+    for sock, conn in clients:
+        sock.setblocking(False)
+        try:
+            while data := sock.recv(1 << 16):
+                conn.receive_data(data)
+        except (BlockingIOError, OSError):
+            pass
+        try:
+            sock.sendall(conn.data_to_send())
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("listener", ["grpc", "http"])
+def test_answers_a_client_grants_no_http2_window_for_are_dropped_with_its_connection(start_server, tmp_path, listener):
+    """An HTTP/2 client that acks the server's frames but never opens a window for its answers:
+    each connection is closed once it has taken no bytes of them for the idle timeout, and the
+    answers go with it (before, a gRPC call's answer counted as a call in flight: held for good)."""
+    from conftest import make_repository
+    from tritonclient.grpc import service_pb2
+    repo = make_repository(tmp_path / "repo", ("scale",))
+    (repo / "scale" / "config.toml").write_text("max_batch_size = 2000000\n")
+    s = start_server("--http-idle-timeout-secs", "5", "--max-body-bytes", str(64 << 20),
+                     "--max-inflight-body-bytes", str(256 << 20), repository=repo)
+    rows = 1_000_000  # 16 MB in and 16 MB out
+    x = np.ones((rows, 4), np.float32).tobytes()
+    if listener == "grpc":
+        req = service_pb2.ModelInferRequest(model_name="scale", raw_input_contents=[x])
+        t = req.inputs.add()
+        t.name, t.datatype = "x", "FP32"
+        t.shape.extend([rows, 4])
+        msg = req.SerializeToString()
+        port, path, body = s.grpc_port, "/inference.GRPCInferenceService/ModelInfer", b"\0" + struct.pack(">I", len(msg)) + msg
+        headers = [("content-type", "application/grpc"), ("te", "trailers")]
+    else:
+        header = json.dumps({"inputs": [{"name": "x", "shape": [rows, 4], "datatype": "FP32",
+                                         "parameters": {"binary_data_size": len(x)}}],
+                             "parameters": {"binary_data_output": True}}).encode()
+        port, path, body = s.port, "/v2/models/scale/infer", header + x
+        headers = [("inference-header-content-length", str(len(header)))]
+    listening = sockets_of(s.proc.pid)
+    clients = [h2_request_held_without_window(port, path, headers, body) for _ in range(4)]
+    try:
+        time.sleep(0.5)
+        answer_pings(clients)
+        held, open_ = rss_kib(s.proc.pid), sockets_of(s.proc.pid) - listening
+        assert open_ == 4, f"{open_} of the 4 connections were open a second after their requests"
+        deadline = time.time() + 20
+        while sockets_of(s.proc.pid) > listening and time.time() < deadline:
+            answer_pings(clients)
+            time.sleep(0.2)
+        assert sockets_of(s.proc.pid) == listening, "connections that granted no window for their answers stayed open"
+        if listener == "grpc":  # (an HTTP answer's buffers go back to the body pool, trimmed later)
+            gone = held - rss_kib(s.proc.pid)
+            assert gone > 16 * 1024, f"4 unsent 16 MB answers closed, {gone} KiB given back"
+        # A client opening its window a little at a time, for longer than the timeout in all, gets
+        # its whole answer.
+        sock, conn = h2_request_held_without_window(port, path, headers, body)
+        clients.append((sock, conn))
+        assert len(slowly_taken(sock, conn, step=1 << 20, pause=0.4)) > len(x)
+    finally:
+        for sock, _ in clients:
+            sock.close()
+
+
+def slowly_taken(sock, conn, step, pause):
+    """The answer on `conn`'s stream 1, granting the server `step` bytes of window every `pause` s."""
+    import h2.events
+    got, ended = [], False
+    sock.setblocking(True)
+    sock.settimeout(30)
+    while not ended:
+        conn.increment_flow_control_window(step)
+        conn.increment_flow_control_window(step, 1)
+        sock.sendall(conn.data_to_send())
+        taken = 0
+        while taken < step and not ended:
+            data = sock.recv(1 << 16)
+            assert data, "the server closed the connection of a client taking its answer slowly"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    got.append(event.data)
+                    taken += event.flow_controlled_length
+                ended |= isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset))
+            sock.sendall(conn.data_to_send())
+        time.sleep(pause)
+    return b"".join(got)
+
+
 def test_the_grpc_listener_closes_silent_connections_and_holds_its_cap(start_server):
     s = start_server("--http-max-connections", "10", "--http-header-timeout-secs", "1", models=("mlp",))
     silent = [socket.create_connection(("127.0.0.1", s.grpc_port)) for _ in range(10)]

@@ -1,9 +1,10 @@
 //! Closing HTTP connections that hold a place while doing nothing: no request in flight on them
-//! for the idle timeout (between keep-alive requests, or an HTTP/2 connection kept open with pings
-//! alone). A request being received or computed is never cut: the clock runs only while none is in
-//! flight on the connection. Nor may a client hold its answers by not reading them: a write that
-//! makes no progress for the idle timeout fails, and the connection, with the answers it holds,
-//! is closed.
+//! and no answer moving for the idle timeout (between keep-alive requests, or an HTTP/2 connection
+//! kept open with pings alone). A request being received or computed is never cut: the clock runs
+//! only while none is in flight on the connection, and starts again whenever its answers move (at
+//! least [`MOVING`] bytes written). Nor may a client hold its answers by not reading them: a write
+//! that makes no progress for the idle timeout fails, and so does a connection whose answers wait
+//! on a window the client never opens (HTTP/2): closed, with the answers it holds.
 
 use std::{
     future::Future,
@@ -21,6 +22,10 @@ use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     time::{Instant, Sleep},
 };
+
+/// Bytes written since the idle clock last started that show the connection's answers moving,
+/// more than its own frames (an HTTP/2 ping's acknowledgement is 17 bytes).
+pub const MOVING: usize = 1024;
 
 /// Requests in flight on one connection, and how many have finished.
 #[derive(Debug, Default)]
@@ -46,6 +51,8 @@ pub struct IdleIo<T> {
     deadline: Pin<Box<Sleep>>,
     /// `in_flight.finished` when the deadline was last set.
     seen: usize,
+    /// Bytes written since the deadline was last set.
+    written: usize,
     /// Armed when a write finds the client not reading (the socket's buffer full), until one
     /// makes progress.
     write_deadline: Pin<Box<Sleep>>,
@@ -60,8 +67,15 @@ impl<T> IdleIo<T> {
             idle,
             deadline: Box::pin(tokio::time::sleep(idle)),
             seen: 0,
+            written: 0,
             write_deadline: Box::pin(tokio::time::sleep(idle)),
             write_stalled: false,
+        }
+    }
+
+    fn wrote(&mut self, r: &Poll<io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = r {
+            self.written = self.written.saturating_add(*n);
         }
     }
 
@@ -90,9 +104,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let finished = this.in_flight.finished.load(Ordering::Acquire);
-        if this.in_flight.now.load(Ordering::Acquire) > 0 || finished != this.seen {
-            // Busy, or work ended since: the idle clock starts again from now.
+        if this.in_flight.now.load(Ordering::Acquire) > 0 || finished != this.seen || this.written >= MOVING {
+            // Busy, work ended or answers sent since: the idle clock starts again from now.
             this.seen = finished;
+            this.written = 0;
             let next = Instant::now() + this.idle;
             this.deadline.as_mut().reset(next);
         }
@@ -112,6 +127,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(&r);
         this.progress(cx, r)
     }
 
@@ -132,6 +148,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(&r);
         this.progress(cx, r)
     }
 
@@ -177,5 +194,24 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         assert!(err.to_string().contains("no bytes of its answers for 5 s"), "{err}");
         assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_moving_keep_a_connection_open_and_small_frames_do_not() {
+        let (ours, _client) = tokio::io::duplex(1 << 20);
+        let (mut read, mut write) =
+            tokio::io::split(IdleIo::new(ours, Arc::new(InFlight::default()), Duration::from_secs(5)));
+        let started = Instant::now();
+        let waiting = tokio::spawn(async move { read.read(&mut [0; 1]).await.unwrap_err() });
+        // No request in flight, but 4 KiB of answers every 4 s: the connection is not idle...
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            write.write_all(&[7; 4096]).await.unwrap();
+        }
+        // ...then only a ping's acknowledgement: closed a timeout after the answers last moved.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        write.write_all(&[0; 17]).await.unwrap();
+        assert_eq!(waiting.await.unwrap().kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(20));
     }
 }

@@ -170,9 +170,9 @@ struct ServeArgs {
     /// its first byte (DEADLINE_EXCEEDED after).
     #[arg(long, env = "FERRITE_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30)]
     http_body_timeout_secs: u64,
-    /// Seconds a connection (HTTP or gRPC) may stay open with no request in flight (between
-    /// keep-alive requests, or HTTP/2 kept alive by pings alone), or with its client taking no
-    /// bytes of the answers written to it; then it is closed.
+    /// Seconds a connection (HTTP or gRPC) may stay open with no request in flight and no answer
+    /// moving (between keep-alive requests, or HTTP/2 kept alive by pings alone), or with its
+    /// client taking no bytes of the answers written to it; then it is closed.
     #[arg(long, env = "FERRITE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = 60)]
     http_idle_timeout_secs: u64,
     /// Connections each HTTP listener holds at once; more are closed at once (default: a quarter

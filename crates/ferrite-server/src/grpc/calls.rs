@@ -106,7 +106,10 @@ where
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await?;
-            let charge = (!streaming).then_some(charge);
+            // A unary call's work is done: from here its answer is the connection's to send, and
+            // the connection is closed if the answer stops moving (`IdleIo`); a stream is in
+            // flight while it is open.
+            let (held, charge) = if streaming { (held, None) } else { (None, Some(charge)) };
             Ok(resp.map(|inner| Body::new(Kept { inner, _held: held, _charge: charge })))
         })
     }
@@ -348,7 +351,7 @@ impl http_body::Body for Charged {
     }
 }
 
-/// A response body that keeps the call counted (and a unary call's bytes charged) until sent.
+/// A response body that keeps a stream counted (and a unary call's bytes charged) until sent.
 struct Kept {
     inner: Body,
     _held: Option<Held>,
