@@ -107,6 +107,9 @@ def costly(tmp_path_factory):
                                    ("resize", {"size": [8, 8]}), raw], extra="max_batch_size = 64")
     # One request per batch, so each worker holds one client's image at a time.
     pipeline(repo, "one_by_one", [("decode_image", {}), ("resize", {"size": [8, 8]}), raw], extra="max_batch_size = 1")
+    # A model whose one run of hundreds of rows costs seconds (ONNX Runtime, no pipeline).
+    shutil.copytree(ROOT / "tests" / "models" / "slow", repo / "slow")
+    (repo / "slow" / "config.toml").write_text("max_batch_size = 4096\n")
     s = Server(repo)
     yield s
     s.stop()
@@ -252,6 +255,42 @@ def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     time.sleep(max(whole / 10, 0.3))
     c.stop_stream(cancel_requests=True)
     assert_stopped(pid, whole, "4 such requests, a gRPC stream cancelled")
+
+
+def slow_rows(rows):
+    x = np.full((rows, 512), 0.25, np.float32)
+    header = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    return {"Inference-Header-Content-Length": str(len(header))}, header + x.tobytes()
+
+
+def test_a_model_run_stops_when_its_client_leaves(costly):
+    """One ONNX Runtime run of 400 rows: ended part-way once its client has gone (before, it ran
+    to the end, and the next request waited for it)."""
+    pid = costly.proc.pid
+    headers, body = slow_rows(400)
+    start = cpu_seconds(pid)
+    status, answer = post(costly, "/v2/models/slow/infer", body, headers, timeout=300)
+    assert status == 200, answer
+    whole = cpu_seconds(pid) - start
+    settle(pid)
+    sock = socket.create_connection(("127.0.0.1", costly.port))
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n"
+                 .encode() + body)
+    time.sleep(max(whole / 10, 0.3))
+    sock.close()
+    assert_stopped(pid, whole, "400 rows of a slow model over HTTP")
+    c = grpcclient.InferenceServerClient(costly.grpc_url)
+    x = grpcclient.InferInput("x", [400, 512], "FP32")
+    x.set_data_from_numpy(np.full((400, 512), 0.25, np.float32))
+    with pytest.raises(Exception):
+        c.infer("slow", [x], client_timeout=max(whole / 10, 0.3))
+    assert_stopped(pid, whole, "400 rows of a slow model, a gRPC call cancelled")
+    # The model serves on.
+    headers, body = slow_rows(2)
+    status, answer = post(costly, "/v2/models/slow/infer", body, headers)
+    assert status == 200 and json.loads(answer)["outputs"][0]["shape"] == [2, 512], answer
 
 
 def text_repo(root):

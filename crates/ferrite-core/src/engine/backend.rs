@@ -5,7 +5,11 @@
 //! batcher's own OS threads.
 
 use std::{
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    task::Wake,
     time::{Duration, Instant},
 };
 
@@ -64,12 +68,59 @@ pub struct Live<'a> {
     ids: Vec<(&'a str, &'a str)>,
     /// The model's submit count and its value when the batch was taken (see `alone`).
     quiet: Option<(&'a AtomicU64, u64)>,
+    /// Told when every client of the batch has left (see `on_abandoned`).
+    abandon: Option<&'a Abandon>,
+}
+
+/// A batch's clients, counted as they leave: each request's reply channel wakes it (on the thread
+/// that drops the receiver) when its client goes, and once none waits, the run serving them is
+/// stopped by what the backend asked (`Live::on_abandoned`).
+pub struct Abandon {
+    waiting: AtomicUsize,
+    stop: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Abandon {
+    /// A batch of `requests` whose clients all wait.
+    pub fn new(requests: usize) -> Abandon {
+        Abandon { waiting: AtomicUsize::new(requests), stop: Mutex::new(None) }
+    }
+
+    /// One client left (once each).
+    pub fn left(&self) {
+        if self.waiting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)) == Ok(1) {
+            let stop = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(stop) = stop {
+                stop();
+            }
+        }
+    }
+
+    fn on_abandoned(&self, stop: Box<dyn FnOnce() + Send>) {
+        let mut slot = self.stop.lock().unwrap_or_else(|e| e.into_inner());
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            drop(slot);
+            stop();
+        } else {
+            *slot = Some(stop);
+        }
+    }
+}
+
+impl Wake for Abandon {
+    fn wake(self: Arc<Self>) {
+        self.left();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.left();
+    }
 }
 
 impl<'a> Live<'a> {
     /// A batch of one request whose caller always waits (warm-ups, calibration, tests).
     pub fn everyone() -> Live<'static> {
-        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new(), quiet: None }
+        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new(), quiet: None, abandon: None }
     }
 
     /// Requests of `rows` rows each, in batch order; `awaited(i)` tells whether request i's
@@ -84,7 +135,7 @@ impl<'a> Live<'a> {
                 first
             })
             .collect();
-        Live { starts, awaited, ids: Vec::new(), quiet: None }
+        Live { starts, awaited, ids: Vec::new(), quiet: None, abandon: None }
     }
 
     /// The index of the request row `row` belongs to.
@@ -104,6 +155,27 @@ impl<'a> Live<'a> {
     pub fn with_quiet(mut self, submitted: &'a AtomicU64, seen: u64) -> Live<'a> {
         self.quiet = Some((submitted, seen));
         self
+    }
+
+    /// The batch's clients, counted as they leave (none for a batch with no client to leave).
+    pub fn with_abandon(mut self, abandon: &'a Abandon) -> Live<'a> {
+        self.abandon = Some(abandon);
+        self
+    }
+
+    /// Whether the batch's clients can all leave while it runs (see `on_abandoned`).
+    pub fn abandonable(&self) -> bool {
+        self.abandon.is_some()
+    }
+
+    /// Has `stop` called once every client of the batch has left, at once if all have (from
+    /// the thread that sees the last one go): a backend that can end a run part-way (ONNX
+    /// Runtime's terminate flag) stops paying for a batch nobody awaits. Never called for a
+    /// batch that is not `abandonable`.
+    pub fn on_abandoned(&self, stop: impl FnOnce() + Send + 'static) {
+        if let Some(abandon) = self.abandon {
+            abandon.on_abandoned(Box::new(stop));
+        }
     }
 
     /// Whether this batch's caller is alone: a lone request taken from a queue it left empty, and

@@ -16,13 +16,14 @@ use std::{
         atomic::{AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
+    task::{Context, Waker},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use crate::{
     engine::{
-        backend::{BatchInput, Instance, Live},
+        backend::{Abandon, BatchInput, Instance, Live},
         costs::{self, BatchCosts, BatchTime, Bounds, Explore},
         queue::{Decision, Pending, Queue},
         spec::{reshaped, ModelSpec, TimeoutAction},
@@ -833,7 +834,7 @@ fn run_isolated(
         }
         return replies;
     }
-    let result = run(shared, instance, &batch, quiet, cpu_from);
+    let result = run(shared, instance, &mut batch, quiet, cpu_from);
     let rows = if shared.each { Vec::new() } else { instance.failed_rows() };
     if !rows.is_empty() {
         return run_without(shared, instance, batch, rows, result.ok());
@@ -914,11 +915,13 @@ pub(crate) fn request_error(first: usize, count: usize, rows: &[(usize, Error)])
 fn run(
     shared: &Shared,
     instance: &mut dyn Instance,
-    group: &[Pending],
+    group: &mut [Pending],
     quiet: Option<u64>,
     cpu_from: Option<Duration>,
 ) -> Result<Vec<Result<Vec<Tensor>>>> {
     let start = Instant::now();
+    let abandon = watch_clients(group);
+    let group = &*group;
     let cpu_start = instance.runs_on_caller().then(|| cpu_from.unwrap_or_else(costs::thread_cpu_time));
     let spec = &shared.spec;
     let rows: usize = group.iter().map(|p| p.rows).sum();
@@ -933,6 +936,9 @@ fn run(
     let mut live = Live::new(group.iter().map(|p| p.rows), &awaited);
     if let Some(seen) = quiet {
         live = live.with_quiet(&shared.submitted, seen);
+    }
+    if let Some(abandon) = &abandon {
+        live = live.with_abandon(abandon);
     }
     if shared.each {
         live = live.with_ids(
@@ -991,6 +997,24 @@ fn run(
         m.compute.observe(start.elapsed().as_secs_f64());
     }
     outputs
+}
+
+/// Counts `group`'s clients as they leave, from the threads that drop their receivers, so that a
+/// run none of them awaits any more can be stopped (`Live::on_abandoned`). None for a group with
+/// a warm-up, which has no client to leave.
+fn watch_clients(group: &mut [Pending]) -> Option<Arc<Abandon>> {
+    if group.iter().any(|p| p.warmup) {
+        return None;
+    }
+    let abandon = Arc::new(Abandon::new(group.len()));
+    let waker = Waker::from(abandon.clone());
+    let mut cx = Context::from_waker(&waker);
+    for p in group {
+        if p.reply.poll_closed(&mut cx).is_ready() {
+            abandon.left();
+        }
+    }
+    Some(abandon)
 }
 
 /// What a run gave back: outputs for the whole batch, or each request's own.
@@ -1196,6 +1220,45 @@ mod tests {
 
     fn multi_thread() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap()
+    }
+
+    #[test]
+    fn a_run_is_abandoned_once_every_client_has_left_and_not_before() {
+        use std::sync::atomic::AtomicUsize;
+        let (mut group, mut receivers): (Vec<_>, Vec<_>) = (0..3).map(|_| pending(None)).unzip();
+        drop(receivers.pop()); // gone before the run
+        let abandon = watch_clients(&mut group).unwrap();
+        let live = Live::new([1, 1, 1], &|_| true).with_abandon(&abandon);
+        let stops = Arc::new(AtomicUsize::new(0));
+        let count = |stops: &Arc<AtomicUsize>| {
+            let stops = stops.clone();
+            move || {
+                stops.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        live.on_abandoned(count(&stops));
+        drop(receivers.pop());
+        assert_eq!(stops.load(Ordering::SeqCst), 0, "one client still waits");
+        // The last leaves on another thread, as an I/O thread drops its receiver.
+        let last = receivers.pop().unwrap();
+        std::thread::spawn(move || drop(last)).join().unwrap();
+        assert_eq!(stops.load(Ordering::SeqCst), 1);
+        // A stop asked for once all have left comes at once.
+        live.on_abandoned(count(&stops));
+        assert_eq!(stops.load(Ordering::SeqCst), 2);
+
+        // Answered, then gone: not a client leaving its run.
+        let (p, rx) = pending(None);
+        let mut group = vec![p];
+        let abandon = watch_clients(&mut group).unwrap();
+        Live::new([1], &|_| true).with_abandon(&abandon).on_abandoned(count(&stops));
+        let _ = group.pop().unwrap().reply.send(answered(0));
+        drop(rx);
+        assert_eq!(stops.load(Ordering::SeqCst), 2);
+        // A warm-up has no client: its batch is never abandoned.
+        let (mut warm, _rx) = pending(None);
+        warm.warmup = true;
+        assert!(watch_clients(&mut [warm]).is_none());
     }
 
     #[test]

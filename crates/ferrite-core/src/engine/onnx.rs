@@ -26,7 +26,7 @@ use ort::{
 use crate::{
     data::tensor::{aligned_bytes, Reused, REUSED_FROM},
     engine::{
-        backend::{Backend, BatchInput, Instance},
+        backend::{Backend, BatchInput, Instance, Live},
         spec::TensorSpec,
     },
     DataType, Error, Result, Tensor, TensorData,
@@ -606,12 +606,7 @@ impl Backend for OnnxBackend {
             None => open(&self.path, &self.options, &self.weights)?,
         };
         let output_names = self.outputs.iter().map(|o| o.name.clone()).collect();
-        let shrinking = || -> Result<RunOptions> {
-            let mut o = RunOptions::new().map_err(ort_err)?;
-            o.set("memory.enable_memory_arena_shrinkage", "cpu:0").map_err(ort_err)?;
-            Ok(o)
-        };
-        let run_options = if self.options.arena_shrinkage { Some(shrinking()?) } else { None };
+        let run_options = if self.options.arena_shrinkage { Some(run_options(true)?) } else { None };
         let zipmaps = self.zipmaps.clone();
         Ok(Box::new(OnnxInstance {
             session,
@@ -628,6 +623,15 @@ impl Backend for OnnxBackend {
             staged: None,
         }))
     }
+}
+
+/// Options for a run: `shrink`, the arena gives back its growth after it.
+fn run_options(shrink: bool) -> Result<RunOptions> {
+    let mut o = RunOptions::new().map_err(ort_err)?;
+    if shrink {
+        o.set("memory.enable_memory_arena_shrinkage", "cpu:0").map_err(ort_err)?;
+    }
+    Ok(o)
 }
 
 impl OnnxInstance {
@@ -939,6 +943,28 @@ impl Instance for OnnxInstance {
     }
 
     fn run(&mut self, inputs: &[BatchInput<'_>]) -> Result<Vec<Tensor>> {
+        self.run_with(inputs, None)
+    }
+
+    /// A run its clients can leave: ONNX Runtime stops it (between nodes) once none of them
+    /// waits, and the instance is free for the next batch.
+    fn run_live(&mut self, inputs: &[BatchInput<'_>], live: &Live<'_>) -> Result<Vec<Tensor>> {
+        if !live.abandonable() {
+            return self.run_with(inputs, None);
+        }
+        // Options of this run alone: a stop that comes after it cannot reach the next.
+        let options = std::sync::Arc::new(run_options(self.run_options.is_some())?);
+        let stop = options.clone();
+        live.on_abandoned(move || {
+            let _ = stop.terminate();
+        });
+        self.run_with(inputs, Some(&options))
+    }
+}
+
+impl OnnxInstance {
+    /// A run under `options`, else the instance's own.
+    fn run_with(&mut self, inputs: &[BatchInput<'_>], options: Option<&RunOptions>) -> Result<Vec<Tensor>> {
         let copying = Instant::now();
         self.staging.resize_with(inputs.len(), Vec::new);
         let mut values: Vec<DynValue> = Vec::with_capacity(inputs.len());
@@ -958,7 +984,7 @@ impl Instance for OnnxInstance {
         }
         self.input_time = copying.elapsed();
         let views = inputs.iter().zip(&values).map(|(i, v)| (i.name, SessionInputValue::from(v))).collect::<Vec<_>>();
-        let mut outputs = match &self.run_options {
+        let mut outputs = match options.or(self.run_options.as_ref()) {
             Some(o) => self.session.run_with_options(views, o),
             None => self.session.run(views),
         }
