@@ -217,23 +217,26 @@ def assert_stopped(pid, whole, what):
     assert after < max(whole / 4, 1.0), (whole, after)
 
 
-def test_work_stops_when_an_http_client_leaves(costly):
-    pid = costly.proc.pid
-    headers, body = slow_request()
-    # What the whole request costs when its client waits.
+def abandoned_over_http(server, path, headers, body, what):
+    """What a request costs when its client waits; then the same request, its connection closed
+    after a tenth of that time, must stop costing. Returns the whole cost (CPU-s)."""
+    pid = server.proc.pid
     start = cpu_seconds(pid)
-    status, answer = post(costly, "/v2/models/slow_images/infer", body, headers, timeout=300)
+    status, answer = post(server, path, body, headers, timeout=300)
     assert status == 200, answer
     whole = cpu_seconds(pid) - start
     settle(pid)
-    # The same request, abandoned after a tenth of that time.
-    sock = socket.create_connection(("127.0.0.1", costly.port))
+    sock = socket.create_connection(("127.0.0.1", server.port))
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    sock.sendall(f"POST /v2/models/slow_images/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n"
-                 .encode() + body)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n".encode() + body)
     time.sleep(max(whole / 10, 0.3))
     sock.close()
-    assert_stopped(pid, whole, "24 images over HTTP")
+    assert_stopped(pid, whole, what)
+    return whole
+
+
+def test_work_stops_when_an_http_client_leaves(costly):
+    abandoned_over_http(costly, "/v2/models/slow_images/infer", *slow_request(), "24 images over HTTP")
 
 
 def test_work_stops_when_a_grpc_call_is_cancelled(costly):
@@ -268,19 +271,7 @@ def test_a_model_run_stops_when_its_client_leaves(costly):
     """One ONNX Runtime run of 400 rows: ended part-way once its client has gone (before, it ran
     to the end, and the next request waited for it)."""
     pid = costly.proc.pid
-    headers, body = slow_rows(400)
-    start = cpu_seconds(pid)
-    status, answer = post(costly, "/v2/models/slow/infer", body, headers, timeout=300)
-    assert status == 200, answer
-    whole = cpu_seconds(pid) - start
-    settle(pid)
-    sock = socket.create_connection(("127.0.0.1", costly.port))
-    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    sock.sendall(f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n"
-                 .encode() + body)
-    time.sleep(max(whole / 10, 0.3))
-    sock.close()
-    assert_stopped(pid, whole, "400 rows of a slow model over HTTP")
+    whole = abandoned_over_http(costly, "/v2/models/slow/infer", *slow_rows(400), "400 rows of a slow model over HTTP")
     c = grpcclient.InferenceServerClient(costly.grpc_url)
     x = grpcclient.InferInput("x", [400, 512], "FP32")
     x.set_data_from_numpy(np.full((400, 512), 0.25, np.float32))
