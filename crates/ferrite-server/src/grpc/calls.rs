@@ -102,6 +102,9 @@ where
         } else {
             Big::Off
         };
+        if !streaming {
+            req.extensions_mut().insert(AnswerCharge(charge.clone()));
+        }
         let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), streaming, limit, big)));
         let fut = self.inner.call(req);
         Box::pin(async move {
@@ -111,6 +114,30 @@ where
             // flight while it is open.
             let (held, charge) = if streaming { (held, None) } else { (None, Some(charge)) };
             Ok(resp.map(|inner| Body::new(Kept { inner, _held: held, _charge: charge })))
+        })
+    }
+}
+
+/// A unary call's charge, in its request's extensions: its answer holds its bytes of the budget
+/// (what the request held, and more if the answer is larger) until sent or its connection closed,
+/// so that answers clients do not take (no window opened for them) count against what all
+/// requests may hold.
+#[derive(Clone)]
+pub struct AnswerCharge(Arc<Charge>);
+
+impl AnswerCharge {
+    /// Adds an answer of `bytes`, or fails the call when the budget cannot take it (the answer's
+    /// memory is then freed at once, not held for a client that may never read it).
+    pub fn add(&self, bytes: usize) -> Result<(), Status> {
+        if bytes < crate::http::ANSWER_HELD_FROM {
+            return Ok(());
+        }
+        let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        self.0.hold(permits).map_err(|_| {
+            super::status(ferrite_core::Error::unavailable(
+                "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly",
+                Some(Duration::from_secs(1)),
+            ))
         })
     }
 }

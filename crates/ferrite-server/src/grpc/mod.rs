@@ -328,6 +328,7 @@ impl GrpcInferenceService for Service {
         let deadline = grpc_timeout_us(r.metadata());
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
         let meta = self.call_meta(r.metadata(), r.extensions())?;
+        let charge = r.extensions().get::<calls::AnswerCharge>().cloned();
         // A large message was read by the call's body into a pooled buffer (`calls`); tonic decoded
         // an empty one in its place.
         let req = match r.extensions().get::<calls::Captured>().and_then(calls::Captured::take) {
@@ -336,7 +337,11 @@ impl GrpcInferenceService for Service {
         };
         let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
-        self.infer(req, deadline, meta).instrument(span).await.map(Response::new).map_err(status)
+        let resp = self.infer(req, deadline, meta).instrument(span).await.map_err(status)?;
+        if let Some(charge) = charge {
+            charge.add(prost::Message::encoded_len(&resp))?;
+        }
+        Ok(Response::new(resp))
     }
 
     type ModelStreamInferStream = InferStream;

@@ -174,7 +174,66 @@ async fn read_body(
     if content_length(&parts.headers) != Some(bytes.len()) {
         parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     }
-    next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await
+    let resp = next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await;
+    hold_answer(resp, _reserved, &limits.body_budget)
+}
+
+/// Answers at least this large hold their bytes, and their request's, of the budget until sent
+/// (HTTP and gRPC).
+pub(crate) const ANSWER_HELD_FROM: usize = 64 << 10;
+
+/// A large answer holds its bytes of the budget (its request's reservation, and more if the
+/// answer is larger: the request's bytes are gone by now) until it has been sent or its
+/// connection closed: answers a client does not read (or, over HTTP/2, opens no window for) count
+/// against what all requests may hold, so many of them cannot exhaust memory. One the budget
+/// cannot take is not kept: 503, its memory freed at once.
+fn hold_answer(
+    resp: Response,
+    reserved: tokio::sync::OwnedSemaphorePermit,
+    budget: &Arc<tokio::sync::Semaphore>,
+) -> Response {
+    let bytes = axum::body::HttpBody::size_hint(resp.body()).exact().unwrap_or(0);
+    if bytes < ANSWER_HELD_FROM as u64 {
+        return resp;
+    }
+    let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+    let more = permits.saturating_sub(reserved.num_permits().try_into().unwrap_or(u32::MAX));
+    let Ok(answer) = budget.clone().try_acquire_many_owned(more) else {
+        let mut resp = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly",
+        )
+        .into_response();
+        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return resp;
+    };
+    resp.map(|inner| axum::body::Body::new(Holding { inner, _held: (reserved, answer) }))
+}
+
+/// A body that holds `_held` until it is dropped (sent, or its connection gone).
+struct Holding<T> {
+    inner: axum::body::Body,
+    _held: T,
+}
+
+impl<T: Unpin> axum::body::HttpBody for Holding<T> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// The Content-Length header's value, when it is a number.
