@@ -98,13 +98,11 @@ where
         let big = if req.uri().path() == "/inference.GRPCInferenceService/ModelInfer" {
             let slot = Captured::default();
             req.extensions_mut().insert(slot.clone());
+            req.extensions_mut().insert(AnswerCharge(charge.clone()));
             Big::Armed { slot, max: self.layer.max_message }
         } else {
             Big::Off
         };
-        if !streaming {
-            req.extensions_mut().insert(AnswerCharge(charge.clone()));
-        }
         let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), streaming, limit, big)));
         let fut = self.inner.call(req);
         Box::pin(async move {
@@ -118,7 +116,7 @@ where
     }
 }
 
-/// A unary call's charge, in its request's extensions: its answer holds its bytes of the budget
+/// A ModelInfer call's charge, in its request's extensions: its answer holds its bytes of the budget
 /// (what the request held, and more if the answer is larger) until sent or its connection closed,
 /// so that answers clients do not take (no window opened for them) count against what all
 /// requests may hold.
