@@ -490,16 +490,14 @@ def test_answers_a_client_grants_no_http2_window_for_are_dropped_with_its_connec
             sock.close()
 
 
-@pytest.mark.parametrize("listener", ["grpc", "http"])
-def test_answers_held_for_a_client_count_against_the_bytes_in_flight(start_server, tmp_path, listener):
-    """Small requests with large answers (a 1,500x1,500 PNG of a few KB decoded to 6.75 MB), many
-    streams on one HTTP/2 connection that opens no window for them: the answers held count against
-    --max-inflight-body-bytes, so past it the next ones are refused (503 / UNAVAILABLE) and their
-    memory freed, instead of every answer being held (before: all twelve, 81 MB)."""
+GRPC_HEADERS = [("content-type", "application/grpc"), ("te", "trailers")]
+
+
+def decoded_server(start_server, tmp_path):
+    """A server of a pipeline decoding an image to UINT8 pixels, 32 MB of bytes in flight, and a
+    1,500x1,500 PNG of a few KB (6.75 MB decoded) as one BYTES element."""
     import io
-    import h2.events
     from PIL import Image
-    from tritonclient.grpc import service_pb2
     repo = tmp_path / "repo"
     (repo / "decoded").mkdir(parents=True)
     (repo / "decoded" / "config.toml").write_text(
@@ -507,15 +505,31 @@ def test_answers_held_for_a_client_count_against_the_bytes_in_flight(start_serve
     s = start_server("--max-inflight-body-bytes", str(32 << 20), "--http-idle-timeout-secs", "30", repository=repo)
     png = io.BytesIO()
     Image.new("RGB", (1500, 1500), (9, 8, 7)).save(png, "PNG")
-    raw = struct.pack("<I", len(png.getvalue())) + png.getvalue()
+    return s, struct.pack("<I", len(png.getvalue())) + png.getvalue()
+
+
+def grpc_decoded_message(raw):
+    """A length-prefixed gRPC ModelInferRequest of `raw` for the decoding pipeline."""
+    from tritonclient.grpc import service_pb2
+    req = service_pb2.ModelInferRequest(model_name="decoded", raw_input_contents=[raw])
+    t = req.inputs.add()
+    t.name, t.datatype = "image", "BYTES"
+    t.shape.extend([1])
+    msg = req.SerializeToString()
+    return b"\0" + struct.pack(">I", len(msg)) + msg
+
+
+@pytest.mark.parametrize("listener", ["grpc", "http"])
+def test_answers_held_for_a_client_count_against_the_bytes_in_flight(start_server, tmp_path, listener):
+    """Small requests with large answers (a 1,500x1,500 PNG of a few KB decoded to 6.75 MB), many
+    streams on one HTTP/2 connection that opens no window for them: the answers held count against
+    --max-inflight-body-bytes, so past it the next ones are refused (503 / UNAVAILABLE) and their
+    memory freed, instead of every answer being held (before: all twelve, 81 MB)."""
+    import h2.events
+    s, raw = decoded_server(start_server, tmp_path)
     if listener == "grpc":
-        req = service_pb2.ModelInferRequest(model_name="decoded", raw_input_contents=[raw])
-        t = req.inputs.add()
-        t.name, t.datatype = "image", "BYTES"
-        t.shape.extend([1])
-        msg = req.SerializeToString()
-        port, path, body = s.grpc_port, "/inference.GRPCInferenceService/ModelInfer", b"\0" + struct.pack(">I", len(msg)) + msg
-        headers = [("content-type", "application/grpc"), ("te", "trailers")]
+        port, path, body = s.grpc_port, "/inference.GRPCInferenceService/ModelInfer", grpc_decoded_message(raw)
+        headers = GRPC_HEADERS
     else:
         header = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
                                          "parameters": {"binary_data_size": len(raw)}}],
@@ -550,6 +564,36 @@ def test_answers_held_for_a_client_count_against_the_bytes_in_flight(start_serve
     sock, conn = h2_request_held_without_window(port, path, headers, body)
     assert len(slowly_taken(sock, conn, step=8 << 20, pause=0)) > 1500 * 1500 * 3
     sock.close()
+
+
+def test_a_streams_answers_held_for_it_count_against_the_bytes_in_flight(start_server, tmp_path):
+    """The same on one ModelStreamInfer stream: twelve requests answered while the client opens no
+    window, then it reads them all: past the budget, the answers are errors of their own (the
+    stream goes on) rather than twelve held (before: all twelve answered, 81 MB held)."""
+    from tritonclient.grpc import service_pb2
+    s, raw = decoded_server(start_server, tmp_path)
+    sock, conn = h2_request_held_without_window(s.grpc_port, "/inference.GRPCInferenceService/ModelStreamInfer",
+                                                GRPC_HEADERS, grpc_decoded_message(raw) * 12)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # until all twelve are answered
+        stats = http.client.HTTPConnection(s.url, timeout=10)
+        stats.request("GET", "/v2/models/decoded/stats")
+        if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= 12:
+            break
+        time.sleep(0.2)
+    data = slowly_taken(sock, conn, step=128 << 20, pause=0)
+    sock.close()
+    answers = []
+    while data:
+        n = struct.unpack(">I", data[1:5])[0]
+        answers.append(service_pb2.ModelStreamInferResponse.FromString(data[5:5 + n]))
+        data = data[5 + n:]
+    assert len(answers) == 12, len(answers)
+    refused = [a for a in answers if "answer bytes in flight" in a.error_message]
+    # Four held in the budget, and the one the stream has handed on to be sent.
+    assert len(refused) >= 7 and all(len(a.infer_response.raw_output_contents) == 0 for a in refused), \
+        [a.error_message for a in answers]
+    assert all(a.infer_response.raw_output_contents[0] for a in answers if not a.error_message)
 
 
 def slowly_taken(sock, conn, step, pause):

@@ -101,6 +101,9 @@ where
             req.extensions_mut().insert(AnswerCharge(charge.clone()));
             Big::Armed { slot, max: self.layer.max_message }
         } else {
+            if streaming {
+                req.extensions_mut().insert(AnswerBudget(self.layer.budget.clone()));
+            }
             Big::Off
         };
         let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), streaming, limit, big)));
@@ -132,13 +135,30 @@ impl AnswerCharge {
         }
         let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
         self.0.hold(permits).map_err(|_| {
-            super::status(ferrite_core::Error::unavailable(
-                "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly",
-                Some(Duration::from_secs(1)),
-            ))
+            super::status(ferrite_core::Error::unavailable(ANSWERS_OVER_BUDGET, Some(Duration::from_secs(1))))
         })
     }
 }
+
+/// A ModelStreamInfer call's way to the budget, in its request's extensions: each large answer
+/// holds its bytes until the stream hands it on to be sent, as a unary call's does
+/// ([`AnswerCharge`]).
+#[derive(Clone)]
+pub struct AnswerBudget(Arc<Semaphore>);
+
+impl AnswerBudget {
+    /// The bytes of an answer of `bytes` held (none for a small one), or why the budget cannot take it.
+    pub fn hold(&self, bytes: usize) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, String> {
+        if bytes < crate::http::ANSWER_HELD_FROM {
+            return Ok(None);
+        }
+        let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        self.0.clone().try_acquire_many_owned(permits).map(Some).map_err(|_| ANSWERS_OVER_BUDGET.to_string())
+    }
+}
+
+const ANSWERS_OVER_BUDGET: &str =
+    "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly";
 
 /// Permits taken from the budget for one call, given back when the last holder drops it.
 struct Charge {

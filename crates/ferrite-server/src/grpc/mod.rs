@@ -11,7 +11,7 @@ pub mod tei;
 use std::{pin::Pin, sync::Arc, time::Duration};
 
 use ferrite_core::{Core, Error, Model};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{wrappers::ReceiverStream, Stream, StreamExt};
 use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
 use tonic_types::{ErrorDetails, StatusExt};
@@ -352,8 +352,12 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<InferStream>, Status> {
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
         let meta = self.call_meta(r.metadata(), r.extensions())?;
+        let budget = r.extensions().get::<calls::AnswerBudget>().cloned();
         let mut incoming = until_stopped(r.into_inner(), self.stopping.clone());
-        let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
+        // Each answer with what it holds of the bytes in flight, given back when tonic takes it.
+        let (tx, rx) = mpsc::channel::<(Result<pb::ModelStreamInferResponse, Status>, Option<OwnedSemaphorePermit>)>(
+            STREAM_IN_FLIGHT,
+        );
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
         let svc = self.clone();
         tokio::spawn(async move {
@@ -366,35 +370,47 @@ impl GrpcInferenceService for Service {
                         // An error ends the stream: the requests in flight are answered first.
                         drop(permit);
                         let _ = permits.acquire_many(STREAM_IN_FLIGHT as u32).await;
-                        let _ = tx.send(Err(e)).await;
+                        let _ = tx.send((Err(e), None)).await;
                         break;
                     }
                 };
-                let (tx, svc, meta) = (tx.clone(), svc.clone(), meta.clone());
+                let (tx, svc, meta, budget) = (tx.clone(), svc.clone(), meta.clone(), budget.clone());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
                         let (id, model_name) = (msg.id.clone(), msg.model_name.clone());
                         // One bad request answers with an error message; the stream goes on.
+                        let failed = |error_message: String| pb::ModelStreamInferResponse {
+                            error_message,
+                            infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
+                        };
                         let out = tokio::select! {
-                            r = svc.infer(msg, None, meta) => match r {
-                                Ok(resp) => pb::ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
-                                Err(e) => pb::ModelStreamInferResponse {
-                                    error_message: e.to_string(),
-                                    infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
-                                },
-                            },
+                            r = svc.infer(msg, None, meta) => r.map_err(|e| e.to_string()),
                             // The client went away: dropping the request frees its queue slot.
                             _ = tx.closed() => return,
                         };
-                        let _ = tx.send(Ok(out)).await;
+                        let held = match (&out, &budget) {
+                            (Ok(resp), Some(budget)) => budget.hold(prost::Message::encoded_len(resp)),
+                            _ => Ok(None),
+                        };
+                        let (out, held) = match (out, held) {
+                            (Ok(resp), Ok(held)) => (
+                                pb::ModelStreamInferResponse {
+                                    error_message: String::new(),
+                                    infer_response: Some(resp),
+                                },
+                                held,
+                            ),
+                            (Err(e), _) | (Ok(_), Err(e)) => (failed(e), None),
+                        };
+                        let _ = tx.send((Ok(out), held)).await;
                         drop(permit);
                     },
                     span,
                 ));
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(|(answer, _held)| answer))))
     }
 
     async fn model_config(
