@@ -121,13 +121,7 @@ async fn read_body(
     let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
     let permits = u32::try_from(reserve.div_ceil(1024)).unwrap_or(u32::MAX);
     let Ok(_reserved) = limits.body_budget.clone().try_acquire_many_owned(permits) else {
-        let mut resp = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many request bytes in flight on this server; retry shortly",
-        )
-        .into_response();
-        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return resp;
+        return over_budget("too many request bytes in flight on this server; retry shortly");
     };
     let bytes = match tokio::time::timeout(limits.body_timeout, pool::BODIES.read(body, max, stated)).await {
         Err(_) => {
@@ -199,15 +193,16 @@ fn hold_answer(
     let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
     let more = permits.saturating_sub(reserved.num_permits().try_into().unwrap_or(u32::MAX));
     let Ok(answer) = budget.clone().try_acquire_many_owned(more) else {
-        let mut resp = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
+        return over_budget(
             "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly",
-        )
-        .into_response();
-        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return resp;
+        );
     };
     resp.map(|inner| axum::body::Body::new(Holding { inner, _held: (reserved, answer) }))
+}
+
+/// 503 with a retry hint: the bytes in flight are over `--max-inflight-body-bytes`.
+fn over_budget(message: &str) -> Response {
+    ApiError::from(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1)))).into_response()
 }
 
 /// A body that holds `_held` until it is dropped (sent, or its connection gone).
