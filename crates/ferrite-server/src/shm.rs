@@ -268,7 +268,7 @@ impl Access {
             )));
         }
         let (region, at) = self.locate(input, place)?;
-        let permits = u32::try_from(size.div_ceil(1024)).unwrap_or(u32::MAX);
+        let permits = crate::http::budget_permits(size);
         let reserved = self.regions.budget.clone().try_acquire_many_owned(permits).map_err(|_| Error::Unavailable {
             message: "too many request bytes in flight on this server; retry shortly".into(),
             retry_after: Some(std::time::Duration::from_secs(1)),

@@ -133,7 +133,7 @@ impl AnswerCharge {
         if bytes < crate::http::ANSWER_HELD_FROM {
             return Ok(());
         }
-        let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        let permits = crate::http::budget_permits(bytes);
         self.0.hold(permits).map_err(|_| {
             super::status(ferrite_core::Error::unavailable(ANSWERS_OVER_BUDGET, Some(Duration::from_secs(1))))
         })
@@ -152,7 +152,7 @@ impl AnswerBudget {
         if bytes < crate::http::ANSWER_HELD_FROM {
             return Ok(None);
         }
-        let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        let permits = crate::http::budget_permits(bytes);
         self.0.clone().try_acquire_many_owned(permits).map(Some).map_err(|_| ANSWERS_OVER_BUDGET.to_string())
     }
 }
@@ -345,7 +345,7 @@ impl Charged {
         } else if after.is_some() || self.deadline.is_none() {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.limit)));
         }
-        self.charge.hold(u32::try_from(self.since.div_ceil(1024)).unwrap_or(u32::MAX))
+        self.charge.hold(crate::http::budget_permits(self.since))
     }
 }
 

@@ -119,8 +119,7 @@ async fn read_body(
         .or_else(|| content_length(&parts.headers));
     let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
     let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
-    let permits = u32::try_from(reserve.div_ceil(1024)).unwrap_or(u32::MAX);
-    let Ok(_reserved) = limits.body_budget.clone().try_acquire_many_owned(permits) else {
+    let Ok(_reserved) = limits.body_budget.clone().try_acquire_many_owned(budget_permits(reserve)) else {
         return over_budget("too many request bytes in flight on this server; retry shortly");
     };
     let bytes = match tokio::time::timeout(limits.body_timeout, pool::BODIES.read(body, max, stated)).await {
@@ -172,6 +171,12 @@ async fn read_body(
     hold_answer(resp, _reserved, &limits.body_budget)
 }
 
+/// The permits of the bytes-in-flight budget (`--max-inflight-body-bytes`, one a KiB) that
+/// `bytes` take.
+pub(crate) fn budget_permits(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
 /// Answers at least this large hold their bytes, and their request's, of the budget until sent
 /// (HTTP and gRPC).
 pub(crate) const ANSWER_HELD_FROM: usize = 64 << 10;
@@ -186,12 +191,12 @@ fn hold_answer(
     reserved: tokio::sync::OwnedSemaphorePermit,
     budget: &Arc<tokio::sync::Semaphore>,
 ) -> Response {
-    let bytes = axum::body::HttpBody::size_hint(resp.body()).exact().unwrap_or(0);
-    if bytes < ANSWER_HELD_FROM as u64 {
+    let bytes =
+        axum::body::HttpBody::size_hint(resp.body()).exact().map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    if bytes < ANSWER_HELD_FROM {
         return resp;
     }
-    let permits = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
-    let more = permits.saturating_sub(reserved.num_permits().try_into().unwrap_or(u32::MAX));
+    let more = budget_permits(bytes).saturating_sub(reserved.num_permits().try_into().unwrap_or(u32::MAX));
     let Ok(answer) = budget.clone().try_acquire_many_owned(more) else {
         return over_budget(
             "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly",
