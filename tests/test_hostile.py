@@ -670,6 +670,67 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
     assert len(answers) == 4 and all(not a.error_message for a in answers), [a.error_message for a in answers]
 
 
+TWO_TENANTS = "[tenants.noisy]\nrate = 1000\nburst = 1000\n[tenants.quiet]\nrate = 1000\nburst = 1000\n"
+
+
+def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, tmp_path):
+    """One tenant trickling large bodies cannot take the whole budget of bytes in flight: past
+    half of it its own requests are refused, and another tenant's are served (before, four such
+    bodies held all of it and every other request got 503)."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text(TWO_TENANTS)
+    s = start_server("--max-inflight-body-bytes", str(32 << 20), "--tenant-header", "x-tenant",
+                     "--tenant-config", str(cfg), models=("mlp",))
+    head = (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Tenant: noisy\r\nContent-Length: %d\r\n\r\n{\"inputs\"" % (8 << 20))
+    slow, refused = [], 0
+    for _ in range(4):  # 8 MiB each: two fill the tenant's half of the 32 MiB
+        c = socket.create_connection(("127.0.0.1", s.port))
+        c.sendall(head)
+        c.settimeout(0.5)
+        try:
+            answer = c.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503") and b"in flight" in answer, answer
+            refused += 1
+            c.close()
+        except socket.timeout:
+            slow.append(c)
+    assert (len(slow), refused) == (2, 2)
+    # The other tenant, and requests acting for none, still find room.
+    assert send(s, "POST", MLP, {**JSON, "X-Tenant": "quiet"}, mlp_body())[0] == 200
+    assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
+    assert send(s, "POST", MLP, {**JSON, "X-Tenant": "noisy"}, mlp_body())[0] == 503
+    for c in slow:
+        c.close()
+    time.sleep(0.3)
+    assert send(s, "POST", MLP, {**JSON, "X-Tenant": "noisy"}, mlp_body())[0] == 200
+
+
+def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_path):
+    """As over HTTP: a tenant's 1 MB messages held in a slow model take at most half the budget,
+    and another tenant's message of the same size is served beside them."""
+    import grpc
+    from concurrent.futures import ThreadPoolExecutor
+    from tritonclient.grpc import service_pb2_grpc
+    from conftest import make_repository
+    repo = make_repository(tmp_path / "repo", ("slow",))
+    (repo / "slow" / "config.toml").write_text("max_batch_size = 512\n")
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text(TWO_TENANTS)
+    s = start_server("--max-inflight-body-bytes", "3200000", "--tenant-header", "x-tenant",
+                     "--tenant-config", str(cfg), repository=repo)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(s.grpc_url))
+    noisy = [("x-tenant", "noisy")]
+    with ThreadPoolExecutor(3) as pool:
+        calls = []
+        for _ in range(3):  # before, all three fit the budget (3 MB of 3.2) and were held
+            calls.append(pool.submit(stub.ModelInfer, slow_grpc_request(500), timeout=120, metadata=noisy))
+            time.sleep(0.5)
+        assert stub.ModelInfer(slow_grpc_request(500), timeout=120, metadata=[("x-tenant", "quiet")]).raw_output_contents
+        codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE], codes
+
+
 def test_grpc_connections_with_no_call_open_are_closed_when_idle(start_server):
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc

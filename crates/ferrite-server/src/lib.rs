@@ -2,6 +2,7 @@
 //! the core's errors once; nothing else lives here.
 
 pub mod auth;
+pub mod budget;
 pub mod check;
 pub mod config_source;
 pub mod grpc;

@@ -181,8 +181,8 @@ struct ServeArgs {
     http_max_connections: Option<usize>,
     /// Bytes of request bodies all requests may hold at once: HTTP bodies reserved before reading
     /// (decompressed ones count twice), gRPC messages as they arrive, until answered; answers of
-    /// 64 KiB or more until their clients have taken them; past it, 503 with Retry-After (gRPC:
-    /// UNAVAILABLE with a retry hint).
+    /// 64 KiB or more until their clients have taken them; a tenant's requests half of it at most;
+    /// past it, 503 with Retry-After (gRPC: UNAVAILABLE with a retry hint).
     #[arg(long, env = "FERRITE_MAX_INFLIGHT_BODY_BYTES", default_value_t = http::DEFAULT_BODY_BUDGET)]
     max_inflight_body_bytes: usize,
     /// TLS certificate chain (PEM) for every listener; needs --tls-key.
@@ -493,9 +493,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(source) = source {
         source.follow(core.clone());
     }
-    let body_budget = Arc::new(tokio::sync::Semaphore::new(
-        args.max_inflight_body_bytes.div_ceil(1024).min(tokio::sync::Semaphore::MAX_PERMITS),
-    ));
+    let body_budget = ferrite_server::budget::Budget::new(args.max_inflight_body_bytes);
     let cfg = ServeConfig {
         host,
         http_port: args.http_port,

@@ -274,12 +274,14 @@ pub async fn run(
         .max_concurrent_streams(cfg.grpc_max_concurrent_streams)
         .max_frame_size(grpc::MAX_FRAME)
         .http2_keepalive_interval(Some(grpc::KEEPALIVE))
+        // Outermost first: the token is checked before the call's bytes are charged to its tenant.
+        .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .layer(grpc::calls::CallLayer {
             budget: cfg.http.body_budget.clone(),
+            core: core.clone(),
             message_timeout: cfg.http.body_timeout,
             max_message: cfg.grpc.max_decoding_message_size,
         })
-        .layer(grpc::AuthLayer { auth: cfg.auth.clone() })
         .add_service(health_service)
         .add_service(grpc::service(core.clone(), &cfg.grpc, cfg.shm.clone(), stop_rx.clone()))
         .add_service(tei.info)

@@ -17,10 +17,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use crate::budget::{Budget, Reserved};
 use bytes::Bytes;
 use ferrite_core::{wire::Param, DataType, Error, Tensor, TensorData};
 use std::sync::atomic::Ordering::Relaxed;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Regions one server holds at most: each holds a file descriptor, so an eighth of the open-files
 /// limit (connections may take three quarters of it), 16 to 1024.
@@ -87,13 +87,13 @@ pub struct Regions {
     max_bytes: usize,
     /// The bytes all requests may hold at once, shared with the bodies being read: a read holds
     /// its share until its tensor is dropped.
-    budget: Arc<Semaphore>,
+    budget: Arc<Budget>,
     regions: Mutex<Vec<Arc<Region>>>,
 }
 
 impl Regions {
-    /// `max_bytes`: what one request may read; `budget`: the bodies' budget (permits of 1 KiB).
-    pub fn new(enabled: bool, max_bytes: usize, budget: Arc<Semaphore>) -> Regions {
+    /// `max_bytes`: what one request may read; `budget`: the bodies' budget.
+    pub fn new(enabled: bool, max_bytes: usize, budget: Arc<Budget>) -> Regions {
         Regions { enabled, max_regions: max_regions(), max_bytes, budget, regions: Mutex::new(Vec::new()) }
     }
 
@@ -221,12 +221,12 @@ pub struct Access {
 }
 
 /// A tensor's bytes read from shared memory, holding their share of the budget while they live.
-struct Held<B> {
+struct Reading<B> {
     bytes: B,
-    _reserved: OwnedSemaphorePermit,
+    _reserved: Reserved,
 }
 
-impl<B: AsRef<[u8]>> AsRef<[u8]> for Held<B> {
+impl<B: AsRef<[u8]>> AsRef<[u8]> for Reading<B> {
     fn as_ref(&self) -> &[u8] {
         self.bytes.as_ref()
     }
@@ -268,8 +268,7 @@ impl Access {
             )));
         }
         let (region, at) = self.locate(input, place)?;
-        let permits = crate::http::budget_permits(size);
-        let reserved = self.regions.budget.clone().try_acquire_many_owned(permits).map_err(|_| Error::Unavailable {
+        let reserved = self.regions.budget.take(self.tenant.as_deref(), size).ok_or_else(|| Error::Unavailable {
             message: "too many request bytes in flight on this server; retry shortly".into(),
             retry_after: Some(std::time::Duration::from_secs(1)),
         })?;
@@ -280,11 +279,11 @@ impl Access {
         // mapping, a page fault per 4 KiB written.
         let data = if size >= crate::http::pool::POOLED_FROM {
             let buf = crate::http::pool::BODIES.filled(size, |b| region.file.read_exact_at(b, at)).map_err(failed)?;
-            Bytes::from_owner(Held { bytes: buf, _reserved: reserved })
+            Bytes::from_owner(Reading { bytes: buf, _reserved: reserved })
         } else {
             let mut buf = vec![0; size];
             region.file.read_exact_at(&mut buf, at).map_err(failed)?;
-            Bytes::from_owner(Held { bytes: buf, _reserved: reserved })
+            Bytes::from_owner(Reading { bytes: buf, _reserved: reserved })
         };
         TensorData::from_wire(input, datatype, count, data)
     }
@@ -338,8 +337,8 @@ mod tests {
         }
     }
 
-    fn budget() -> Arc<Semaphore> {
-        Arc::new(Semaphore::new(1 << 20))
+    fn budget() -> Arc<Budget> {
+        Budget::new(1 << 30)
     }
 
     fn access(regions: &Arc<Regions>, tenant: Option<&str>) -> Access {
@@ -435,17 +434,17 @@ mod tests {
     #[test]
     fn reads_are_bounded_per_request_and_hold_the_bodies_budget_while_their_tensors_live() {
         let obj = Object::new(8192);
-        let budget = Arc::new(Semaphore::new(4)); // 4 KiB
+        let budget = Budget::new(4 << 10);
         let regions = Arc::new(Regions::new(true, 6000, budget.clone()));
         regions.register(None, "r", &obj.0, 0, 8192).unwrap();
         let a = access(&regions, None);
         let first = a.read("x", &place("r", 0, 3000), DataType::Uint8, 3000).unwrap();
-        assert_eq!(budget.available_permits(), 1, "3 KiB held while the tensor lives");
+        assert_eq!(budget.available(), 1, "3 KiB held while the tensor lives");
         // Another request finds the budget spent: refused to come back, nothing read.
         let e = access(&regions, None).read("y", &place("r", 0, 2048), DataType::Uint8, 2048).unwrap_err();
         assert!(matches!(e, Error::Unavailable { retry_after: Some(_), .. }), "{e:?}");
         drop(first);
-        assert_eq!(budget.available_permits(), 4);
+        assert_eq!(budget.available(), 4);
         // One request's reads together: within the body limit.
         let e = a.read("z", &place("r", 0, 3001), DataType::Uint8, 3001).unwrap_err().to_string();
         assert!(e.contains("over 6000 bytes"), "{e}");

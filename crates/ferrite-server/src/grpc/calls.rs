@@ -26,7 +26,6 @@ use std::{
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
-use tokio::sync::Semaphore;
 use tonic::{
     body::Body,
     transport::server::{TcpConnectInfo, TlsConnectInfo},
@@ -34,6 +33,7 @@ use tonic::{
 };
 
 use crate::{
+    budget::{self, Budget, Reserved},
     http::pool::{Pooled, BODIES},
     idle::{Held, InFlight},
 };
@@ -53,8 +53,10 @@ pub struct Conn {
 /// Wraps the gRPC server's service; see the module.
 #[derive(Clone)]
 pub struct CallLayer {
-    /// Shared with the HTTP listener's bodies; one permit per KiB.
-    pub budget: Arc<Semaphore>,
+    /// Shared with the HTTP listener's bodies.
+    pub budget: Arc<Budget>,
+    /// Whose share of the budget a call's bytes are in: its tenant's (`auth::tenant`).
+    pub core: ferrite_core::Core,
     /// Time a message has, from its first byte, to arrive whole (HTTP's body timeout).
     pub message_timeout: Duration,
     /// The inference service's decoding limit: larger messages are left to tonic to refuse.
@@ -92,7 +94,13 @@ where
         let conn = ext.get::<Conn>().or_else(|| ext.get::<TlsConnectInfo<Conn>>().map(|c| c.get_ref()));
         let held = conn.map(|c| c.in_flight.enter());
         let streaming = req.uri().path().ends_with("/ModelStreamInfer");
-        let charge = Arc::new(Charge { budget: self.layer.budget.clone(), permits: AtomicU32::new(0) });
+        // The tenant the call acts for (one the service refuses later counts as no tenant's).
+        let tenant = crate::auth::tenant(ext.get(), self.layer.core.tenants(), |h| {
+            req.headers().get(h).and_then(|v| v.to_str().ok())
+        })
+        .ok()
+        .flatten();
+        let charge = Arc::new(Charge { budget: self.layer.budget.clone(), tenant, permits: AtomicU32::new(0) });
         let limit = self.layer.message_timeout;
         let mut req = req;
         let big = if req.uri().path() == "/inference.GRPCInferenceService/ModelInfer" {
@@ -102,7 +110,7 @@ where
             Big::Armed { slot, max: self.layer.max_message }
         } else {
             if streaming {
-                req.extensions_mut().insert(AnswerBudget(self.layer.budget.clone()));
+                req.extensions_mut().insert(AnswerBudget(charge.clone()));
             }
             Big::Off
         };
@@ -122,7 +130,7 @@ where
 /// A ModelInfer call's charge, in its request's extensions: its answer holds its bytes of the budget
 /// (what the request held, and more if the answer is larger) until sent or its connection closed,
 /// so that answers clients do not take (no window opened for them) count against what all
-/// requests may hold.
+/// requests (and its tenant's) may hold.
 #[derive(Clone)]
 pub struct AnswerCharge(Arc<Charge>);
 
@@ -133,36 +141,37 @@ impl AnswerCharge {
         if bytes < crate::http::ANSWER_HELD_FROM {
             return Ok(());
         }
-        let permits = crate::http::budget_permits(bytes);
-        self.0.hold(permits).map_err(|_| {
-            super::status(ferrite_core::Error::unavailable(ANSWERS_OVER_BUDGET, Some(Duration::from_secs(1))))
+        self.0.hold(budget::permits(bytes)).map_err(|_| {
+            super::status(ferrite_core::Error::unavailable(
+                crate::http::ANSWERS_OVER_BUDGET,
+                Some(Duration::from_secs(1)),
+            ))
         })
     }
 }
 
-/// A ModelStreamInfer call's way to the budget, in its request's extensions: each large answer
-/// holds its bytes until the stream hands it on to be sent, as a unary call's does
-/// ([`AnswerCharge`]).
+/// A ModelStreamInfer call's way to the budget (and its tenant's share), in its request's
+/// extensions: each large answer holds its bytes until the stream hands it on to be sent, as a
+/// unary call's does ([`AnswerCharge`]).
 #[derive(Clone)]
-pub struct AnswerBudget(Arc<Semaphore>);
+pub struct AnswerBudget(Arc<Charge>);
 
 impl AnswerBudget {
     /// The bytes of an answer of `bytes` held (none for a small one), or why the budget cannot take it.
-    pub fn hold(&self, bytes: usize) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, String> {
+    pub fn hold(&self, bytes: usize) -> Result<Option<Reserved>, String> {
         if bytes < crate::http::ANSWER_HELD_FROM {
             return Ok(None);
         }
-        let permits = crate::http::budget_permits(bytes);
-        self.0.clone().try_acquire_many_owned(permits).map(Some).map_err(|_| ANSWERS_OVER_BUDGET.to_string())
+        let Charge { budget, tenant, .. } = &*self.0;
+        budget.take(tenant.as_deref(), bytes).map(Some).ok_or_else(|| crate::http::ANSWERS_OVER_BUDGET.to_string())
     }
 }
 
-const ANSWERS_OVER_BUDGET: &str =
-    "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly";
-
-/// Permits taken from the budget for one call, given back when the last holder drops it.
+/// Permits taken from the budget for one call (within its tenant's share), given back when the
+/// last holder drops it.
 struct Charge {
-    budget: Arc<Semaphore>,
+    budget: Arc<Budget>,
+    tenant: Option<String>,
     permits: AtomicU32,
 }
 
@@ -173,22 +182,19 @@ impl Charge {
         if want <= have {
             return Ok(());
         }
-        match self.budget.try_acquire_many(want - have) {
-            Ok(p) => {
-                p.forget();
-                self.permits.fetch_add(want - have, Ordering::AcqRel);
-                Ok(())
-            }
-            Err(_) => Err(super::status(ferrite_core::Error::unavailable(
-                "too many request bytes in flight on this server; retry shortly",
-                Some(Duration::from_secs(1)),
-            ))),
+        if self.budget.try_take(self.tenant.as_deref(), want - have) {
+            self.permits.fetch_add(want - have, Ordering::AcqRel);
+            return Ok(());
         }
+        Err(super::status(ferrite_core::Error::unavailable(
+            "too many request bytes in flight on this server; retry shortly",
+            Some(Duration::from_secs(1)),
+        )))
     }
 
     fn release(&self) {
         let n = self.permits.swap(0, Ordering::AcqRel);
-        self.budget.add_permits(n as usize);
+        self.budget.give(self.tenant.as_deref(), n);
     }
 }
 
@@ -345,7 +351,7 @@ impl Charged {
         } else if after.is_some() || self.deadline.is_none() {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.limit)));
         }
-        self.charge.hold(crate::http::budget_permits(self.since))
+        self.charge.hold(budget::permits(self.since))
     }
 }
 
@@ -449,17 +455,17 @@ mod tests {
     type Feed = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Status>>;
 
     /// A body fed frame by frame through a channel, charged to `budget`, with a 30 s body timeout.
-    fn fed(budget: &Arc<Semaphore>, streaming: bool, big: Big) -> (Feed, Charged, Arc<Charge>) {
+    fn fed(budget: &Arc<Budget>, streaming: bool, big: Big) -> (Feed, Charged, Arc<Charge>) {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
-        let charge = Arc::new(Charge { budget: budget.clone(), permits: AtomicU32::new(0) });
+        let charge = Arc::new(Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) });
         (tx, Charged::new(inner, charge.clone(), streaming, Duration::from_secs(30), big), charge)
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_message_trickled_past_the_timeout_fails_and_frees_its_bytes() {
         use http_body_util::BodyExt;
-        let budget = Arc::new(Semaphore::new(100));
+        let budget = Budget::new(100 << 10);
         let (tx, mut body, charge) = fed(&budget, false, Big::Off);
         // A whole small message, then 10 KiB of a 1 MB one, then nothing.
         tx.send(Ok(Frame::data(Bytes::from(message(3))))).await.unwrap();
@@ -468,21 +474,21 @@ mod tests {
         big.truncate(10 << 10);
         tx.send(Ok(Frame::data(Bytes::from(big)))).await.unwrap();
         assert!(body.frame().await.unwrap().is_ok());
-        assert!(budget.available_permits() < 100);
+        assert!(budget.available() < 100);
         let started = tokio::time::Instant::now();
         let refused = body.frame().await.unwrap().unwrap_err();
         assert_eq!(refused.code(), tonic::Code::DeadlineExceeded, "{refused:?}");
         assert!(started.elapsed() >= Duration::from_secs(29));
         drop(body);
         drop(charge);
-        assert_eq!(budget.available_permits(), 100);
+        assert_eq!(budget.available(), 100);
         drop(tx);
     }
 
     #[tokio::test(start_paused = true)]
     async fn whole_messages_stop_the_clock() {
         use http_body_util::BodyExt;
-        let budget = Arc::new(Semaphore::new(100));
+        let budget = Budget::new(100 << 10);
         let (tx, mut body, _charge) = fed(&budget, true, Big::Off);
         tx.send(Ok(Frame::data(Bytes::from(message(8))))).await.unwrap();
         assert!(body.frame().await.unwrap().is_ok());
@@ -497,7 +503,7 @@ mod tests {
     fn armed(chunks: Vec<Vec<u8>>, max: usize) -> (Charged, Captured) {
         let frames = chunks.into_iter().map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c))));
         let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)));
-        let charge = Arc::new(Charge { budget: Arc::new(Semaphore::new(1 << 20)), permits: AtomicU32::new(0) });
+        let charge = Arc::new(Charge { budget: Budget::new(1 << 30), tenant: None, permits: AtomicU32::new(0) });
         let slot = Captured::default();
         let big = Big::Armed { slot: slot.clone(), max };
         (Charged::new(inner, charge, false, Duration::from_secs(30), big), slot)
@@ -547,7 +553,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_captured_message_is_charged_and_timed_as_it_arrives() {
         use http_body_util::BodyExt;
-        let budget = Arc::new(Semaphore::new(4096));
+        let budget = Budget::new(4096 << 10);
         let slot = Captured::default();
         let (tx, mut body, charge) = fed(&budget, false, Big::Armed { slot: slot.clone(), max: 2 * POOLED_FROM });
         // 100 KiB of a 1 MiB message, then nothing: charged as it came, cut at the timeout.
@@ -556,10 +562,10 @@ mod tests {
         tx.send(Ok(Frame::data(Bytes::from(m)))).await.unwrap();
         let refused = body.frame().await.unwrap().unwrap_err();
         assert_eq!(refused.code(), tonic::Code::DeadlineExceeded, "{refused:?}");
-        assert_eq!(budget.available_permits(), 4096 - 100);
+        assert_eq!(budget.available(), 4096 - 100);
         drop(body);
         drop(charge);
-        assert_eq!(budget.available_permits(), 4096);
+        assert_eq!(budget.available(), 4096);
         assert!(slot.take().is_none());
         drop(tx);
     }
@@ -574,17 +580,17 @@ mod tests {
 
     #[test]
     fn charge_is_refused_past_the_budget_and_given_back() {
-        let budget = Arc::new(Semaphore::new(4));
-        let a = Charge { budget: budget.clone(), permits: AtomicU32::new(0) };
+        let budget = Budget::new(4 << 10);
+        let a = Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) };
         a.hold(3).unwrap();
         a.hold(2).unwrap();
-        let b = Charge { budget: budget.clone(), permits: AtomicU32::new(0) };
+        let b = Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) };
         let refused = b.hold(2).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::Unavailable);
         drop(a);
         b.hold(4).unwrap();
-        assert_eq!(budget.available_permits(), 0);
+        assert_eq!(budget.available(), 0);
         b.release();
-        assert_eq!(budget.available_permits(), 4);
+        assert_eq!(budget.available(), 4);
     }
 }

@@ -11,7 +11,7 @@ pub mod tei;
 use std::{pin::Pin, sync::Arc, time::Duration};
 
 use ferrite_core::{Core, Error, Model};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::{wrappers::ReceiverStream, Stream, StreamExt};
 use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
 use tonic_types::{ErrorDetails, StatusExt};
@@ -355,7 +355,7 @@ impl GrpcInferenceService for Service {
         let budget = r.extensions().get::<calls::AnswerBudget>().cloned();
         let mut incoming = until_stopped(r.into_inner(), self.stopping.clone());
         // Each answer with what it holds of the bytes in flight, given back when tonic takes it.
-        let (tx, rx) = mpsc::channel::<(Result<pb::ModelStreamInferResponse, Status>, Option<OwnedSemaphorePermit>)>(
+        let (tx, rx) = mpsc::channel::<(Result<pb::ModelStreamInferResponse, Status>, Option<crate::budget::Reserved>)>(
             STREAM_IN_FLIGHT,
         );
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));

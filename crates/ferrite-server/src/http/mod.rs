@@ -19,7 +19,10 @@ use axum::{
 };
 use ferrite_core::{Core, Model};
 
-use crate::auth::{Auth, Denied, Scope};
+use crate::{
+    auth::{Auth, Denied, Scope},
+    budget::{Budget, Reserved},
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::{sync::Arc, time::Duration};
@@ -51,8 +54,9 @@ pub struct HttpLimits {
     /// Concurrent HTTP/2 streams per connection.
     pub max_streams: u32,
     /// Bytes of request bodies all requests may hold at once (as sent, and again once
-    /// decompressed), reserved before any is read; past it, 503 with Retry-After.
-    pub body_budget: Arc<tokio::sync::Semaphore>,
+    /// decompressed), reserved before any is read, and of large answers until taken; past it (or
+    /// past the request's tenant's share of it), 503 with Retry-After.
+    pub body_budget: Arc<Budget>,
 }
 
 impl HttpLimits {
@@ -64,7 +68,7 @@ impl HttpLimits {
             idle_timeout: Duration::from_secs(60),
             max_connections: default_max_connections(),
             max_streams: 1024,
-            body_budget: Arc::new(tokio::sync::Semaphore::new(DEFAULT_BODY_BUDGET / 1024)),
+            body_budget: Budget::new(DEFAULT_BODY_BUDGET),
         }
     }
 }
@@ -104,7 +108,7 @@ pub(crate) fn libc_rlimit_nofile() -> usize {
 /// at most `max_body_bytes` (413), and a gzip or deflate body decompressed to at most the same cap
 /// (so a compression bomb costs no more memory than a plain body).
 async fn read_body(
-    State(limits): State<Arc<HttpLimits>>,
+    State((limits, core)): State<(Arc<HttpLimits>, Core)>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
@@ -119,7 +123,12 @@ async fn read_body(
         .or_else(|| content_length(&parts.headers));
     let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
     let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
-    let Ok(_reserved) = limits.body_budget.clone().try_acquire_many_owned(budget_permits(reserve)) else {
+    // Within the share of the tenant the request acts for (one refused by the handler later
+    // counts as no tenant's).
+    let tenant = crate::auth::tenant(parts.extensions.get(), core.tenants(), |h| {
+        parts.headers.get(h).and_then(|v| v.to_str().ok())
+    });
+    let Some(reserved) = limits.body_budget.take(tenant.ok().flatten().as_deref(), reserve) else {
         return over_budget("too many request bytes in flight on this server; retry shortly");
     };
     let bytes = match tokio::time::timeout(limits.body_timeout, pool::BODIES.read(body, max, stated)).await {
@@ -168,13 +177,7 @@ async fn read_body(
         parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     }
     let resp = next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await;
-    hold_answer(resp, _reserved, &limits.body_budget)
-}
-
-/// The permits of the bytes-in-flight budget (`--max-inflight-body-bytes`, one a KiB) that
-/// `bytes` take.
-pub(crate) fn budget_permits(bytes: usize) -> u32 {
-    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+    hold_answer(resp, reserved)
 }
 
 /// Answers at least this large hold their bytes, and their request's, of the budget until sent
@@ -184,39 +187,36 @@ pub(crate) const ANSWER_HELD_FROM: usize = 64 << 10;
 /// A large answer holds its bytes of the budget (its request's reservation, and more if the
 /// answer is larger: the request's bytes are gone by now) until it has been sent or its
 /// connection closed: answers a client does not read (or, over HTTP/2, opens no window for) count
-/// against what all requests may hold, so many of them cannot exhaust memory. One the budget
-/// cannot take is not kept: 503, its memory freed at once.
-fn hold_answer(
-    resp: Response,
-    reserved: tokio::sync::OwnedSemaphorePermit,
-    budget: &Arc<tokio::sync::Semaphore>,
-) -> Response {
+/// against what all requests (and its tenant's) may hold, so many of them cannot exhaust memory.
+/// One the budget cannot take is not kept: 503, its memory freed at once.
+fn hold_answer(resp: Response, mut held: Reserved) -> Response {
     let bytes =
         axum::body::HttpBody::size_hint(resp.body()).exact().map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
     if bytes < ANSWER_HELD_FROM {
         return resp;
     }
-    let more = budget_permits(bytes).saturating_sub(reserved.num_permits().try_into().unwrap_or(u32::MAX));
-    let Ok(answer) = budget.clone().try_acquire_many_owned(more) else {
-        return over_budget(
-            "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly",
-        );
-    };
-    resp.map(|inner| axum::body::Body::new(Holding { inner, _held: (reserved, answer) }))
+    if !held.grow(bytes) {
+        return over_budget(ANSWERS_OVER_BUDGET);
+    }
+    resp.map(|inner| axum::body::Body::new(Holding { inner, _held: held }))
 }
+
+/// Why a large answer was refused (HTTP and gRPC).
+pub(crate) const ANSWERS_OVER_BUDGET: &str =
+    "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly";
 
 /// 503 with a retry hint: the bytes in flight are over `--max-inflight-body-bytes`.
 fn over_budget(message: &str) -> Response {
     ApiError::from(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1)))).into_response()
 }
 
-/// A body that holds `_held` until it is dropped (sent, or its connection gone).
-struct Holding<T> {
+/// A body that holds its bytes of the budget until it is dropped (sent, or its connection gone).
+struct Holding {
     inner: axum::body::Body,
-    _held: T,
+    _held: Reserved,
 }
 
-impl<T: Unpin> axum::body::HttpBody for Holding<T> {
+impl axum::body::HttpBody for Holding {
     type Data = Bytes;
     type Error = axum::Error;
 
@@ -275,7 +275,7 @@ fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
 /// when asked).
 pub fn metrics_app(core: Core) -> Router {
-    let shm = Arc::new(crate::shm::Regions::new(false, 0, Arc::new(tokio::sync::Semaphore::new(0))));
+    let shm = Arc::new(crate::shm::Regions::new(false, 0, Budget::new(0)));
     Router::new().route("/metrics", get(metrics)).with_state(AppState { core, shm })
 }
 
@@ -492,7 +492,7 @@ pub fn app(core: Core, limits: &HttpLimits, shm: Arc<crate::shm::Regions>) -> Ro
     router
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
-        .layer(axum::middleware::from_fn_with_state(Arc::new(limits.clone()), read_body))
+        .layer(axum::middleware::from_fn_with_state((Arc::new(limits.clone()), core.clone()), read_body))
         .with_state(AppState { core, shm })
 }
 

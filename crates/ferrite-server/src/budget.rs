@@ -1,0 +1,134 @@
+//! The bytes in flight that all listeners share (`--max-inflight-body-bytes`), one permit a KiB:
+//! request bodies and gRPC messages as they arrive, shared-memory inputs while their tensors live,
+//! and large answers until their clients have taken them. A request acting for a tenant holds
+//! them within its tenant's share too (half the budget), so one tenant's bytes (large bodies sent
+//! slowly, large answers it never reads) cannot leave another's requests none.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
+use tokio::sync::Semaphore;
+
+/// See the module.
+#[derive(Debug)]
+pub struct Budget {
+    all: Semaphore,
+    /// Permits one tenant may hold at once.
+    share: u32,
+    /// Permits each tenant holds now (only those holding any: at most one entry a request).
+    tenants: Mutex<HashMap<String, u32>>,
+}
+
+/// Permits of a budget taken for one tenant (or none), given back when dropped.
+pub struct Reserved {
+    budget: Arc<Budget>,
+    tenant: Option<String>,
+    permits: u32,
+}
+
+impl Budget {
+    /// A budget of `bytes`; a tenant holds at most half of it.
+    pub fn new(bytes: usize) -> Arc<Budget> {
+        let permits = u32::try_from(bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS)).unwrap_or(u32::MAX);
+        Arc::new(Budget { all: Semaphore::new(permits as usize), share: permits / 2, tenants: Mutex::default() })
+    }
+
+    /// The permits no request holds now.
+    pub fn available(&self) -> usize {
+        self.all.available_permits()
+    }
+
+    /// Takes `permits` more for `tenant`, unless the budget, or the tenant's share, cannot spare
+    /// them.
+    pub(crate) fn try_take(&self, tenant: Option<&str>, permits: u32) -> bool {
+        let Some(tenant) = tenant else {
+            return self.all.try_acquire_many(permits).map(|p| p.forget()).is_ok();
+        };
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let holds = tenants.get(tenant).copied().unwrap_or(0);
+        if holds.saturating_add(permits) > self.share || self.all.try_acquire_many(permits).map(|p| p.forget()).is_err()
+        {
+            return false;
+        }
+        *tenants.entry(tenant.to_string()).or_insert(0) += permits;
+        true
+    }
+
+    /// Gives back `permits` that `tenant` took.
+    pub(crate) fn give(&self, tenant: Option<&str>, permits: u32) {
+        if permits == 0 {
+            return;
+        }
+        if let Some(tenant) = tenant {
+            let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(holds) = tenants.get_mut(tenant) {
+                *holds = holds.saturating_sub(permits);
+                if *holds == 0 {
+                    tenants.remove(tenant);
+                }
+            }
+        }
+        self.all.add_permits(permits as usize);
+    }
+
+    /// `bytes` taken for `tenant`, held until dropped; `None` past the budget or its share.
+    pub fn take(self: &Arc<Self>, tenant: Option<&str>, bytes: usize) -> Option<Reserved> {
+        let mut held = Reserved { budget: self.clone(), tenant: tenant.map(str::to_string), permits: 0 };
+        held.grow(bytes).then_some(held)
+    }
+}
+
+impl Reserved {
+    /// Holds `bytes` in all (never less than held already), or nothing more if the budget, or
+    /// the tenant's share, cannot spare the rest.
+    pub fn grow(&mut self, bytes: usize) -> bool {
+        let want = permits(bytes);
+        if want <= self.permits {
+            return true;
+        }
+        let taken = self.budget.try_take(self.tenant.as_deref(), want - self.permits);
+        if taken {
+            self.permits = want;
+        }
+        taken
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.budget.give(self.tenant.as_deref(), self.permits);
+    }
+}
+
+/// The permits (one a KiB) that `bytes` take.
+pub fn permits(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_holds_half_the_budget_at_most_and_gives_it_back() {
+        let budget = Budget::new(8 << 10); // 8 permits, 4 a tenant
+        let a = budget.take(Some("a"), 3 << 10).unwrap();
+        assert!(budget.take(Some("a"), 2 << 10).is_none(), "past a's share");
+        let mut b = budget.take(Some("b"), 1 << 10).unwrap();
+        assert!(b.grow(4 << 10) && !b.grow(5 << 10), "b's share is its own");
+        assert_eq!(budget.available(), 1);
+        assert!(budget.take(None, 2 << 10).is_none(), "past the whole budget");
+        let anonymous = budget.take(None, 1 << 10).unwrap();
+        drop((a, b));
+        assert_eq!(budget.available(), 7);
+        assert!(budget.tenants.lock().unwrap().is_empty(), "tenants holding nothing are forgotten");
+        // Refused for want of the whole budget, not the share: the share is not charged.
+        let c = budget.take(Some("c"), 4 << 10).unwrap();
+        assert!(budget.take(Some("d"), 4 << 10).is_none());
+        assert_eq!(budget.tenants.lock().unwrap().get("d"), None);
+        drop((c, anonymous));
+        assert_eq!(budget.available(), 8);
+    }
+}
