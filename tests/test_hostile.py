@@ -493,7 +493,7 @@ def test_answers_a_client_grants_no_http2_window_for_are_dropped_with_its_connec
 GRPC_HEADERS = [("content-type", "application/grpc"), ("te", "trailers")]
 
 
-def decoded_server(start_server, tmp_path):
+def decoded_server(start_server, tmp_path, idle=30):
     """A server of a pipeline decoding an image to UINT8 pixels, 32 MB of bytes in flight, and a
     1,500x1,500 PNG of a few KB (6.75 MB decoded) as one BYTES element."""
     import io
@@ -502,7 +502,7 @@ def decoded_server(start_server, tmp_path):
     (repo / "decoded").mkdir(parents=True)
     (repo / "decoded" / "config.toml").write_text(
         '[[steps]]\nop = "decode_image"\n[[steps]]\nop = "normalize"\ndtype = "UINT8"\nlayout = "NHWC"\n')
-    s = start_server("--max-inflight-body-bytes", str(32 << 20), "--http-idle-timeout-secs", "30", repository=repo)
+    s = start_server("--max-inflight-body-bytes", str(32 << 20), "--http-idle-timeout-secs", str(idle), repository=repo)
     png = io.BytesIO()
     Image.new("RGB", (1500, 1500), (9, 8, 7)).save(png, "PNG")
     return s, struct.pack("<I", len(png.getvalue())) + png.getvalue()
@@ -594,6 +594,50 @@ def test_a_streams_answers_held_for_it_count_against_the_bytes_in_flight(start_s
     assert len(refused) >= 7 and all(len(a.infer_response.raw_output_contents) == 0 for a in refused), \
         [a.error_message for a in answers]
     assert all(a.infer_response.raw_output_contents[0] for a in answers if not a.error_message)
+
+
+def test_streams_whose_answers_are_not_taken_hold_them_in_the_budget_and_are_closed(start_server, tmp_path):
+    """Thirty ModelStreamInfer streams of one request each on a connection that opens no window:
+    each stream's answer holds its bytes of the budget until the client takes it (before, the one
+    answer a stream had handed on to be sent held none: 200 MB past a 32 MB budget), and a
+    connection whose answers wait on the client counts as idle however many streams are open on
+    it (before, an open stream kept it, and those answers, for good)."""
+    s, raw = decoded_server(start_server, tmp_path, idle=3)
+    path, body = "/inference.GRPCInferenceService/ModelStreamInfer", grpc_decoded_message(raw)
+    before = rss_kib(s.proc.pid)
+    sock, conn = h2_request_held_without_window(s.grpc_port, path, GRPC_HEADERS, body)
+    for _ in range(29):
+        h2_send(sock, conn, path, GRPC_HEADERS, body)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # until all thirty are answered
+        stats = http.client.HTTPConnection(s.url, timeout=10)
+        stats.request("GET", "/v2/models/decoded/stats")
+        if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= 30:
+            break
+        answer_pings([(sock, conn)])
+        time.sleep(0.2)
+    grew = (rss_kib(s.proc.pid) - before) >> 10
+    assert grew < 64, f"{grew} MB held for thirty answers not taken, past a budget of 32"
+    closed, deadline = False, time.time() + 15
+    while not closed and time.time() < deadline:  # a live client: it acks the server's pings
+        time.sleep(0.2)
+        sock.setblocking(False)
+        try:
+            data = sock.recv(1 << 16)
+            closed = not data
+            conn.receive_data(data)
+            sock.sendall(conn.data_to_send())
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed = True
+    sock.close()
+    assert closed, "a connection whose streams' answers were never taken stayed open"
+    # Its answers' bytes are free again: a fresh large answer is served whole.
+    sock, conn = h2_request_held_without_window(s.grpc_port, "/inference.GRPCInferenceService/ModelInfer",
+                                                GRPC_HEADERS, body)
+    assert len(slowly_taken(sock, conn, step=8 << 20, pause=0)) > 1500 * 1500 * 3
+    sock.close()
 
 
 def slowly_taken(sock, conn, step, pause):

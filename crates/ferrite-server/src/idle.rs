@@ -4,7 +4,8 @@
 //! only while none is in flight on the connection, and starts again whenever its answers move (at
 //! least [`MOVING`] bytes written). Nor may a client hold its answers by not reading them: a write
 //! that makes no progress for the idle timeout fails, and so does a connection whose answers wait
-//! on a window the client never opens (HTTP/2): closed, with the answers it holds.
+//! on a window the client never opens (HTTP/2): closed, with the answers it holds, whatever else
+//! is in flight on it once a stream's answers wait on the client ([`InFlight::wait`]).
 
 use std::{
     future::Future,
@@ -27,11 +28,13 @@ use tokio::{
 /// more than its own frames (an HTTP/2 ping's acknowledgement is 17 bytes).
 pub const MOVING: usize = 1024;
 
-/// Requests in flight on one connection, and how many have finished.
+/// Requests in flight on one connection, how many have finished, and how many of its streams
+/// have answers waiting on the client.
 #[derive(Debug, Default)]
 pub struct InFlight {
     now: AtomicUsize,
     finished: AtomicUsize,
+    waiting: AtomicUsize,
 }
 
 impl InFlight {
@@ -39,6 +42,23 @@ impl InFlight {
     pub fn enter(self: &Arc<Self>) -> Held {
         self.now.fetch_add(1, Ordering::AcqRel);
         Held(self.clone())
+    }
+
+    /// A stream's answers wait on the client (`true`), or no longer do: while any does, the
+    /// connection counts as idle unless its answers move, whatever else is in flight on it.
+    pub fn wait(&self, waiting: bool) {
+        if waiting {
+            self.waiting.fetch_add(1, Ordering::AcqRel);
+            // The idle clock starts again (at the connection's next read), as when work ends.
+            self.finished.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Whether the connection is busy: requests in flight and no answers waiting on the client.
+    fn busy(&self) -> bool {
+        self.now.load(Ordering::Acquire) > 0 && self.waiting.load(Ordering::Acquire) == 0
     }
 }
 
@@ -104,14 +124,14 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let finished = this.in_flight.finished.load(Ordering::Acquire);
-        if this.in_flight.now.load(Ordering::Acquire) > 0 || finished != this.seen || this.written >= MOVING {
+        if this.in_flight.busy() || finished != this.seen || this.written >= MOVING {
             // Busy, work ended or answers sent since: the idle clock starts again from now.
             this.seen = finished;
             this.written = 0;
             let next = Instant::now() + this.idle;
             this.deadline.as_mut().reset(next);
         }
-        if this.in_flight.now.load(Ordering::Acquire) > 0 {
+        if this.in_flight.busy() {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
@@ -213,5 +233,32 @@ mod tests {
         write.write_all(&[0; 17]).await.unwrap();
         assert_eq!(waiting.await.unwrap().kind(), io::ErrorKind::TimedOut);
         assert_eq!(started.elapsed(), Duration::from_secs(20));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_in_flight_keeps_a_connection_open_unless_answers_wait_on_its_client() {
+        let in_flight = Arc::new(InFlight::default());
+        let (ours, mut client) = tokio::io::duplex(1 << 20);
+        let (mut read, _write) = tokio::io::split(IdleIo::new(ours, in_flight.clone(), Duration::from_secs(5)));
+        let _stream = in_flight.enter();
+        let started = Instant::now();
+        let waiting = tokio::spawn(async move {
+            loop {
+                if let Err(e) = read.read(&mut [0; 1]).await {
+                    return e;
+                }
+            }
+        });
+        // An open stream is in flight: quiet for three timeouts, the connection stays open...
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        assert!(!waiting.is_finished());
+        // ...until its answers wait on the client: closed a timeout after the connection next
+        // reads (a client's ping acknowledgement, here a byte at 16 s), unless answers move.
+        in_flight.wait(true);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        client.write_all(&[0]).await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(60), waiting).await;
+        assert_eq!(closed.expect("still open after 60 s").unwrap().kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(21));
     }
 }

@@ -18,7 +18,7 @@ use std::{
     pin::Pin,
     sync::{
         atomic::{AtomicU32, Ordering},
-        Arc,
+        Arc, Mutex,
     },
     task::{Context, Poll},
     time::Duration,
@@ -91,8 +91,11 @@ where
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
         let ext = req.extensions();
-        let conn = ext.get::<Conn>().or_else(|| ext.get::<TlsConnectInfo<Conn>>().map(|c| c.get_ref()));
-        let held = conn.map(|c| c.in_flight.enter());
+        let conn = ext
+            .get::<Conn>()
+            .or_else(|| ext.get::<TlsConnectInfo<Conn>>().map(|c| c.get_ref()))
+            .map(|c| c.in_flight.clone());
+        let held = conn.as_ref().map(|f| f.enter());
         let streaming = req.uri().path().ends_with("/ModelStreamInfer");
         // The tenant the call acts for (one the service refuses later counts as no tenant's).
         let tenant = crate::auth::tenant(ext.get(), self.layer.core.tenants(), |h| {
@@ -110,7 +113,12 @@ where
             Big::Armed { slot, max: self.layer.max_message }
         } else {
             if streaming {
-                req.extensions_mut().insert(AnswerBudget(charge.clone()));
+                let unsent = Mutex::new(0);
+                req.extensions_mut().insert(StreamAnswers(Arc::new(Stream {
+                    charge: charge.clone(),
+                    in_flight: conn,
+                    unsent,
+                })));
             }
             Big::Off
         };
@@ -120,7 +128,7 @@ where
             let resp = fut.await?;
             // A unary call's work is done: from here its answer is the connection's to send, and
             // the connection is closed if the answer stops moving (`IdleIo`); a stream is in
-            // flight while it is open.
+            // flight while it is open, unless its answers wait on the client (`StreamAnswers`).
             let (held, charge) = if streaming { (held, None) } else { (None, Some(charge)) };
             Ok(resp.map(|inner| Body::new(Kept { inner, _held: held, _charge: charge })))
         })
@@ -150,20 +158,66 @@ impl AnswerCharge {
     }
 }
 
-/// A ModelStreamInfer call's way to the budget (and its tenant's share), in its request's
-/// extensions: each large answer holds its bytes until the stream hands it on to be sent, as a
-/// unary call's does ([`AnswerCharge`]).
+/// A ModelStreamInfer call's answers on their way to its client, in its request's extensions. Each
+/// large answer holds its bytes of the budget (and its tenant's share), as a unary call's does
+/// ([`AnswerCharge`]), until the client has taken it: until the connection asks the stream for its
+/// next answer, which it does only once the client's window has room. A stream is a call in
+/// flight while it is open (never idle, however quiet), but not while its answers wait on the
+/// client: then its connection counts as idle unless answers move (`InFlight::waiting`), so a
+/// client that opens streams and takes none of their answers has its connection closed after the
+/// idle timeout, as a unary call's client has, and the answers it held freed.
 #[derive(Clone)]
-pub struct AnswerBudget(Arc<Charge>);
+pub struct StreamAnswers(Arc<Stream>);
 
-impl AnswerBudget {
+struct Stream {
+    charge: Arc<Charge>,
+    in_flight: Option<Arc<InFlight>>,
+    /// Answers made and not yet taken by the client.
+    unsent: Mutex<usize>,
+}
+
+impl StreamAnswers {
     /// The bytes of an answer of `bytes` held (none for a small one), or why the budget cannot take it.
     pub fn hold(&self, bytes: usize) -> Result<Option<Reserved>, String> {
         if bytes < crate::http::ANSWER_HELD_FROM {
             return Ok(None);
         }
-        let Charge { budget, tenant, .. } = &*self.0;
+        let Charge { budget, tenant, .. } = &*self.0.charge;
         budget.take(tenant.as_deref(), bytes).map(Some).ok_or_else(|| crate::http::ANSWERS_OVER_BUDGET.to_string())
+    }
+
+    /// An answer is ready for the client.
+    pub fn made(&self) {
+        let mut unsent = self.0.unsent.lock().unwrap_or_else(|e| e.into_inner());
+        *unsent += 1;
+        if *unsent == 1 {
+            if let Some(f) = &self.0.in_flight {
+                f.wait(true);
+            }
+        }
+    }
+
+    /// The client has taken an answer (or it was never sent).
+    pub fn taken(&self) {
+        let mut unsent = self.0.unsent.lock().unwrap_or_else(|e| e.into_inner());
+        if *unsent == 0 {
+            return;
+        }
+        *unsent -= 1;
+        if *unsent == 0 {
+            if let Some(f) = &self.0.in_flight {
+                f.wait(false);
+            }
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let unsent = self.unsent.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let (true, Some(f)) = (*unsent > 0, &self.in_flight) {
+            f.wait(false);
+        }
     }
 }
 

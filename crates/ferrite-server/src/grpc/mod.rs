@@ -12,7 +12,7 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 
 use ferrite_core::{Core, Error, Model};
 use tokio::sync::{mpsc, Semaphore};
-use tokio_stream::{wrappers::ReceiverStream, Stream, StreamExt};
+use tokio_stream::{Stream, StreamExt};
 use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -283,6 +283,50 @@ impl Service {
 
 type InferStream = Pin<Box<dyn Stream<Item = Result<pb::ModelStreamInferResponse, Status>> + Send>>;
 
+/// A stream's answer, with what it holds of the bytes in flight.
+type Answer = (Result<pb::ModelStreamInferResponse, Status>, Option<crate::budget::Reserved>);
+
+/// Hands `answer` on to the stream's client (counted as waiting on it until taken).
+async fn send(tx: &mpsc::Sender<Answer>, answers: &Option<calls::StreamAnswers>, answer: Answer) {
+    if let Some(a) = answers {
+        a.made();
+    }
+    if tx.send(answer).await.is_err() {
+        if let Some(a) = answers {
+            a.taken();
+        }
+    }
+}
+
+/// A stream's answers as its connection asks for them: the one handed on last holds its bytes
+/// of the budget, and waits on the client, until the connection asks for the next (which it does
+/// once the client's window has room; see `calls::StreamAnswers`).
+struct Answers {
+    rx: mpsc::Receiver<Answer>,
+    answers: Option<calls::StreamAnswers>,
+    /// What the answer handed on last holds, given back at the next ask.
+    out: Option<Option<crate::budget::Reserved>>,
+}
+
+impl Stream for Answers {
+    type Item = Result<pb::ModelStreamInferResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.out.take().is_some() {
+            if let Some(a) = &this.answers {
+                a.taken();
+            }
+        }
+        this.rx.poll_recv(cx).map(|next| {
+            next.map(|(answer, held)| {
+                this.out = Some(held);
+                answer
+            })
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl GrpcInferenceService for Service {
     async fn server_live(&self, _: Request<pb::ServerLiveRequest>) -> Result<Response<pb::ServerLiveResponse>, Status> {
@@ -352,14 +396,13 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<InferStream>, Status> {
         let parent = telemetry::extract(&telemetry::Metadata(r.metadata()));
         let meta = self.call_meta(r.metadata(), r.extensions())?;
-        let budget = r.extensions().get::<calls::AnswerBudget>().cloned();
+        let answers = r.extensions().get::<calls::StreamAnswers>().cloned();
         let mut incoming = until_stopped(r.into_inner(), self.stopping.clone());
         // Each answer with what it holds of the bytes in flight, given back when tonic takes it.
-        let (tx, rx) = mpsc::channel::<(Result<pb::ModelStreamInferResponse, Status>, Option<crate::budget::Reserved>)>(
-            STREAM_IN_FLIGHT,
-        );
+        let (tx, rx) = mpsc::channel::<Answer>(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
         let svc = self.clone();
+        let taking = answers.clone();
         tokio::spawn(async move {
             loop {
                 let Ok(permit) = permits.clone().acquire_owned().await else { break };
@@ -370,11 +413,11 @@ impl GrpcInferenceService for Service {
                         // An error ends the stream: the requests in flight are answered first.
                         drop(permit);
                         let _ = permits.acquire_many(STREAM_IN_FLIGHT as u32).await;
-                        let _ = tx.send((Err(e), None)).await;
+                        send(&tx, &answers, (Err(e), None)).await;
                         break;
                     }
                 };
-                let (tx, svc, meta, budget) = (tx.clone(), svc.clone(), meta.clone(), budget.clone());
+                let (tx, svc, meta, answers) = (tx.clone(), svc.clone(), meta.clone(), answers.clone());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
@@ -389,8 +432,8 @@ impl GrpcInferenceService for Service {
                             // The client went away: dropping the request frees its queue slot.
                             _ = tx.closed() => return,
                         };
-                        let held = match (&out, &budget) {
-                            (Ok(resp), Some(budget)) => budget.hold(prost::Message::encoded_len(resp)),
+                        let held = match (&out, &answers) {
+                            (Ok(resp), Some(answers)) => answers.hold(prost::Message::encoded_len(resp)),
                             _ => Ok(None),
                         };
                         let (out, held) = match (out, held) {
@@ -403,14 +446,14 @@ impl GrpcInferenceService for Service {
                             ),
                             (Err(e), _) | (Ok(_), Err(e)) => (failed(e), None),
                         };
-                        let _ = tx.send((Ok(out), held)).await;
+                        send(&tx, &answers, (Ok(out), held)).await;
                         drop(permit);
                     },
                     span,
                 ));
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(|(answer, _held)| answer))))
+        Ok(Response::new(Box::pin(Answers { rx, answers: taking, out: None })))
     }
 
     async fn model_config(
