@@ -393,16 +393,17 @@ def test_answers_a_client_does_not_read_are_dropped_with_its_connection(start_se
             sock.close()
 
 
-def h2_request_held_without_window(port, path, headers, body):
+def h2_request_held_without_window(port, path, headers, body, window=0):
     """Opens an HTTP/2 connection that grants the server no window for its answers (SETTINGS
-    INITIAL_WINDOW_SIZE 0, never a WINDOW_UPDATE) and sends one request on it, whole."""
+    INITIAL_WINDOW_SIZE 0, or `window` bytes a stream, never a WINDOW_UPDATE) and sends one
+    request on it, whole."""
     import h2.config
     import h2.connection
     import h2.settings
     sock = socket.create_connection(("127.0.0.1", port))
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     conn.initiate_connection()
-    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
     sock.sendall(conn.data_to_send())
     h2_send(sock, conn, path, headers, body)
     return sock, conn
@@ -638,6 +639,62 @@ def test_streams_whose_answers_are_not_taken_hold_them_in_the_budget_and_are_clo
                                                 GRPC_HEADERS, body)
     assert len(slowly_taken(sock, conn, step=8 << 20, pause=0)) > 1500 * 1500 * 3
     sock.close()
+
+
+@pytest.mark.parametrize("way", ["http1", "http2", "grpc", "grpc-stream"])
+def test_answers_hold_their_bytes_in_flight_until_written(start_server, tmp_path, way):
+    """Thirty 6.75 MB answers a client takes no more of than its first bytes: hyper ends an
+    answer's body once it has its last bytes, and h2 buffers them whatever their size, so an
+    answer whose body held its bytes of the budget gave them back while all of it waited on the
+    client (HTTP/1: thirty connections not reading; HTTP/2: a window of the answer's first frame
+    and a byte; gRPC: a byte). Before, all thirty were kept, 200 MB past a budget of 32; now the
+    bytes hold the budget until written, and the rest are refused."""
+    s, raw = decoded_server(start_server, tmp_path)
+    header = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(raw)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    http_path, http_headers = "/v2/models/decoded/infer", [("inference-header-content-length", str(len(header)))]
+    # One answer taken whole, for the length of its JSON header: an HTTP answer's first piece.
+    conn = http.client.HTTPConnection(s.url, timeout=30)
+    conn.request("POST", http_path, header + raw, dict(http_headers))
+    got = conn.getresponse()
+    assert got.status == 200 and len(got.read()) > 1500 * 1500 * 3
+    json_len = int(got.getheader("inference-header-content-length"))
+    time.sleep(0.5)
+    before = rss_kib(s.proc.pid)
+    socks = []
+    try:
+        if way == "http1":
+            for _ in range(30):
+                c = socket.create_connection(("127.0.0.1", s.port))
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: %d\r\n"
+                          b"Content-Length: %d\r\n\r\n" % (http_path.encode(), len(header), len(header + raw))
+                          + header + raw)
+                socks.append(c)
+        else:
+            if way == "http2":
+                port, path, body, headers, window = s.port, http_path, header + raw, http_headers, json_len + 1
+            else:
+                path = "/inference.GRPCInferenceService/" + ("ModelStreamInfer" if way == "grpc-stream" else "ModelInfer")
+                port, body, headers, window = s.grpc_port, grpc_decoded_message(raw), GRPC_HEADERS, 1
+            sock, conn = h2_request_held_without_window(port, path, headers, body, window)
+            socks.append(sock)
+            for _ in range(29):
+                h2_send(sock, conn, path, headers, body)
+        deadline = time.time() + 60
+        while time.time() < deadline:  # until all thirty are computed
+            stats = http.client.HTTPConnection(s.url, timeout=10)
+            stats.request("GET", "/v2/models/decoded/stats")
+            if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= 31:
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        grew = (rss_kib(s.proc.pid) - before) >> 10
+        assert grew < 64, f"{grew} MB held for thirty answers not taken, past a budget of 32"
+    finally:
+        for c in socks:
+            c.close()
 
 
 def slowly_taken(sock, conn, step, pause):

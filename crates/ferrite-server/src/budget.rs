@@ -9,6 +9,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use bytes::Bytes;
 use tokio::sync::Semaphore;
 
 /// See the module.
@@ -102,6 +103,21 @@ impl Drop for Reserved {
     }
 }
 
+/// `bytes` that keep `held` for as long as any of them exists: an answer's bytes handed to hyper
+/// (or h2) are kept in its buffers until written to the client, however long that takes, and
+/// dropped then (or with the connection); its body may be long gone by then.
+pub fn holding<T: Send + 'static>(bytes: Bytes, held: T) -> Bytes {
+    Bytes::from_owner(Holding(bytes, held))
+}
+
+struct Holding<T>(Bytes, T);
+
+impl<T> AsRef<[u8]> for Holding<T> {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 /// The permits (one a KiB) that `bytes` take.
 pub fn permits(bytes: usize) -> u32 {
     u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
@@ -129,6 +145,20 @@ mod tests {
         assert!(budget.take(Some("d"), 4 << 10).is_none());
         assert_eq!(budget.tenants.lock().unwrap().get("d"), None);
         drop((c, anonymous));
+        assert_eq!(budget.available(), 8);
+    }
+
+    #[test]
+    fn bytes_holding_a_reservation_give_it_back_with_their_last_slice() {
+        let budget = Budget::new(8 << 10);
+        let bytes = holding(Bytes::from(vec![7u8; 4096]), Arc::new(budget.take(None, 4096).unwrap()));
+        let mut rest = bytes.clone();
+        let head = rest.split_to(1000);
+        drop(bytes);
+        drop(head);
+        assert_eq!(budget.available(), 4, "held while a slice is left");
+        assert_eq!(rest.len(), 3096);
+        drop(rest);
         assert_eq!(budget.available(), 8);
     }
 }

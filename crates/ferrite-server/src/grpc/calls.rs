@@ -20,7 +20,7 @@ use std::{
         atomic::{AtomicU32, Ordering},
         Arc, Mutex,
     },
-    task::{Context, Poll},
+    task::{ready, Context, Poll},
     time::Duration,
 };
 
@@ -106,6 +106,7 @@ where
         let charge = Arc::new(Charge { budget: self.layer.budget.clone(), tenant, permits: AtomicU32::new(0) });
         let limit = self.layer.message_timeout;
         let mut req = req;
+        let mut answers = None;
         let big = if req.uri().path() == "/inference.GRPCInferenceService/ModelInfer" {
             let slot = Captured::default();
             req.extensions_mut().insert(slot.clone());
@@ -113,12 +114,14 @@ where
             Big::Armed { slot, max: self.layer.max_message }
         } else {
             if streaming {
-                let unsent = Mutex::new(0);
-                req.extensions_mut().insert(StreamAnswers(Arc::new(Stream {
+                let stream = StreamAnswers(Arc::new(Stream {
                     charge: charge.clone(),
                     in_flight: conn,
-                    unsent,
-                })));
+                    unsent: Mutex::new(0),
+                    handed: Mutex::default(),
+                }));
+                req.extensions_mut().insert(stream.clone());
+                answers = Some(stream);
             }
             Big::Off
         };
@@ -130,7 +133,7 @@ where
             // the connection is closed if the answer stops moving (`IdleIo`); a stream is in
             // flight while it is open, unless its answers wait on the client (`StreamAnswers`).
             let (held, charge) = if streaming { (held, None) } else { (None, Some(charge)) };
-            Ok(resp.map(|inner| Body::new(Kept { inner, _held: held, _charge: charge })))
+            Ok(resp.map(|inner| Body::new(Kept { inner, _held: held, charge, answers })))
         })
     }
 }
@@ -160,8 +163,8 @@ impl AnswerCharge {
 
 /// A ModelStreamInfer call's answers on their way to its client, in its request's extensions. Each
 /// large answer holds its bytes of the budget (and its tenant's share), as a unary call's does
-/// ([`AnswerCharge`]), until the client has taken it: until the connection asks the stream for its
-/// next answer, which it does only once the client's window has room. A stream is a call in
+/// ([`AnswerCharge`]), until the client has taken it: until the bytes it was encoded to have been
+/// written (`Kept`), however long hyper and h2 keep them. A stream is a call in
 /// flight while it is open (never idle, however quiet), but not while its answers wait on the
 /// client: then its connection counts as idle unless answers move (`InFlight::waiting`), so a
 /// client that opens streams and takes none of their answers has its connection closed after the
@@ -174,6 +177,8 @@ struct Stream {
     in_flight: Option<Arc<InFlight>>,
     /// Answers made and not yet taken by the client.
     unsent: Mutex<usize>,
+    /// Answers handed on to be encoded, with what they hold, until their bytes come by (`Kept`).
+    handed: Mutex<(usize, Vec<Reserved>)>,
 }
 
 impl StreamAnswers {
@@ -197,13 +202,20 @@ impl StreamAnswers {
         }
     }
 
-    /// The client has taken an answer (or it was never sent).
-    pub fn taken(&self) {
+    /// An answer is handed on to be encoded, with what it holds.
+    pub fn handed(&self, held: Option<Reserved>) {
+        let mut handed = self.0.handed.lock().unwrap_or_else(|e| e.into_inner());
+        handed.0 += 1;
+        handed.1.extend(held);
+    }
+
+    /// The client has taken `n` answers (or they were never sent).
+    pub fn taken(&self, n: usize) {
         let mut unsent = self.0.unsent.lock().unwrap_or_else(|e| e.into_inner());
-        if *unsent == 0 {
+        if *unsent == 0 || n == 0 {
             return;
         }
-        *unsent -= 1;
+        *unsent = unsent.saturating_sub(n);
         if *unsent == 0 {
             if let Some(f) = &self.0.in_flight {
                 f.wait(false);
@@ -456,11 +468,29 @@ impl http_body::Body for Charged {
     }
 }
 
-/// A response body that keeps a stream counted (and a unary call's bytes charged) until sent.
+/// A response body that keeps a stream counted while it is open, and a unary call's bytes (or a
+/// stream's answers') charged until written: its large frames hold them for as long as hyper and
+/// h2 keep them (`budget::holding`), which is past the body's end: hyper ends a body as soon as
+/// it has its last bytes, and h2 buffers them, whatever the size, until the client's window lets
+/// them go.
 struct Kept {
     inner: Body,
     _held: Option<Held>,
-    _charge: Option<Arc<Charge>>,
+    charge: Option<Arc<Charge>>,
+    answers: Option<StreamAnswers>,
+}
+
+/// A stream's answers encoded in one frame, taken by the client when its bytes are dropped.
+struct Sent {
+    answers: StreamAnswers,
+    count: usize,
+    _held: Vec<Reserved>,
+}
+
+impl Drop for Sent {
+    fn drop(&mut self) {
+        self.answers.taken(self.count);
+    }
 }
 
 impl http_body::Body for Kept {
@@ -468,7 +498,24 @@ impl http_body::Body for Kept {
     type Error = Status;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+        let this = self.get_mut();
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        let (charge, answers) = (&this.charge, &this.answers);
+        Poll::Ready(frame.map(|f| {
+            f.map(|f| {
+                f.map_data(|b| match (charge, answers) {
+                    (Some(c), _) if b.len() >= crate::http::ANSWER_HELD_FROM => budget::holding(b, c.clone()),
+                    (_, Some(a)) => {
+                        let (count, held) = std::mem::take(&mut *a.0.handed.lock().unwrap_or_else(|e| e.into_inner()));
+                        if count == 0 {
+                            return b;
+                        }
+                        budget::holding(b, Sent { answers: a.clone(), count, _held: held })
+                    }
+                    _ => b,
+                })
+            })
+        }))
     }
 
     fn is_end_stream(&self) -> bool {

@@ -293,19 +293,16 @@ async fn send(tx: &mpsc::Sender<Answer>, answers: &Option<calls::StreamAnswers>,
     }
     if tx.send(answer).await.is_err() {
         if let Some(a) = answers {
-            a.taken();
+            a.taken(1);
         }
     }
 }
 
-/// A stream's answers as its connection asks for them: the one handed on last holds its bytes
-/// of the budget, and waits on the client, until the connection asks for the next (which it does
-/// once the client's window has room; see `calls::StreamAnswers`).
+/// A stream's answers as its connection asks for them, each handed on with what it holds of the
+/// bytes in flight, kept until its bytes have been written (see `calls::StreamAnswers`).
 struct Answers {
     rx: mpsc::Receiver<Answer>,
     answers: Option<calls::StreamAnswers>,
-    /// What the answer handed on last holds, given back at the next ask.
-    out: Option<Option<crate::budget::Reserved>>,
 }
 
 impl Stream for Answers {
@@ -313,14 +310,11 @@ impl Stream for Answers {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
         let this = &mut *self;
-        if this.out.take().is_some() {
-            if let Some(a) = &this.answers {
-                a.taken();
-            }
-        }
         this.rx.poll_recv(cx).map(|next| {
             next.map(|(answer, held)| {
-                this.out = Some(held);
+                if let Some(a) = &this.answers {
+                    a.handed(held);
+                }
                 answer
             })
         })
@@ -453,7 +447,7 @@ impl GrpcInferenceService for Service {
                 ));
             }
         });
-        Ok(Response::new(Box::pin(Answers { rx, answers: taking, out: None })))
+        Ok(Response::new(Box::pin(Answers { rx, answers: taking })))
     }
 
     async fn model_config(

@@ -198,7 +198,7 @@ fn hold_answer(resp: Response, mut held: Reserved) -> Response {
     if !held.grow(bytes) {
         return over_budget(ANSWERS_OVER_BUDGET);
     }
-    resp.map(|inner| axum::body::Body::new(Holding { inner, _held: held }))
+    resp.map(|inner| axum::body::Body::new(Holding { inner, held: Arc::new(held) }))
 }
 
 /// Why a large answer was refused (HTTP and gRPC).
@@ -210,10 +210,11 @@ fn over_budget(message: &str) -> Response {
     ApiError::from(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1)))).into_response()
 }
 
-/// A body that holds its bytes of the budget until it is dropped (sent, or its connection gone).
+/// A body whose bytes hold its bytes of the budget until the last of them has been written (or
+/// its connection is gone): hyper drops a body once it has its last bytes, before they are sent.
 struct Holding {
     inner: axum::body::Body,
-    _held: Reserved,
+    held: Arc<Reserved>,
 }
 
 impl axum::body::HttpBody for Holding {
@@ -224,7 +225,11 @@ impl axum::body::HttpBody for Holding {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        std::pin::Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+        let this = self.get_mut();
+        let held = &this.held;
+        std::pin::Pin::new(&mut this.inner)
+            .poll_frame(cx)
+            .map(|f| f.map(|f| f.map(|f| f.map_data(|b| crate::budget::holding(b, held.clone())))))
     }
 
     fn is_end_stream(&self) -> bool {
