@@ -419,8 +419,8 @@ def h2_send(sock, conn, path, headers, body):
         if n:
             conn.send_data(sid, body[:n], end_stream=n == len(body))
             body = body[n:]
-        else:
-            conn.receive_data(sock.recv(1 << 16))
+        else:  # (what arrives meanwhile is kept for the caller)
+            conn.early_events = getattr(conn, "early_events", []) + conn.receive_data(sock.recv(1 << 16))
         sock.sendall(conn.data_to_send())
 
 
@@ -494,7 +494,7 @@ def test_answers_a_client_grants_no_http2_window_for_are_dropped_with_its_connec
 GRPC_HEADERS = [("content-type", "application/grpc"), ("te", "trailers")]
 
 
-def decoded_server(start_server, tmp_path, idle=30):
+def decoded_server(start_server, tmp_path, idle=30, budget=32 << 20, side=1500):
     """A server of a pipeline decoding an image to UINT8 pixels, 32 MB of bytes in flight, and a
     1,500x1,500 PNG of a few KB (6.75 MB decoded) as one BYTES element."""
     import io
@@ -503,9 +503,9 @@ def decoded_server(start_server, tmp_path, idle=30):
     (repo / "decoded").mkdir(parents=True)
     (repo / "decoded" / "config.toml").write_text(
         '[[steps]]\nop = "decode_image"\n[[steps]]\nop = "normalize"\ndtype = "UINT8"\nlayout = "NHWC"\n')
-    s = start_server("--max-inflight-body-bytes", str(32 << 20), "--http-idle-timeout-secs", str(idle), repository=repo)
+    s = start_server("--max-inflight-body-bytes", str(budget), "--http-idle-timeout-secs", str(idle), repository=repo)
     png = io.BytesIO()
-    Image.new("RGB", (1500, 1500), (9, 8, 7)).save(png, "PNG")
+    Image.new("RGB", (side, side), (9, 8, 7)).save(png, "PNG")
     return s, struct.pack("<I", len(png.getvalue())) + png.getvalue()
 
 
@@ -695,6 +695,53 @@ def test_answers_hold_their_bytes_in_flight_until_written(start_server, tmp_path
     finally:
         for c in socks:
             c.close()
+
+
+@pytest.mark.parametrize("listener", ["grpc", "http"])
+def test_small_answers_count_against_the_bytes_in_flight_too(start_server, tmp_path, listener):
+    """150 answers of 48 KB each (a 128x128 PNG decoded) on one HTTP/2 connection that takes only
+    their first bytes: small answers hold their bytes of the budget until written as large ones
+    do, so past a budget of 4 MB they are refused (before, answers under 64 KiB held none: all 150
+    kept, and 1,024 streams a connection could each keep one)."""
+    import h2.events
+    s, raw = decoded_server(start_server, tmp_path, budget=4 << 20, side=128)
+    if listener == "grpc":
+        port, path, body, headers, window = (s.grpc_port, "/inference.GRPCInferenceService/ModelInfer",
+                                             grpc_decoded_message(raw), GRPC_HEADERS, 1)
+    else:
+        header = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                         "parameters": {"binary_data_size": len(raw)}}],
+                             "parameters": {"binary_data_output": True}}).encode()
+        conn = http.client.HTTPConnection(s.url, timeout=30)
+        conn.request("POST", "/v2/models/decoded/infer", header + raw, {"Inference-Header-Content-Length": str(len(header))})
+        got = conn.getresponse()
+        assert got.status == 200 and len(got.read()) > 128 * 128 * 3
+        port, path, body, window = s.port, "/v2/models/decoded/infer", header + raw, int(got.getheader("inference-header-content-length")) + 1
+        headers = [("inference-header-content-length", str(len(header)))]
+    sock, conn = h2_request_held_without_window(port, path, headers, body, window)
+    for _ in range(149):
+        h2_send(sock, conn, path, headers, body)
+    answered, refused, events = 0, 0, getattr(conn, "early_events", [])
+    sock.settimeout(1)
+    deadline = time.time() + 60
+    while answered < 150 and time.time() < deadline:
+        for event in events:
+            if isinstance(event, h2.events.ResponseReceived):
+                got = dict(event.headers)
+                answered += 1
+                refused += got[":status"] == "503" or got.get("grpc-status") == "14"
+        sock.sendall(conn.data_to_send())
+        try:
+            data = sock.recv(1 << 16)
+        except socket.timeout:
+            events = []
+            continue
+        assert data, "the connection closed"
+        events = conn.receive_data(data)
+    sock.close()
+    assert answered == 150, f"{answered} of 150 streams answered"
+    # 4 MB of budget, 48 KB an answer: about 85 held.
+    assert refused >= 50, f"{refused} of 150 answers refused"
 
 
 def slowly_taken(sock, conn, step, pause):

@@ -95,6 +95,11 @@ impl Reserved {
         }
         taken
     }
+
+    /// Whether nothing is held (an empty body, and an empty answer).
+    pub fn is_empty(&self) -> bool {
+        self.permits == 0
+    }
 }
 
 impl Drop for Reserved {

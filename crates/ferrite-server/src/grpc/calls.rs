@@ -149,9 +149,6 @@ impl AnswerCharge {
     /// Adds an answer of `bytes`, or fails the call when the budget cannot take it (the answer's
     /// memory is then freed at once, not held for a client that may never read it).
     pub fn add(&self, bytes: usize) -> Result<(), Status> {
-        if bytes < crate::http::ANSWER_HELD_FROM {
-            return Ok(());
-        }
         self.0.hold(budget::permits(bytes)).map_err(|_| {
             super::status(ferrite_core::Error::unavailable(
                 crate::http::ANSWERS_OVER_BUDGET,
@@ -182,13 +179,10 @@ struct Stream {
 }
 
 impl StreamAnswers {
-    /// The bytes of an answer of `bytes` held (none for a small one), or why the budget cannot take it.
-    pub fn hold(&self, bytes: usize) -> Result<Option<Reserved>, String> {
-        if bytes < crate::http::ANSWER_HELD_FROM {
-            return Ok(None);
-        }
+    /// The bytes of an answer of `bytes` held, or why the budget cannot take them.
+    pub fn hold(&self, bytes: usize) -> Result<Reserved, String> {
         let Charge { budget, tenant, .. } = &*self.0.charge;
-        budget.take(tenant.as_deref(), bytes).map(Some).ok_or_else(|| crate::http::ANSWERS_OVER_BUDGET.to_string())
+        budget.take(tenant.as_deref(), bytes).ok_or_else(|| crate::http::ANSWERS_OVER_BUDGET.to_string())
     }
 
     /// An answer is ready for the client.
@@ -504,7 +498,7 @@ impl http_body::Body for Kept {
         Poll::Ready(frame.map(|f| {
             f.map(|f| {
                 f.map_data(|b| match (charge, answers) {
-                    (Some(c), _) if b.len() >= crate::http::ANSWER_HELD_FROM => budget::holding(b, c.clone()),
+                    (Some(c), _) => budget::holding(b, c.clone()),
                     (_, Some(a)) => {
                         let (count, held) = std::mem::take(&mut *a.0.handed.lock().unwrap_or_else(|e| e.into_inner()));
                         if count == 0 {

@@ -427,7 +427,7 @@ impl GrpcInferenceService for Service {
                             _ = tx.closed() => return,
                         };
                         let held = match (&out, &answers) {
-                            (Ok(resp), Some(answers)) => answers.hold(prost::Message::encoded_len(resp)),
+                            (Ok(resp), Some(answers)) => answers.hold(prost::Message::encoded_len(resp)).map(Some),
                             _ => Ok(None),
                         };
                         let (out, held) = match (out, held) {

@@ -180,28 +180,24 @@ async fn read_body(
     hold_answer(resp, reserved)
 }
 
-/// Answers at least this large hold their bytes, and their request's, of the budget until sent
-/// (HTTP and gRPC).
-pub(crate) const ANSWER_HELD_FROM: usize = 64 << 10;
-
-/// A large answer holds its bytes of the budget (its request's reservation, and more if the
-/// answer is larger: the request's bytes are gone by now) until it has been sent or its
-/// connection closed: answers a client does not read (or, over HTTP/2, opens no window for) count
-/// against what all requests (and its tenant's) may hold, so many of them cannot exhaust memory.
-/// One the budget cannot take is not kept: 503, its memory freed at once.
+/// An answer holds its bytes of the budget (its request's reservation, and more if the answer is
+/// larger: the request's bytes are gone by now; at least a KiB) until written or its connection
+/// closed: answers a client does not read (or, over HTTP/2, opens no window for) count against
+/// what all requests (and its tenant's) may hold, so many of them, large or small, cannot exhaust
+/// memory. One the budget cannot take is not kept: 503, its memory freed at once.
 fn hold_answer(resp: Response, mut held: Reserved) -> Response {
     let bytes =
         axum::body::HttpBody::size_hint(resp.body()).exact().map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
-    if bytes < ANSWER_HELD_FROM {
-        return resp;
-    }
     if !held.grow(bytes) {
         return over_budget(ANSWERS_OVER_BUDGET);
+    }
+    if held.is_empty() {
+        return resp;
     }
     resp.map(|inner| axum::body::Body::new(Holding { inner, held: Arc::new(held) }))
 }
 
-/// Why a large answer was refused (HTTP and gRPC).
+/// Why an answer was refused (HTTP and gRPC).
 pub(crate) const ANSWERS_OVER_BUDGET: &str =
     "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly";
 
