@@ -159,11 +159,11 @@ impl AnswerCharge {
 }
 
 /// A ModelStreamInfer call's answers on their way to its client, in its request's extensions. Each
-/// large answer holds its bytes of the budget (and its tenant's share), as a unary call's does
+/// answer holds its bytes of the budget (and its tenant's share), as a unary call's does
 /// ([`AnswerCharge`]), until the client has taken it: until the bytes it was encoded to have been
 /// written (`Kept`), however long hyper and h2 keep them. A stream is a call in
 /// flight while it is open (never idle, however quiet), but not while its answers wait on the
-/// client: then its connection counts as idle unless answers move (`InFlight::waiting`), so a
+/// client: then its connection counts as idle unless answers move (`InFlight::wait`), so a
 /// client that opens streams and takes none of their answers has its connection closed after the
 /// idle timeout, as a unary call's client has, and the answers it held freed.
 #[derive(Clone)]
@@ -463,7 +463,7 @@ impl http_body::Body for Charged {
 }
 
 /// A response body that keeps a stream counted while it is open, and a unary call's bytes (or a
-/// stream's answers') charged until written: its large frames hold them for as long as hyper and
+/// stream's answers') charged until written: its frames hold them for as long as hyper and
 /// h2 keep them (`budget::holding`), which is past the body's end: hyper ends a body as soon as
 /// it has its last bytes, and h2 buffers them, whatever the size, until the client's window lets
 /// them go.

@@ -392,7 +392,7 @@ impl GrpcInferenceService for Service {
         let meta = self.call_meta(r.metadata(), r.extensions())?;
         let answers = r.extensions().get::<calls::StreamAnswers>().cloned();
         let mut incoming = until_stopped(r.into_inner(), self.stopping.clone());
-        // Each answer with what it holds of the bytes in flight, given back when tonic takes it.
+        // Each answer with what it holds of the bytes in flight, given back once written (`Kept`).
         let (tx, rx) = mpsc::channel::<Answer>(STREAM_IN_FLIGHT);
         let permits = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
         let svc = self.clone();

@@ -54,7 +54,7 @@ pub struct HttpLimits {
     /// Concurrent HTTP/2 streams per connection.
     pub max_streams: u32,
     /// Bytes of request bodies all requests may hold at once (as sent, and again once
-    /// decompressed), reserved before any is read, and of large answers until taken; past it (or
+    /// decompressed), reserved before any is read, and of answers until written; past it (or
     /// past the request's tenant's share of it), 503 with Retry-After.
     pub body_budget: Arc<Budget>,
 }
