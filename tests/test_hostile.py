@@ -811,10 +811,31 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
         # Small messages still fit; once the first is answered, its bytes are free again.
         assert stub.ModelInfer(slow_grpc_request(1), timeout=60).raw_output_contents
         assert held.result().raw_output_contents
-    # Bytes of streamed messages are freed as each arrives whole: a stream of many 600 KB messages
-    # (more than the budget in all) is served.
+    # A stream's messages hold their bytes until answered too (before, each was freed once whole:
+    # a stream could hold 256 messages, 16 GiB at the largest, past any budget). Four 600 KB
+    # messages sent at once: two fit the budget, then the stream ends refused once the two in
+    # flight are answered...
     stream = stub.ModelStreamInfer(iter([slow_grpc_request(300) for _ in range(4)]), timeout=120)
-    answers = list(stream)
+    answers = []
+    with pytest.raises(grpc.RpcError) as refused:
+        for a in stream:
+            answers.append(a)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "in flight" in refused.value.details()
+    assert 1 <= len(answers) <= 2 and all(a.infer_response.raw_output_contents for a in answers)
+    # ...while a stream sending each after the last one's answer is served, more than the budget
+    # in all.
+    import queue
+    answered = queue.Queue()
+
+    def one_by_one():
+        for _ in range(4):
+            yield slow_grpc_request(300)
+            answered.get(timeout=60)
+
+    answers = []
+    for a in stub.ModelStreamInfer(one_by_one(), timeout=120):
+        answers.append(a)
+        answered.put(1)
     assert len(answers) == 4 and all(not a.error_message for a in answers), [a.error_message for a in answers]
 
 

@@ -79,6 +79,11 @@ impl Budget {
         let mut held = Reserved { budget: self.clone(), tenant: tenant.map(str::to_string), permits: 0 };
         held.grow(bytes).then_some(held)
     }
+
+    /// `permits` already taken for `tenant` (`try_take`), held from now until dropped.
+    pub(crate) fn taken(self: &Arc<Self>, tenant: Option<&str>, permits: u32) -> Reserved {
+        Reserved { budget: self.clone(), tenant: tenant.map(str::to_string), permits }
+    }
 }
 
 impl Reserved {

@@ -2,8 +2,9 @@
 //! requests: the call counts as in flight on its connection until its response has been sent (a
 //! connection with no call open is closed after the idle timeout), and the request bytes received
 //! are charged to the budget of bytes in flight that all listeners share (past it, the call fails
-//! UNAVAILABLE with a retry hint). A unary call's bytes stay charged until its response is sent; a
-//! stream's are released at each message boundary (its messages in flight are capped apart).
+//! UNAVAILABLE with a retry hint). A unary call's bytes stay charged until its response has been
+//! written; a stream's, message by message, until each message's answer has (past the budget,
+//! the stream ends UNAVAILABLE once the messages in flight are answered).
 //! A message must arrive whole within the body timeout of its first byte (as an HTTP body must), so
 //! a client trickling a large message cannot hold the shared budget (and the stream) forever.
 //!
@@ -119,13 +120,15 @@ where
                     in_flight: conn,
                     unsent: Mutex::new(0),
                     handed: Mutex::default(),
+                    received: Mutex::default(),
                 }));
                 req.extensions_mut().insert(stream.clone());
                 answers = Some(stream);
             }
             Big::Off
         };
-        let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), streaming, limit, big)));
+        let stream = answers.clone();
+        let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), stream, limit, big)));
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await?;
@@ -176,13 +179,35 @@ struct Stream {
     unsent: Mutex<usize>,
     /// Answers handed on to be encoded, with what they hold, until their bytes come by (`Kept`).
     handed: Mutex<(usize, Vec<Reserved>)>,
+    /// Messages received whole, in order, with what their bytes hold (messages that ended in one
+    /// frame share the first's), until the handler takes them.
+    received: Mutex<std::collections::VecDeque<Option<Reserved>>>,
 }
 
 impl StreamAnswers {
-    /// The bytes of an answer of `bytes` held, or why the budget cannot take them.
-    pub fn hold(&self, bytes: usize) -> Result<Reserved, String> {
-        let Charge { budget, tenant, .. } = &*self.0.charge;
-        budget.take(tenant.as_deref(), bytes).ok_or_else(|| crate::http::ANSWERS_OVER_BUDGET.to_string())
+    /// `ended` messages received whole, their bytes held by `held`.
+    fn received(&self, held: Reserved, ended: usize) {
+        let mut received = self.0.received.lock().unwrap_or_else(|e| e.into_inner());
+        received.push_back(Some(held));
+        received.extend((1..ended).map(|_| None));
+    }
+
+    /// What the bytes of the next message the handler takes hold, until it is answered.
+    pub fn next_message(&self) -> Option<Reserved> {
+        self.0.received.lock().unwrap_or_else(|e| e.into_inner()).pop_front().flatten()
+    }
+
+    /// The bytes of an answer of `bytes` held (what its request's held, and more if the answer is
+    /// larger), or why the budget cannot take them.
+    pub fn hold(&self, request: Option<Reserved>, bytes: usize) -> Result<Reserved, String> {
+        let over = || crate::http::ANSWERS_OVER_BUDGET.to_string();
+        match request {
+            Some(mut held) => held.grow(bytes).then_some(held).ok_or_else(over),
+            None => {
+                let Charge { budget, tenant, .. } = &*self.0.charge;
+                budget.take(tenant.as_deref(), bytes).ok_or_else(over)
+            }
+        }
     }
 
     /// An answer is ready for the client.
@@ -256,6 +281,11 @@ impl Charge {
         let n = self.permits.swap(0, Ordering::AcqRel);
         self.budget.give(self.tenant.as_deref(), n);
     }
+
+    /// What it holds, held from now by the returned reservation instead.
+    fn take(&self) -> Reserved {
+        self.budget.taken(self.tenant.as_deref(), self.permits.swap(0, Ordering::AcqRel))
+    }
 }
 
 impl Drop for Charge {
@@ -271,6 +301,8 @@ struct Framing {
     prefix: [u8; 5],
     have: usize,
     left: usize,
+    /// Messages ended since this was last taken.
+    ended: usize,
 }
 
 impl Framing {
@@ -300,6 +332,7 @@ impl Framing {
             }
             if self.have == 5 && self.left == 0 {
                 self.have = 0;
+                self.ended += 1;
                 after_end = Some(chunk.len());
             }
         }
@@ -344,7 +377,8 @@ enum Step {
 struct Charged {
     inner: Body,
     charge: Arc<Charge>,
-    streaming: bool,
+    /// A stream's: each message's bytes, once whole, go with it to the handler.
+    stream: Option<StreamAnswers>,
     frame: Framing,
     /// Bytes received since the charge was last released.
     since: usize,
@@ -355,8 +389,8 @@ struct Charged {
 }
 
 impl Charged {
-    fn new(inner: Body, charge: Arc<Charge>, streaming: bool, limit: Duration, big: Big) -> Charged {
-        Charged { inner, charge, streaming, frame: Framing::default(), since: 0, limit, deadline: None, big }
+    fn new(inner: Body, charge: Arc<Charge>, stream: Option<StreamAnswers>, limit: Duration, big: Big) -> Charged {
+        Charged { inner, charge, stream, frame: Framing::default(), since: 0, limit, deadline: None, big }
     }
 
     fn capture(&mut self, data: &Bytes) -> Step {
@@ -398,12 +432,15 @@ impl Charged {
 
     fn account(&mut self, data: &[u8]) -> Result<(), Status> {
         let after = self.frame.advance(data);
-        match after.filter(|_| self.streaming) {
-            Some(after) => {
-                self.charge.release();
+        match (after, &self.stream) {
+            (Some(after), Some(stream)) => {
+                // The messages that ended here hold their bytes until answered (`StreamAnswers`).
+                self.charge.hold(budget::permits(self.since + data.len() - after))?;
+                let ended = std::mem::take(&mut self.frame.ended);
+                stream.received(self.charge.take(), ended);
                 self.since = after;
             }
-            None => self.since += data.len(),
+            _ => self.since += data.len(),
         }
         // A message that ended here (and none begun after it) stops the clock; a new one starts it.
         if after.is_some() && !self.frame.partial() {
@@ -554,7 +591,18 @@ mod tests {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
         let charge = Arc::new(Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) });
-        (tx, Charged::new(inner, charge.clone(), streaming, Duration::from_secs(30), big), charge)
+        let stream = streaming.then(|| stream_of(&charge));
+        (tx, Charged::new(inner, charge.clone(), stream, Duration::from_secs(30), big), charge)
+    }
+
+    fn stream_of(charge: &Arc<Charge>) -> StreamAnswers {
+        StreamAnswers(Arc::new(Stream {
+            charge: charge.clone(),
+            in_flight: None,
+            unsent: Mutex::new(0),
+            handed: Mutex::default(),
+            received: Mutex::default(),
+        }))
     }
 
     #[tokio::test(start_paused = true)]
@@ -595,13 +643,38 @@ mod tests {
         assert!(body.frame().await.is_none());
     }
 
+    #[tokio::test]
+    async fn a_streams_messages_hold_their_bytes_until_answered() {
+        use http_body_util::BodyExt;
+        let budget = Budget::new(100 << 10);
+        let (tx, mut body, _charge) = fed(&budget, true, Big::Off);
+        let stream = body.stream.clone().unwrap();
+        tx.send(Ok(Frame::data(Bytes::from(message(4000))))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        let mut two = message(3000);
+        two.extend(message(3000));
+        tx.send(Ok(Frame::data(Bytes::from(two)))).await.unwrap();
+        body.frame().await.unwrap().unwrap();
+        // Whole, the messages' bytes stay held (4 KiB, and 6 for the two of one frame).
+        assert_eq!(budget.available(), 90);
+        let (first, second) = (stream.next_message().unwrap(), stream.next_message().unwrap());
+        assert!(stream.next_message().is_none(), "the third shares the second's");
+        drop(first);
+        assert_eq!(budget.available(), 94);
+        // An answer larger than its request holds more, then all goes back.
+        let answer = stream.hold(Some(second), 20 << 10).unwrap();
+        assert_eq!(budget.available(), 80);
+        drop(answer);
+        assert_eq!(budget.available(), 100);
+    }
+
     fn armed(chunks: Vec<Vec<u8>>, max: usize) -> (Charged, Captured) {
         let frames = chunks.into_iter().map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c))));
         let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)));
         let charge = Arc::new(Charge { budget: Budget::new(1 << 30), tenant: None, permits: AtomicU32::new(0) });
         let slot = Captured::default();
         let big = Big::Armed { slot: slot.clone(), max };
-        (Charged::new(inner, charge, false, Duration::from_secs(30), big), slot)
+        (Charged::new(inner, charge, None, Duration::from_secs(30), big), slot)
     }
 
     async fn data_frames(mut body: Charged) -> Result<Vec<u8>, Status> {

@@ -412,6 +412,8 @@ impl GrpcInferenceService for Service {
                     }
                 };
                 let (tx, svc, meta, answers) = (tx.clone(), svc.clone(), meta.clone(), answers.clone());
+                // What the message's bytes hold, held until it is answered.
+                let request = answers.as_ref().and_then(|a| a.next_message());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
@@ -427,7 +429,9 @@ impl GrpcInferenceService for Service {
                             _ = tx.closed() => return,
                         };
                         let held = match (&out, &answers) {
-                            (Ok(resp), Some(answers)) => answers.hold(prost::Message::encoded_len(resp)).map(Some),
+                            (Ok(resp), Some(answers)) => {
+                                answers.hold(request, prost::Message::encoded_len(resp)).map(Some)
+                            }
                             _ => Ok(None),
                         };
                         let (out, held) = match (out, held) {
