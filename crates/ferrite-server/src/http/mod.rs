@@ -194,7 +194,7 @@ fn hold_answer(resp: Response, mut held: Reserved) -> Response {
     if held.is_empty() {
         return resp;
     }
-    resp.map(|inner| axum::body::Body::new(Holding { inner, held: Arc::new(held) }))
+    resp.map(|inner| axum::body::Body::new(Holding { inner, held: Some(held) }))
 }
 
 /// Why an answer was refused (HTTP and gRPC).
@@ -208,9 +208,11 @@ fn over_budget(message: &str) -> Response {
 
 /// A body whose bytes hold its bytes of the budget until the last of them has been written (or
 /// its connection is gone): hyper drops a body once it has its last bytes, before they are sent.
+/// Its last frame carries the reservation (`budget::holding`): a connection writes a body's
+/// frames in order, so the earlier ones are gone before it.
 struct Holding {
     inner: axum::body::Body,
-    held: Arc<Reserved>,
+    held: Option<Reserved>,
 }
 
 impl axum::body::HttpBody for Holding {
@@ -222,10 +224,17 @@ impl axum::body::HttpBody for Holding {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
         let this = self.get_mut();
-        let held = &this.held;
-        std::pin::Pin::new(&mut this.inner)
-            .poll_frame(cx)
-            .map(|f| f.map(|f| f.map(|f| f.map_data(|b| crate::budget::holding(b, held.clone())))))
+        let frame = std::task::ready!(std::pin::Pin::new(&mut this.inner).poll_frame(cx));
+        let last = this.inner.is_end_stream();
+        let held = &mut this.held;
+        std::task::Poll::Ready(frame.map(|f| {
+            f.map(|f| {
+                f.map_data(|b| match held.take_if(|_| last) {
+                    Some(held) => crate::budget::holding(b, held),
+                    None => b,
+                })
+            })
+        }))
     }
 
     fn is_end_stream(&self) -> bool {
