@@ -491,6 +491,18 @@ def test_answers_a_client_grants_no_http2_window_for_are_dropped_with_its_connec
             sock.close()
 
 
+def computed(s, n, meanwhile=lambda: None):
+    """Waits (60 s at most) until the `decoded` pipeline has computed `n` requests."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        stats = http.client.HTTPConnection(s.url, timeout=10)
+        stats.request("GET", "/v2/models/decoded/stats")
+        if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= n:
+            return
+        meanwhile()
+        time.sleep(0.2)
+
+
 GRPC_HEADERS = [("content-type", "application/grpc"), ("te", "trailers")]
 
 
@@ -575,13 +587,7 @@ def test_a_streams_answers_held_for_it_count_against_the_bytes_in_flight(start_s
     s, raw = decoded_server(start_server, tmp_path)
     sock, conn = h2_request_held_without_window(s.grpc_port, "/inference.GRPCInferenceService/ModelStreamInfer",
                                                 GRPC_HEADERS, grpc_decoded_message(raw) * 12)
-    deadline = time.time() + 60
-    while time.time() < deadline:  # until all twelve are answered
-        stats = http.client.HTTPConnection(s.url, timeout=10)
-        stats.request("GET", "/v2/models/decoded/stats")
-        if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= 12:
-            break
-        time.sleep(0.2)
+    computed(s, 12)  # all twelve answered
     data = slowly_taken(sock, conn, step=128 << 20, pause=0)
     sock.close()
     answers = []
@@ -609,14 +615,7 @@ def test_streams_whose_answers_are_not_taken_hold_them_in_the_budget_and_are_clo
     sock, conn = h2_request_held_without_window(s.grpc_port, path, GRPC_HEADERS, body)
     for _ in range(29):
         h2_send(sock, conn, path, GRPC_HEADERS, body)
-    deadline = time.time() + 60
-    while time.time() < deadline:  # until all thirty are answered
-        stats = http.client.HTTPConnection(s.url, timeout=10)
-        stats.request("GET", "/v2/models/decoded/stats")
-        if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= 30:
-            break
-        answer_pings([(sock, conn)])
-        time.sleep(0.2)
+    computed(s, 30, lambda: answer_pings([(sock, conn)]))  # all thirty answered
     grew = (rss_kib(s.proc.pid) - before) >> 10
     assert grew < 64, f"{grew} MB held for thirty answers not taken, past a budget of 32"
     closed, deadline = False, time.time() + 15
@@ -682,13 +681,7 @@ def test_answers_hold_their_bytes_in_flight_until_written(start_server, tmp_path
             socks.append(sock)
             for _ in range(29):
                 h2_send(sock, conn, path, headers, body)
-        deadline = time.time() + 60
-        while time.time() < deadline:  # until all thirty are computed
-            stats = http.client.HTTPConnection(s.url, timeout=10)
-            stats.request("GET", "/v2/models/decoded/stats")
-            if json.loads(stats.getresponse().read())["model_stats"][0]["inference_count"] >= 31:
-                break
-            time.sleep(0.2)
+        computed(s, 31)  # all thirty (and the first) computed
         time.sleep(0.5)
         grew = (rss_kib(s.proc.pid) - before) >> 10
         assert grew < 64, f"{grew} MB held for thirty answers not taken, past a budget of 32"
