@@ -224,6 +224,31 @@ pub fn tenant<'a>(
     }
 }
 
+/// The tenant a request acts for (`tenant`, or why its claim is refused), resolved once where its
+/// bytes are first charged to a share of the budget (HTTP's body layer, gRPC's call layer) and
+/// carried in its extensions to the handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acting(pub Result<Option<String>, String>);
+
+impl Acting {
+    /// What `ext` carries, else resolved from its principal and `claimed` (the header).
+    pub fn of<'a>(
+        ext: &http::Extensions,
+        tenants: Option<&Tenants>,
+        claimed: impl FnOnce(&str) -> Option<&'a str>,
+    ) -> Acting {
+        match ext.get::<Acting>() {
+            Some(acting) => acting.clone(),
+            None => Acting(tenant(ext.get(), tenants, claimed)),
+        }
+    }
+
+    /// The share its bytes are in: its tenant's; a request to be refused is no tenant's.
+    pub fn share(&self) -> Option<&str> {
+        self.0.as_ref().ok().and_then(Option::as_deref)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,6 +294,28 @@ mod tests {
         assert_eq!(tenant(Some(&plain), None, header("acme")), Ok(None));
         assert_eq!(tenant(None, None, header("acme")), Ok(None));
         assert!(Auth::parse("acme-token-0123456789 tenant=", false).is_err());
+    }
+
+    #[test]
+    fn the_tenant_a_request_acts_for_is_resolved_once_and_carried() {
+        use ferrite_core::admission::tenant::TenantConfig;
+        let auth = Auth::parse("plain-token-0123456789\n", false).unwrap();
+        let plain = auth.check(Some("Bearer plain-token-0123456789"), Scope::Infer).unwrap();
+        let tenants = Tenants::new(TenantConfig::parse("[tenants.acme]\nrate = 100\n").unwrap(), "x-tenant");
+        let mut ext = http::Extensions::new();
+        let never = |_: &str| -> Option<&str> { panic!("resolved again") };
+        // Nothing carried: resolved from the principal and the header.
+        let named = Acting::of(&ext, Some(&tenants), |_| Some("beta"));
+        assert_eq!((named.0.clone(), named.share()), (Ok(Some("beta".into())), Some("beta")));
+        ext.insert(plain);
+        let refused = Acting::of(&ext, Some(&tenants), |_| Some("acme"));
+        assert!(refused.0.is_err());
+        assert_eq!(refused.share(), None, "a claim to be refused is charged as no tenant's");
+        // Carried: the header is not read again, and the refusal stands.
+        ext.insert(refused.clone());
+        assert_eq!(Acting::of(&ext, Some(&tenants), never), refused);
+        ext.insert(named.clone());
+        assert_eq!(Acting::of(&ext, None, never), named);
     }
 
     #[test]

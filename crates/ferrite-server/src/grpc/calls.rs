@@ -34,6 +34,7 @@ use tonic::{
 };
 
 use crate::{
+    auth::Acting,
     budget::{self, Budget, Reserved},
     http::pool::{Pooled, BODIES},
     idle::{Held, InFlight},
@@ -98,15 +99,14 @@ where
             .map(|c| c.in_flight.clone());
         let held = conn.as_ref().map(|f| f.enter());
         let streaming = req.uri().path().ends_with("/ModelStreamInfer");
-        // The tenant the call acts for (one the service refuses later counts as no tenant's).
-        let tenant = crate::auth::tenant(ext.get(), self.layer.core.tenants(), |h| {
-            req.headers().get(h).and_then(|v| v.to_str().ok())
-        })
-        .ok()
-        .flatten();
+        // The tenant the call acts for (one the service refuses later counts as no tenant's);
+        // the service reads it from the extensions.
+        let acting = Acting::of(ext, self.layer.core.tenants(), |h| req.headers().get(h).and_then(|v| v.to_str().ok()));
+        let tenant = acting.share().map(str::to_string);
         let charge = Arc::new(Charge { budget: self.layer.budget.clone(), tenant, permits: AtomicU32::new(0) });
         let limit = self.layer.message_timeout;
         let mut req = req;
+        req.extensions_mut().insert(acting);
         let mut answers = None;
         let big = if req.uri().path() == "/inference.GRPCInferenceService/ModelInfer" {
             let slot = Captured::default();

@@ -16,7 +16,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::telemetry;
+use crate::{auth::Acting, telemetry};
 
 pub mod pb {
     tonic::include_proto!("inference");
@@ -226,10 +226,9 @@ impl Service {
     /// `--tenant-header` key where tenants are configured and the token allows) and the
     /// `x-ferrite-canary` routing.
     fn call_meta(&self, metadata: &MetadataMap, extensions: &http::Extensions) -> Result<CallMeta, Status> {
-        let tenant = crate::auth::tenant(extensions.get(), self.core.tenants(), |h| {
-            metadata.get(h).and_then(|v| v.to_str().ok())
-        })
-        .map_err(Status::permission_denied)?;
+        let tenant = Acting::of(extensions, self.core.tenants(), |h| metadata.get(h).and_then(|v| v.to_str().ok()))
+            .0
+            .map_err(Status::permission_denied)?;
         let canary = match metadata.get(crate::CANARY_HEADER).map(|v| v.to_str().unwrap_or("?")) {
             None => ferrite_core::CanaryRoute::Auto,
             Some(v) => ferrite_core::CanaryRoute::parse(v).ok_or_else(|| {

@@ -16,6 +16,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::status;
+use crate::auth::Acting;
 
 pub mod pb {
     tonic::include_proto!("tei.v1");
@@ -68,10 +69,10 @@ struct Call {
 impl Tei {
     fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
         let model = req.metadata().get("model").map(|v| v.to_str().unwrap_or_default().to_string());
-        let tenant = crate::auth::tenant(req.extensions().get(), self.core.tenants(), |h| {
-            req.metadata().get(h).and_then(|v| v.to_str().ok())
-        })
-        .map_err(Status::permission_denied)?;
+        let tenant =
+            Acting::of(req.extensions(), self.core.tenants(), |h| req.metadata().get(h).and_then(|v| v.to_str().ok()))
+                .0
+                .map_err(Status::permission_denied)?;
         Ok(Call { model, tenant })
     }
 

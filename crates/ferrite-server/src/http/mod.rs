@@ -20,7 +20,7 @@ use axum::{
 use ferrite_core::{Core, Model};
 
 use crate::{
-    auth::{Auth, Denied, Scope},
+    auth::{Acting, Auth, Denied, Scope},
     budget::{Budget, Reserved},
 };
 use serde::Deserialize;
@@ -124,13 +124,12 @@ async fn read_body(
     let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
     let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
     // Within the share of the tenant the request acts for (one refused by the handler later
-    // counts as no tenant's).
-    let tenant = crate::auth::tenant(parts.extensions.get(), core.tenants(), |h| {
-        parts.headers.get(h).and_then(|v| v.to_str().ok())
-    });
-    let Some(reserved) = limits.body_budget.take(tenant.ok().flatten().as_deref(), reserve) else {
+    // counts as no tenant's); the handler reads it from the extensions.
+    let acting = Acting::of(&parts.extensions, core.tenants(), |h| parts.headers.get(h).and_then(|v| v.to_str().ok()));
+    let Some(reserved) = limits.body_budget.take(acting.share(), reserve) else {
         return over_budget("too many request bytes in flight on this server; retry shortly");
     };
+    parts.extensions.insert(acting);
     let bytes = match tokio::time::timeout(limits.body_timeout, pool::BODIES.read(body, max, stated)).await {
         Err(_) => {
             let msg = format!("the request body did not arrive within {} s", limits.body_timeout.as_secs());
@@ -668,10 +667,9 @@ struct RegionPath {
 async fn shm_status(
     State(s): State<AppState>,
     Path(p): Path<RegionPath>,
-    principal: Option<axum::Extension<crate::auth::Principal>>,
-    headers: HeaderMap,
+    acting: Acting,
 ) -> Result<Json<bodies::RegionsStatus>, ApiError> {
-    let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let regions = s.shm.status(tenant.as_deref(), p.name.as_deref().unwrap_or(""))?;
     Ok(Json(bodies::RegionsStatus(
         regions
@@ -689,11 +687,10 @@ async fn shm_status(
 async fn shm_register(
     State(s): State<AppState>,
     Path(p): Path<RegionPath>,
-    principal: Option<axum::Extension<crate::auth::Principal>>,
-    headers: HeaderMap,
+    acting: Acting,
     body: Bytes,
 ) -> Result<Json<bodies::Empty>, ApiError> {
-    let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let r: bodies::RegisterRegion = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid shared memory registration: {e}")))?;
     let name = p.name.unwrap_or_default();
@@ -704,10 +701,9 @@ async fn shm_register(
 async fn shm_unregister(
     State(s): State<AppState>,
     Path(p): Path<RegionPath>,
-    principal: Option<axum::Extension<crate::auth::Principal>>,
-    headers: HeaderMap,
+    acting: Acting,
 ) -> Result<Json<bodies::Empty>, ApiError> {
-    let tenant = tenant_of(&s, principal.map(|e| e.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     s.shm.unregister(tenant.as_deref(), p.name.as_deref().unwrap_or(""));
     Ok(Json(bodies::Empty {}))
 }
@@ -737,7 +733,7 @@ fn is_msgpack(value: Option<&HeaderValue>) -> bool {
 async fn infer(
     State(s): State<AppState>,
     Path(p): Path<ModelPath>,
-    principal: Option<axum::Extension<crate::auth::Principal>>,
+    acting: Acting,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -747,13 +743,13 @@ async fn infer(
         &p.model,
         crate::telemetry::extract(&crate::telemetry::Headers(&headers)),
     );
-    infer_inner(s, p, principal.map(|e| e.0), headers, body).instrument(span).await
+    infer_inner(s, p, acting, headers, body).instrument(span).await
 }
 
 async fn infer_inner(
     s: AppState,
     p: ModelPath,
-    principal: Option<crate::auth::Principal>,
+    acting: Acting,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -772,7 +768,7 @@ async fn infer_inner(
         }
     };
     let (model, version) = (p.model, p.version);
-    let tenant = tenant_of(&s, principal.as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let shm = crate::shm::Access::new(s.shm.clone(), tenant.clone());
     // Inputs read from shared memory may be large as bodies are: off the I/O threads too.
     static SHARED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
@@ -811,14 +807,22 @@ async fn infer_inner(
 }
 
 /// The tenant a request acts for: its token's, or the tenant header's where tenants are
-/// configured and the token allows (`auth::tenant`).
-fn tenant_of(
-    s: &AppState,
-    principal: Option<&crate::auth::Principal>,
-    headers: &HeaderMap,
-) -> Result<Option<String>, ApiError> {
-    crate::auth::tenant(principal, s.core.tenants(), |h| headers.get(h).and_then(|v| v.to_str().ok()))
-        .map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
+/// configured and the token allows (`Acting`, resolved by `read_body`); 403 for a claim refused.
+fn tenant_of(acting: Acting) -> Result<Option<String>, ApiError> {
+    acting.0.map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
+}
+
+impl axum::extract::FromRequestParts<AppState> for Acting {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, s: &AppState) -> Result<Self, Self::Rejection> {
+        Ok(match parts.extensions.remove::<Acting>() {
+            Some(acting) => acting,
+            None => {
+                Acting::of(&parts.extensions, s.core.tenants(), |h| parts.headers.get(h).and_then(|v| v.to_str().ok()))
+            }
+        })
+    }
 }
 
 /// The response body: MessagePack, V2 JSON, or V2 JSON followed by the binary outputs.

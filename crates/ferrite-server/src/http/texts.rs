@@ -8,7 +8,7 @@
 
 use axum::{
     extract::{Query, State},
-    http::{header, HeaderMap, StatusCode},
+    http::{header, StatusCode},
     response::{IntoResponse, Response},
 };
 use base64::Engine as _;
@@ -30,8 +30,7 @@ use super::{
     },
     tenant_of, ApiError, AppState,
 };
-
-type Principal = Option<axum::Extension<crate::auth::Principal>>;
+use crate::auth::Acting;
 
 /// A string or a list of strings (both APIs take either).
 #[derive(Deserialize, ToSchema)]
@@ -88,12 +87,7 @@ fn openai_error(e: ApiError) -> Response {
     resp
 }
 
-pub(super) async fn openai(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub(super) async fn openai(State(s): State<AppState>, acting: Acting, body: Bytes) -> Response {
     let answer = async {
         let req: OpenAiRequest = parse(&body)?;
         let base64 = match req.encoding_format.as_deref() {
@@ -103,7 +97,7 @@ pub(super) async fn openai(
                 return Err(ApiError::bad_request(format!("encoding_format '{}': float or base64", shown(other))))
             }
         };
-        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+        let tenant = tenant_of(acting)?;
         let m = TextModel::new(&s.core, &req.model, Some(Task::Embed)).map_err(invalid_as_400)?;
         // OpenAI's vectors are unit vectors.
         let o = EmbedOptions { normalize: true, dimensions: req.dimensions, ..Default::default() };
@@ -264,16 +258,11 @@ pub(super) struct TeiEmbedRequest {
 }
 
 /// Embeds `texts` for TEI's `/embed` and `/similarity`: checked, prompted, cut or refused when long.
-async fn tei_vectors(
-    s: &AppState,
-    principal: Principal,
-    headers: &HeaderMap,
-    req: TeiEmbedRequest,
-) -> Result<Vec<Vec<f32>>, TeiFail> {
+async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Result<Vec<Vec<f32>>, TeiFail> {
     let texts = req.inputs.into_vec();
     tei_texts(&texts)?;
     right(&req.truncation_direction)?;
-    let tenant = tenant_of(s, principal.map(|p| p.0).as_ref(), headers)?;
+    let tenant = tenant_of(acting)?;
     let m = tei_model(s, req.model.as_deref(), Some(Task::Embed))?;
     let o = EmbedOptions {
         normalize: req.normalize,
@@ -284,14 +273,9 @@ async fn tei_vectors(
     Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, tenant).await?.rows)
 }
 
-pub(super) async fn embed(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> TeiResult {
+pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
     let req: TeiEmbedRequest = tei_parse(&body)?;
-    let vectors = tei_vectors(&s, principal, &headers, req).await?;
+    let vectors = tei_vectors(&s, acting, req).await?;
     Ok(axum::Json(TeiEmbedResponse(vectors)).into_response())
 }
 
@@ -315,12 +299,7 @@ pub(super) struct TeiSimilarityRequest {
     model: Option<String>,
 }
 
-pub(super) async fn similarity(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> TeiResult {
+pub(super) async fn similarity(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
     let req: TeiSimilarityRequest = tei_parse(&body)?;
     let inputs = std::iter::once(req.inputs.source_sentence).chain(req.inputs.sentences).collect();
     let embed = TeiEmbedRequest {
@@ -332,7 +311,7 @@ pub(super) async fn similarity(
         dimensions: None,
         model: req.model,
     };
-    let vectors = tei_vectors(&s, principal, &headers, embed).await?;
+    let vectors = tei_vectors(&s, acting, embed).await?;
     if vectors.len() < 2 {
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`sentences` cannot be empty"));
     }
@@ -374,19 +353,14 @@ async fn ranked(
     Ok((a.model, scored, a.tokens))
 }
 
-pub(super) async fn rerank(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> TeiResult {
+pub(super) async fn rerank(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
     let req: TeiRerankRequest = tei_parse(&body)?;
     tei_texts(std::iter::once(&req.query).chain(&req.texts))?;
     if req.texts.is_empty() {
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`texts` cannot be empty"));
     }
     right(&req.truncation_direction)?;
-    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let query = (req.model.as_deref(), req.query.as_str(), req.texts.as_slice());
     let (_, scored, _) = ranked(&s, tenant, query, (req.truncate, req.raw_scores), TEI_MAX_INPUTS).await?;
     let ranks = scored
@@ -448,12 +422,7 @@ pub(super) struct TeiPredictRequest {
     model: Option<String>,
 }
 
-pub(super) async fn predict(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> TeiResult {
+pub(super) async fn predict(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
     let req: TeiPredictRequest = tei_parse(&body)?;
     let (single, sequences) = match req.inputs {
         PredictInput::Single(q) => (true, vec![q]),
@@ -474,7 +443,7 @@ pub(super) async fn predict(
         )));
     }
     right(&req.truncation_direction)?;
-    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), Some(Task::Classify))?;
     let rows: Vec<_> = rows.into_iter().map(|(a, b)| (Bytes::from(a), b.map(Bytes::from))).collect();
     let classes = m.predict(&s.core, rows, (req.truncate, req.raw_scores), TEI_MAX_INPUTS, tenant).await?;
@@ -501,16 +470,11 @@ pub(super) struct TeiTokenizeRequest {
     model: Option<String>,
 }
 
-pub(super) async fn tokenize(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> TeiResult {
+pub(super) async fn tokenize(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
     let req: TeiTokenizeRequest = tei_parse(&body)?;
     let texts = req.inputs.into_vec();
     tei_texts(&texts)?;
-    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), None)?;
     let held = m.admit(&s.core, tenant.as_deref())?;
     let tokens = m.tokenize(bytes(texts), req.add_special_tokens, req.prompt_name.as_deref(), held).await?;
@@ -543,12 +507,7 @@ pub(super) struct TeiDecodeRequest {
     model: Option<String>,
 }
 
-pub(super) async fn decode(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> TeiResult {
+pub(super) async fn decode(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
     let req: TeiDecodeRequest = tei_parse(&body)?;
     let lists = match req.ids {
         Ids::One(ids) => vec![ids],
@@ -563,7 +522,7 @@ pub(super) async fn decode(
             lists.len()
         )));
     }
-    let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+    let tenant = tenant_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), None)?;
     let _held = m.admit(&s.core, tenant.as_deref())?;
     let texts = m.decode(&lists, req.skip_special_tokens)?;
@@ -644,12 +603,7 @@ pub(super) struct CohereRerankRequest {
     return_documents: bool,
 }
 
-pub(super) async fn cohere_rerank(
-    State(s): State<AppState>,
-    principal: Principal,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub(super) async fn cohere_rerank(State(s): State<AppState>, acting: Acting, body: Bytes) -> Response {
     let answer = async {
         let req: CohereRerankRequest = parse(&body)?;
         let docs: Vec<String> = req
@@ -668,7 +622,7 @@ pub(super) async fn cohere_rerank(
                 docs.len()
             )));
         }
-        let tenant = tenant_of(&s, principal.map(|p| p.0).as_ref(), &headers)?;
+        let tenant = tenant_of(acting)?;
         let query = (req.model.as_deref(), req.query.as_str(), docs.as_slice());
         let (model, mut scored, tokens) =
             ranked(&s, tenant, query, (None, false), RERANK_MAX_DOCUMENTS).await.map_err(invalid_as_400)?;
