@@ -115,13 +115,7 @@ where
             Big::Armed { slot, max: self.layer.max_message }
         } else {
             if streaming {
-                let stream = StreamAnswers(Arc::new(Stream {
-                    charge: charge.clone(),
-                    in_flight: conn,
-                    unsent: Mutex::new(0),
-                    handed: Mutex::default(),
-                    received: Mutex::default(),
-                }));
+                let stream = StreamAnswers::new(charge.clone(), conn);
                 req.extensions_mut().insert(stream.clone());
                 answers = Some(stream);
             }
@@ -175,26 +169,46 @@ pub struct StreamAnswers(Arc<Stream>);
 struct Stream {
     charge: Arc<Charge>,
     in_flight: Option<Arc<InFlight>>,
+    state: Mutex<StreamState>,
+}
+
+#[derive(Default)]
+struct StreamState {
     /// Answers made and not yet taken by the client.
-    unsent: Mutex<usize>,
-    /// Answers handed on to be encoded, with what they hold, until their bytes come by (`Kept`).
-    handed: Mutex<(usize, Vec<Reserved>)>,
+    unsent: usize,
+    /// Answers handed on to be encoded, and what they hold, until their bytes come by (`Kept`).
+    handed: usize,
+    handed_held: Vec<Reserved>,
     /// Messages received whole, in order, with what their bytes hold (messages that ended in one
     /// frame share the first's), until the handler takes them.
-    received: Mutex<std::collections::VecDeque<Option<Reserved>>>,
+    received: std::collections::VecDeque<Option<Reserved>>,
 }
 
 impl StreamAnswers {
+    fn new(charge: Arc<Charge>, in_flight: Option<Arc<InFlight>>) -> StreamAnswers {
+        StreamAnswers(Arc::new(Stream { charge, in_flight, state: Mutex::default() }))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, StreamState> {
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// `ended` messages received whole, their bytes held by `held`.
     fn received(&self, held: Reserved, ended: usize) {
-        let mut received = self.0.received.lock().unwrap_or_else(|e| e.into_inner());
+        let received = &mut self.state().received;
         received.push_back(Some(held));
         received.extend((1..ended).map(|_| None));
     }
 
     /// What the bytes of the next message the handler takes hold, until it is answered.
     pub fn next_message(&self) -> Option<Reserved> {
-        self.0.received.lock().unwrap_or_else(|e| e.into_inner()).pop_front().flatten()
+        self.state().received.pop_front().flatten()
+    }
+
+    /// The answers handed on since the last call, and what they hold.
+    fn take_handed(&self) -> (usize, Vec<Reserved>) {
+        let mut s = self.state();
+        (std::mem::take(&mut s.handed), std::mem::take(&mut s.handed_held))
     }
 
     /// The bytes of an answer of `bytes` held (what its request's held, and more if the answer is
@@ -212,9 +226,9 @@ impl StreamAnswers {
 
     /// An answer is ready for the client.
     pub fn made(&self) {
-        let mut unsent = self.0.unsent.lock().unwrap_or_else(|e| e.into_inner());
-        *unsent += 1;
-        if *unsent == 1 {
+        let mut s = self.state();
+        s.unsent += 1;
+        if s.unsent == 1 {
             if let Some(f) = &self.0.in_flight {
                 f.wait(true);
             }
@@ -223,19 +237,19 @@ impl StreamAnswers {
 
     /// An answer is handed on to be encoded, with what it holds.
     pub fn handed(&self, held: Option<Reserved>) {
-        let mut handed = self.0.handed.lock().unwrap_or_else(|e| e.into_inner());
-        handed.0 += 1;
-        handed.1.extend(held);
+        let mut s = self.state();
+        s.handed += 1;
+        s.handed_held.extend(held);
     }
 
     /// The client has taken `n` answers (or they were never sent).
     pub fn taken(&self, n: usize) {
-        let mut unsent = self.0.unsent.lock().unwrap_or_else(|e| e.into_inner());
-        if *unsent == 0 || n == 0 {
+        let mut s = self.state();
+        if s.unsent == 0 || n == 0 {
             return;
         }
-        *unsent = unsent.saturating_sub(n);
-        if *unsent == 0 {
+        s.unsent = s.unsent.saturating_sub(n);
+        if s.unsent == 0 {
             if let Some(f) = &self.0.in_flight {
                 f.wait(false);
             }
@@ -245,8 +259,8 @@ impl StreamAnswers {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        let unsent = self.unsent.get_mut().unwrap_or_else(|e| e.into_inner());
-        if let (true, Some(f)) = (*unsent > 0, &self.in_flight) {
+        let unsent = self.state.get_mut().unwrap_or_else(|e| e.into_inner()).unsent;
+        if let (true, Some(f)) = (unsent > 0, &self.in_flight) {
             f.wait(false);
         }
     }
@@ -537,7 +551,7 @@ impl http_body::Body for Kept {
                 f.map_data(|b| match (charge, answers) {
                     (Some(c), _) => budget::holding(b, c.clone()),
                     (_, Some(a)) => {
-                        let (count, held) = std::mem::take(&mut *a.0.handed.lock().unwrap_or_else(|e| e.into_inner()));
+                        let (count, held) = a.take_handed();
                         if count == 0 {
                             return b;
                         }
@@ -591,18 +605,8 @@ mod tests {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let inner = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
         let charge = Arc::new(Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) });
-        let stream = streaming.then(|| stream_of(&charge));
+        let stream = streaming.then(|| StreamAnswers::new(charge.clone(), None));
         (tx, Charged::new(inner, charge.clone(), stream, Duration::from_secs(30), big), charge)
-    }
-
-    fn stream_of(charge: &Arc<Charge>) -> StreamAnswers {
-        StreamAnswers(Arc::new(Stream {
-            charge: charge.clone(),
-            in_flight: None,
-            unsent: Mutex::new(0),
-            handed: Mutex::default(),
-            received: Mutex::default(),
-        }))
     }
 
     #[tokio::test(start_paused = true)]
