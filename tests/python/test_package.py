@@ -214,6 +214,32 @@ def test_engine_caps_the_requests_in_flight(tmp_path):
             assert r.status == 200
 
 
+def test_a_loaded_model_caps_the_calls_in_flight():
+    """Model.load's max_concurrent_requests bounds the calls in the model at once, sync and async
+    alike: while one waits in the queue the next raises Overloaded at once (an application serving
+    its own clients sheds load instead of growing the queue); the place comes back when the first
+    is answered. Without it, calls queue."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = np.full((1, 512), 0.5, np.float32)
+    model = ferrite.Model.load(MLP, max_queue_delay_us=1_000_000, max_concurrent_requests=1)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(model.infer, {"input": x})
+        time.sleep(0.3)
+        started = time.monotonic()
+        with pytest.raises(ferrite.Overloaded, match=r"max_concurrent_requests \(1 requests in flight\)"):
+            model.infer({"input": x})
+        with pytest.raises(ferrite.Overloaded):
+            asyncio.run(model.infer_async({"input": x}))
+        assert time.monotonic() - started < 0.3, "refused at once, not after the queue delay"
+        np.testing.assert_allclose(waiting.result(timeout=10)["output"], reference(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.infer({"input": x})["output"], reference(x), rtol=1e-5, atol=1e-6)
+    unbounded = ferrite.Model.load(MLP, max_queue_delay_us=200_000)
+    with ThreadPoolExecutor(4) as pool:
+        answers = [f.result(timeout=10) for f in [pool.submit(unbounded.infer, {"input": x}) for _ in range(4)]]
+    assert all(a["output"].shape == (1, 10) for a in answers)
+
+
 def test_serve_takes_shared_memory_as_the_binary_does(request):
     import os
 

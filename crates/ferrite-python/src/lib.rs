@@ -140,10 +140,7 @@ impl Engine {
             }
             options.cache = Some(Arc::new(cache));
         }
-        let mut limits = limits(max_request_elements);
-        // As the binary's --max-concurrent-requests: every request in the engine at once, the
-        // application's own calls and its servers' alike.
-        limits.max_concurrent_requests = max_concurrent_requests.unwrap_or(0);
+        let limits = limits(max_request_elements, max_concurrent_requests);
         let mut core = py.detach(|| Core::load(&model_repository, &options, limits)).map_err(py_err)?;
         if let Some(t) = tenants {
             core = core.with_tenants(t);
@@ -208,11 +205,14 @@ fn load_options(threads: Option<usize>) -> LoadOptions {
     options
 }
 
-fn limits(max_request_elements: Option<usize>) -> Limits {
+/// The binary's --max-request-elements and --max-concurrent-requests: every request in the core
+/// at once, the application's own calls and its servers' alike (0: no bound).
+fn limits(max_request_elements: Option<usize>, max_concurrent_requests: Option<usize>) -> Limits {
     let mut limits = Limits::default();
     if let Some(n) = max_request_elements {
         limits.max_elements = n;
     }
+    limits.max_concurrent_requests = max_concurrent_requests.unwrap_or(0);
     limits
 }
 
@@ -261,7 +261,7 @@ impl Model {
     /// Loads one model directory (`<dir>/config.toml`, `<dir>/<version>/model.onnx`) or one
     /// `.onnx` file, with optional overrides of its config.
     #[staticmethod]
-    #[pyo3(signature = (path, *, name=None, max_batch_size=None, max_queue_delay_us=None, instance_count=None, threads=None, max_request_elements=None))]
+    #[pyo3(signature = (path, *, name=None, max_batch_size=None, max_queue_delay_us=None, instance_count=None, threads=None, max_request_elements=None, max_concurrent_requests=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -272,6 +272,7 @@ impl Model {
         instance_count: Option<usize>,
         threads: Option<usize>,
         max_request_elements: Option<usize>,
+        max_concurrent_requests: Option<usize>,
     ) -> PyResult<Model> {
         let options = load_options(threads);
         let overrides = ModelConfig { max_batch_size, instance_count, threads, ..Default::default() };
@@ -282,11 +283,8 @@ impl Model {
         let model = py
             .detach(|| repository::load_with(&path, &name, &options, &overrides, max_queue_delay_us))
             .map_err(py_err)?;
-        let core = Core::from_models(
-            [(name.clone(), Arc::new(model))].into(),
-            Default::default(),
-            limits(max_request_elements),
-        );
+        let limits = limits(max_request_elements, max_concurrent_requests);
+        let core = Core::from_models([(name.clone(), Arc::new(model))].into(), Default::default(), limits);
         Ok(Model { core, name })
     }
 

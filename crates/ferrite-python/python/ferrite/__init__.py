@@ -237,9 +237,13 @@ class Model:
         instance_count: Optional[int] = None,
         threads: Optional[int] = None,
         max_request_elements: Optional[int] = None,
+        max_concurrent_requests: Optional[int] = None,
     ) -> "Model":
         """Loads a model directory (`config.toml`, `<version>/model.onnx`) or one `.onnx` file;
-        keyword arguments override its config."""
+        keyword arguments override its config. `max_concurrent_requests` bounds the calls in the
+        model at once (queued or running, sync and async alike): past it, a call raises
+        `Overloaded` at once instead of queueing (an application serving its own clients sheds
+        load rather than letting the queue grow)."""
         _init_runtime()
         return Model(
             _native.Model.load(
@@ -250,6 +254,7 @@ class Model:
                 instance_count=instance_count,
                 threads=threads,
                 max_request_elements=max_request_elements,
+                max_concurrent_requests=max_concurrent_requests,
             )
         )
 

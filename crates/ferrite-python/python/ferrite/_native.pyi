@@ -81,6 +81,7 @@ class Model:
         instance_count: Optional[int] = None,
         threads: Optional[int] = None,
         max_request_elements: Optional[int] = None,
+        max_concurrent_requests: Optional[int] = None,
     ) -> Model: ...
     @property
     def name(self) -> str: ...
