@@ -297,29 +297,62 @@ def test_a_listener_holds_at_most_its_connection_cap(start_server):
     assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
 
 
+def head_of(n, extra=b""):
+    """An MLP request's head stating an `n`-byte body."""
+    return (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\n\r\n" % (extra, n))
+
+
 def test_request_bytes_in_flight_are_bounded_before_buffering(start_server):
     s = start_server("--max-body-bytes", "1048576", "--max-inflight-body-bytes", "1500000", models=("mlp",))
-    # One client states a 1 MB body and trickles it: its bytes are reserved.
+    # One client states a 1 MB body and sends 900 KB of it: the bytes it sent are held.
     slow = socket.create_connection(("127.0.0.1", s.port))
-    slow.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000000\r\n\r\n{\"inputs\"")
+    slow.sendall(head_of(1_000_000) + b"{\"inputs\"" + b" " * 900_000)
     time.sleep(0.3)
-    # Another 1 MB body does not fit beside it: refused at once, before any of it is read (the
+    # Another 1 MB body does not fit beside them: refused at once, before any of it is read (the
     # client sends only the head and gets its answer).
     other = socket.create_connection(("127.0.0.1", s.port))
-    other.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000000\r\n\r\n")
+    other.sendall(head_of(1_000_000))
     other.settimeout(5)
     answer = other.recv(4096)
     other.close()
     assert answer.startswith(b"HTTP/1.1 503") and b"in flight" in answer and b"retry-after: 1" in answer.lower(), answer
-    # Small requests still fit (and requests without a body reserve nothing), and once the slow
-    # body is gone, large ones do again.
+    # Small requests still fit (and requests without a body hold nothing); so does a small gzip
+    # body, but not one that decompresses past what is left: its output is held as it is written.
     assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
     assert all(send(s, "GET", "/v2/models/mlp")[0] == 200 for _ in range(5))
+    gz = {**JSON, "Content-Encoding": "gzip"}
+    assert send(s, "POST", MLP, gz, gzip.compress(mlp_body()))[0] == 200
+    bomb = send(s, "POST", MLP, gz, gzip.compress(b" " * 1_000_000))
+    assert bomb[0] == 503 and b"in flight" in bomb[1], bomb
+    # Once the slow body is gone, large ones fit again.
     slow.close()
     time.sleep(0.3)
     assert send(s, "POST", MLP, JSON, b" " * 1_000_000)[0] == 400
+    assert send(s, "POST", MLP, gz, gzip.compress(b" " * 1_000_000))[0] == 400
+
+
+def test_bodies_stated_large_and_sent_slowly_hold_only_what_they_sent(start_server):
+    """A request holds the bytes its body has sent, not what its head says it will send: before,
+    seventeen heads stating 64 MB bodies (or stating gzip, which held a decompressed body's worth
+    more) held a 1 GiB budget for the body timeout, and every other request got 503, again and
+    again, at the cost of a few hundred bytes."""
+    s = start_server("--max-body-bytes", "1048576", "--max-inflight-body-bytes", str(4 << 20), models=("mlp",))
+    held = []
+    for i in range(20):
+        c = socket.create_connection(("127.0.0.1", s.port))
+        gz = b"Content-Encoding: gzip\r\n" if i % 2 else b""
+        c.sendall(head_of(100 if gz else 1_000_000, gz) + b"\x1f")
+        held.append(c)
+    time.sleep(0.5)
+    for c in held:
+        c.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            c.recv(4096)  # not refused: still sending
+    assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
+    assert send(s, "POST", MLP, JSON, b" " * 1_000_000)[0] == 400  # read whole, then found not JSON
+    for c in held:
+        c.close()
 
 
 def test_keep_alive_connections_idle_past_the_timeout_are_closed(start_server):
@@ -836,19 +869,18 @@ TWO_TENANTS = "[tenants.noisy]\nrate = 1000\nburst = 1000\n[tenants.quiet]\nrate
 
 
 def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, tmp_path):
-    """One tenant trickling large bodies cannot take the whole budget of bytes in flight: past
-    half of it its own requests are refused, and another tenant's are served (before, four such
-    bodies held all of it and every other request got 503)."""
+    """One tenant holding large bodies (all sent but their last bytes) cannot take the whole
+    budget of bytes in flight: past half of it its own requests are refused, and another
+    tenant's are served (before, four such bodies held all of it and every other request got
+    503)."""
     cfg = tmp_path / "tenants.toml"
     cfg.write_text(TWO_TENANTS)
     s = start_server("--max-inflight-body-bytes", str(32 << 20), "--tenant-header", "x-tenant",
                      "--tenant-config", str(cfg), models=("mlp",))
-    head = (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"X-Tenant: noisy\r\nContent-Length: %d\r\n\r\n{\"inputs\"" % (8 << 20))
     slow, refused = [], 0
-    for _ in range(4):  # 8 MiB each: two fill the tenant's half of the 32 MiB
+    for _ in range(4):  # 8 MiB each, all but 100 bytes sent: two fill the tenant's half of 32 MiB
         c = socket.create_connection(("127.0.0.1", s.port))
-        c.sendall(head)
+        c.sendall(head_of(8 << 20, b"X-Tenant: noisy\r\n"))
         c.settimeout(0.5)
         try:
             answer = c.recv(4096)
@@ -856,7 +888,9 @@ def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, t
             refused += 1
             c.close()
         except socket.timeout:
+            c.sendall(b"{\"inputs\"" + b" " * ((8 << 20) - 110))
             slow.append(c)
+            time.sleep(0.3)
     assert (len(slow), refused) == (2, 2)
     # The other tenant, and requests acting for none, still find room.
     assert send(s, "POST", MLP, {**JSON, "X-Tenant": "quiet"}, mlp_body())[0] == 200

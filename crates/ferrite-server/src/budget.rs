@@ -1,5 +1,6 @@
 //! The bytes in flight that all listeners share (`--max-inflight-body-bytes`), one permit a KiB:
-//! request bodies and gRPC messages as they arrive, shared-memory inputs while their tensors live,
+//! request bodies and gRPC messages as they arrive (what a client has sent, not what it says it
+//! will send: stating a large body and trickling it holds only the bytes sent), shared-memory inputs while their tensors live,
 //! and large answers until their clients have taken them. A request acting for a tenant holds
 //! them within its tenant's share too (half the budget), so one tenant's bytes (large bodies sent
 //! slowly, large answers it never reads) cannot leave another's requests none.
@@ -39,6 +40,18 @@ impl Budget {
     /// The permits no request holds now.
     pub fn available(&self) -> usize {
         self.all.available_permits()
+    }
+
+    /// Whether `bytes` more for `tenant` would fit now, beside what every request holds (taking
+    /// nothing: a body stated larger than this is refused before any of it is read).
+    pub fn fits(&self, tenant: Option<&str>, bytes: usize) -> bool {
+        let want = permits(bytes);
+        if want as usize > self.available() {
+            return false;
+        }
+        let Some(tenant) = tenant else { return true };
+        let holds = self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).copied().unwrap_or(0);
+        holds.saturating_add(want) <= self.share
     }
 
     /// Takes `permits` more for `tenant`, unless the budget, or the tenant's share, cannot spare
@@ -156,6 +169,16 @@ mod tests {
         assert_eq!(budget.tenants.lock().unwrap().get("d"), None);
         drop((c, anonymous));
         assert_eq!(budget.available(), 8);
+    }
+
+    #[test]
+    fn what_fits_is_told_without_taking_it() {
+        let budget = Budget::new(8 << 10);
+        let _a = budget.take(Some("a"), 3 << 10).unwrap();
+        assert!(budget.fits(Some("a"), 1 << 10) && !budget.fits(Some("a"), 2 << 10), "a's share");
+        assert!(budget.fits(Some("b"), 4 << 10) && !budget.fits(Some("b"), 5 << 10));
+        assert!(budget.fits(None, 5 << 10) && !budget.fits(None, 6 << 10), "the whole budget");
+        assert_eq!(budget.available(), 5, "nothing taken");
     }
 
     #[test]

@@ -179,8 +179,8 @@ struct ServeArgs {
     /// of the open-files limit, at most 10,000).
     #[arg(long, env = "FERRITE_HTTP_MAX_CONNECTIONS")]
     http_max_connections: Option<usize>,
-    /// Bytes of request bodies all requests may hold at once: HTTP bodies reserved before reading
-    /// (decompressed ones count twice), gRPC messages as they arrive, until answered; answers
+    /// Bytes of request bodies all requests may hold at once: HTTP bodies and gRPC messages as
+    /// they arrive (and decompressed ones as they are written), until answered; answers
     /// until written to their clients (at least a KiB each); a tenant's requests half of it at most;
     /// past it, 503 with Retry-After (gRPC: UNAVAILABLE with a retry hint).
     #[arg(long, env = "FERRITE_MAX_INFLIGHT_BODY_BYTES", default_value_t = http::DEFAULT_BODY_BUDGET)]

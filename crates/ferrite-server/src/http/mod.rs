@@ -54,8 +54,8 @@ pub struct HttpLimits {
     /// Concurrent HTTP/2 streams per connection.
     pub max_streams: u32,
     /// Bytes of request bodies all requests may hold at once (as sent, and again once
-    /// decompressed), reserved before any is read, and of answers until written; past it (or
-    /// past the request's tenant's share of it), 503 with Retry-After.
+    /// decompressed), charged as they arrive, and of answers until written; past it (or past the
+    /// request's tenant's share of it), 503 with Retry-After.
     pub body_budget: Arc<Budget>,
 }
 
@@ -114,52 +114,64 @@ async fn read_body(
 ) -> Response {
     let (mut parts, body) = req.into_parts();
     let max = limits.max_body_bytes;
-    // Reserve the body's bytes (its stated length, else the largest allowed) from the budget of
-    // all requests before reading any, so many large bodies at once cannot exhaust memory.
     // The body's own length when the framing says it (no body at all: 0), else the header's.
     let stated = usize::try_from(axum::body::HttpBody::size_hint(&body).exact().unwrap_or(u64::MAX))
         .ok()
         .filter(|&n| n != usize::MAX)
         .or_else(|| content_length(&parts.headers));
-    let compressed = parts.headers.contains_key(header::CONTENT_ENCODING);
-    let reserve = stated.unwrap_or(max).min(max) + if compressed { max } else { 0 };
-    // Within the share of the tenant the request acts for (one refused by the handler later
-    // counts as no tenant's); the handler reads it from the extensions.
+    // The body's bytes are held in the budget of all requests as they arrive, before they are
+    // kept, so many large bodies at once cannot exhaust memory; a client that states a large
+    // body and trickles it holds only what it has sent (holding what it said it would send, a
+    // few such heads held the whole budget for the body timeout). Within the share of the tenant
+    // the request acts for (one refused by the handler later counts as no tenant's); the handler
+    // reads it from the extensions.
     let acting = Acting::of(&parts.extensions, core.tenants(), |h| parts.headers.get(h).and_then(|v| v.to_str().ok()));
-    let Some(reserved) = limits.body_budget.take(acting.share(), reserve) else {
-        return over_budget("too many request bytes in flight on this server; retry shortly");
+    let budget = &limits.body_budget;
+    // A body stated larger than the budget can spare now is refused before any of it is read
+    // (one stated over `max` is read up to it and refused then: clients expect an answer after
+    // their body, not a connection closed while they send it).
+    let fits = budget.fits(acting.share(), stated.unwrap_or(0).min(max));
+    let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| fits) else {
+        return over_budget(BODIES_OVER_BUDGET);
     };
     parts.extensions.insert(acting);
-    let bytes = match tokio::time::timeout(limits.body_timeout, pool::BODIES.read(body, max, stated)).await {
+    let read = pool::BODIES.read(body, max, stated, &mut reserved);
+    let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
         Err(_) => {
             let msg = format!("the request body did not arrive within {} s", limits.body_timeout.as_secs());
             return ApiError::new(StatusCode::REQUEST_TIMEOUT, msg).into_response();
         }
-        Ok(Err(pool::ReadError::TooLarge)) => {
-            return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {max} bytes"))
-                .into_response();
-        }
+        Ok(Err(pool::ReadError::TooLarge)) => return body_too_large(max),
+        Ok(Err(pool::ReadError::OverBudget)) => return over_budget(BODIES_OVER_BUDGET),
         Ok(Err(pool::ReadError::Failed(e))) => {
             return ApiError::bad_request(format!("cannot read the request body: {e}")).into_response()
         }
         Ok(Ok(b)) => b,
     };
     let encoding = parts.headers.remove(header::CONTENT_ENCODING);
-    // Decompression runs on the blocking pool: it is CPU work of up to --max-body-bytes.
+    // Decompression runs on the blocking pool: it is CPU work of up to --max-body-bytes. What
+    // it writes is held beside the compressed bytes as it is written.
     let bytes = match encoding.as_ref().map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase()).as_deref() {
         None | Some("identity") => Ok(bytes),
         Some(coding @ ("gzip" | "deflate")) => {
             let gzip = coding == "gzip";
-            off_io(true, move || {
-                if gzip {
-                    inflate(flate2::read::GzDecoder::new(&bytes[..]), max)
+            let mut held = reserved;
+            let inflated = off_io(true, move || {
+                let out = if gzip {
+                    inflate(flate2::read::GzDecoder::new(&bytes[..]), max, bytes.len(), &mut held)
                 } else {
-                    inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max)
-                }
+                    inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max, bytes.len(), &mut held)
+                };
+                (out, held)
             })
-            .await
-            .map_err(ApiError::from)
-            .and_then(|r| r)
+            .await;
+            match inflated {
+                Ok((out, held)) => {
+                    reserved = held;
+                    out
+                }
+                Err(e) => return ApiError::from(e).into_response(),
+            }
         }
         Some(other) => Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -268,18 +280,43 @@ pub(crate) async fn off_io<T: Send + 'static>(
         .map_err(|e| ferrite_core::Error::internal(format!("a blocking task failed: {e}")))
 }
 
-fn inflate(decoder: impl std::io::Read, max: usize) -> Result<Bytes, ApiError> {
+/// A compressed body decompressed, at most `max` bytes, each buffer it grows into held in `held`
+/// (beside the `compressed` bytes) before it is written.
+fn inflate(decoder: impl std::io::Read, max: usize, compressed: usize, held: &mut Reserved) -> Result<Bytes, ApiError> {
     use std::io::Read;
+    const STEP: usize = 64 << 10;
+    let mut decoder = decoder.take(max as u64 + 1);
     let mut out = Vec::new();
-    decoder
-        .take(max as u64 + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| ApiError::bad_request(format!("cannot decompress the request body: {e}")))?;
-    if out.len() > max {
-        return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("decompressed body is over {max} bytes")));
+    loop {
+        let at = out.len();
+        if out.capacity() == at {
+            // Doubled, up to what `max` allows (a byte past it tells a body over it).
+            out.reserve_exact(at.max(STEP).min(max + 1 - at));
+            if !held.grow(compressed + out.capacity()) {
+                return Err(ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(Duration::from_secs(1))).into());
+            }
+        }
+        out.resize(out.capacity().min(at + STEP), 0);
+        let n = decoder
+            .read(&mut out[at..])
+            .map_err(|e| ApiError::bad_request(format!("cannot decompress the request body: {e}")))?;
+        out.truncate(at + n);
+        if n == 0 {
+            break;
+        }
+        if out.len() > max {
+            return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("decompressed body is over {max} bytes")));
+        }
     }
     Ok(out.into())
 }
+
+fn body_too_large(max: usize) -> Response {
+    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {max} bytes")).into_response()
+}
+
+/// Why a request body was refused before or while it was read.
+const BODIES_OVER_BUDGET: &str = "too many request bytes in flight on this server; retry shortly";
 
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
 /// when asked).

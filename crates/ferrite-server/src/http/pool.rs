@@ -12,6 +12,8 @@ use std::sync::{
 };
 
 use axum::body::{Body, Bytes};
+
+use crate::budget::Reserved;
 use http_body_util::BodyExt;
 
 /// Bodies stated this large and larger are read into a pooled buffer; smaller ones come from the
@@ -38,13 +40,15 @@ impl Pool {
     /// A buffer of at least `len` bytes' capacity, its bytes as the last request left them: the
     /// smallest idle one that holds them, else a new (empty) one.
     fn take(&self, len: usize) -> Vec<u8> {
+        self.idle_holding(len).unwrap_or_else(|| Vec::with_capacity(len))
+    }
+
+    /// The smallest idle buffer that holds `len` bytes, if any.
+    fn idle_holding(&self, len: usize) -> Option<Vec<u8>> {
         self.taken.store(true, Relaxed);
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let best = idle.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
-        match best.map(|(i, _)| i) {
-            Some(i) => idle.swap_remove(i),
-            None => Vec::with_capacity(len),
-        }
+        best.map(|(i, _)| i).map(|i| idle.swap_remove(i))
     }
 
     /// A buffer back from a body no one reads any more: kept while the idle ones stay within
@@ -65,46 +69,65 @@ impl Pool {
         }
     }
 
-    /// The whole body, at most `max` bytes: into a pooled buffer when it states a length of at
-    /// least `POOLED_FROM` (the buffer holds the stated length; a body that sends more grows it,
-    /// up to `max`), else as axum reads it.
-    pub async fn read(&'static self, body: Body, max: usize, stated: Option<usize>) -> Result<Bytes, ReadError> {
+    /// The whole body, at most `max` bytes, each of its bytes held in `held` before it is kept
+    /// (as they arrive: a client that states a large body and trickles it holds only what it
+    /// sent): into a pooled buffer when it states a length of at least `POOLED_FROM` (the buffer
+    /// holds the stated length; a body that sends more grows it, up to `max`), else as it comes.
+    pub async fn read(
+        &'static self,
+        mut body: Body,
+        max: usize,
+        stated: Option<usize>,
+        held: &mut Reserved,
+    ) -> Result<Bytes, ReadError> {
+        let mut hold = |n: usize| match (n > max, held.grow(n)) {
+            (true, _) => Err(ReadError::TooLarge),
+            (_, false) => Err(ReadError::OverBudget),
+            _ => Ok(()),
+        };
         let Some(len) = stated.filter(|&n| (POOLED_FROM..=max).contains(&n)) else {
-            return axum::body::to_bytes(body, max).await.map_err(|e| {
-                if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) {
-                    ReadError::TooLarge
-                } else {
-                    ReadError::Failed(e.to_string())
+            // Small or unsized: the frames as they come, copied into one only if there are more.
+            let (mut frames, mut total) = (Vec::new(), 0);
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| ReadError::Failed(e.to_string()))?;
+                if let Ok(data) = frame.into_data() {
+                    total += data.len();
+                    hold(total)?;
+                    frames.push(data);
                 }
+            }
+            return Ok(match frames.len() {
+                0 | 1 => frames.pop().unwrap_or_default(),
+                _ => frames.concat().into(),
             });
         };
         let mut buf = self.buffer(len);
-        let mut body = body;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| ReadError::Failed(e.to_string()))?;
             if let Some(data) = frame.data_ref() {
-                if buf.filled() + data.len() > max {
-                    return Err(ReadError::TooLarge);
-                }
+                hold(buf.filled() + data.len())?;
                 buf.extend(data);
             }
         }
         Ok(buf.into_bytes())
     }
 
-    /// An empty buffer that holds `len` bytes without growing; back to the pool when dropped (or
-    /// when the last view of `into_bytes` is).
+    /// An empty buffer for `len` bytes stated by a client, back to the pool when dropped (or
+    /// when the last view of `into_bytes` is): an idle one that holds them (memory the server
+    /// holds already), else a new one of at most `POOLED_FROM` grown as the bytes come (doubled,
+    /// up to `len`; glibc moves such mappings without copying): a client that states a large
+    /// body and sends little has the server allocate little.
     pub fn buffer(&'static self, len: usize) -> Pooled {
-        let mut buf = self.take(len);
+        let mut buf = self.idle_holding(len).unwrap_or_else(|| Vec::with_capacity(len.min(POOLED_FROM)));
         buf.clear();
-        Pooled { buf, pool: self }
+        Pooled { buf, pool: self, stated: len }
     }
 
     /// A buffer of `len` bytes that `read` fills whole (an error gives it back unseen). Bytes a
     /// previous request left in it are written over rather than zeroed first: zeroing a
     /// detector's 1.2 MB image read from shared memory was a memset as large as the read.
     pub fn filled<E>(&'static self, len: usize, read: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<Pooled, E> {
-        let mut buf = Pooled { buf: self.take(len), pool: self };
+        let mut buf = Pooled { buf: self.take(len), pool: self, stated: len };
         if buf.buf.len() < len {
             buf.buf.resize(len, 0);
         }
@@ -118,6 +141,8 @@ impl Pool {
 pub struct Pooled {
     buf: Vec<u8>,
     pool: &'static Pool,
+    /// The length its client stated: what it grows to at most in one step.
+    stated: usize,
 }
 
 impl Pooled {
@@ -127,6 +152,11 @@ impl Pooled {
     }
 
     pub fn extend(&mut self, data: &[u8]) {
+        let (len, cap) = (self.buf.len(), self.buf.capacity());
+        if len + data.len() > cap {
+            let to = (len + data.len()).max((2 * cap).min(self.stated));
+            self.buf.reserve_exact(to - len);
+        }
         self.buf.extend_from_slice(data);
     }
 
@@ -151,6 +181,8 @@ impl Drop for Pooled {
 pub enum ReadError {
     /// Over `max` bytes.
     TooLarge,
+    /// Past the bytes in flight all requests (or its tenant's) may hold.
+    OverBudget,
     /// The connection failed or the framing was broken.
     Failed(String),
 }
@@ -166,9 +198,61 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_body_holds_the_bytes_it_has_sent_as_they_arrive() {
+        use std::convert::Infallible;
+        static OWN: Pool = Pool::new(); // not `POOL`, whose idle buffers the test below counts
+        for stated in [None, Some(POOLED_FROM)] {
+            let budget = crate::budget::Budget::new(8 << 10);
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, Infallible>>(1);
+            let body = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
+            let mut held = budget.take(None, 0).unwrap();
+            let reading = tokio::spawn(async move {
+                let read = OWN.read(body, 4 * POOLED_FROM, stated, &mut held).await;
+                (read, held)
+            });
+            let settle = |free: usize| {
+                let budget = budget.clone();
+                async move {
+                    for _ in 0..1000 {
+                        if budget.available() == free {
+                            return true;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    false
+                }
+            };
+            // Stated large, sent small: only what was sent is held.
+            assert!(settle(8).await, "nothing held before a byte");
+            tx.send(Ok(http_body::Frame::data(Bytes::from(vec![1; 3 << 10])))).await.unwrap();
+            assert!(settle(5).await, "{stated:?}: three KiB sent, three held");
+            tx.send(Ok(http_body::Frame::data(Bytes::from(vec![2; 6 << 10])))).await.unwrap();
+            let (read, held) = reading.await.unwrap();
+            assert!(matches!(read, Err(ReadError::OverBudget)), "{stated:?}: past the budget");
+            assert_eq!(budget.available(), 5, "what was kept is still held until the request ends");
+            drop(held);
+            assert_eq!(budget.available(), 8);
+        }
+        // Memory follows the bytes too: a buffer for a body stated large, with no idle one that
+        // holds it, starts small and grows as its bytes come, to the stated length at most.
+        let mut buf = OWN.buffer(64 << 20);
+        assert_eq!(buf.buf.capacity(), POOLED_FROM);
+        buf.extend(&[5; 10]);
+        buf.extend(&vec![5; POOLED_FROM]);
+        assert_eq!(buf.buf.capacity(), 2 * POOLED_FROM);
+        let mut near = OWN.buffer(POOLED_FROM + 5);
+        near.extend(&vec![5; POOLED_FROM + 5]);
+        assert_eq!(near.buf.capacity(), POOLED_FROM + 5, "doubled no further than stated");
+    }
+
+    #[tokio::test]
     async fn bodies_reuse_buffers_and_idle_ones_are_freed() {
         let body = vec![7u8; POOLED_FROM + 5];
-        let read_one = |b: Vec<u8>, stated| POOL.read(Body::from(b), 4 * POOLED_FROM, stated);
+        let budget = crate::budget::Budget::new(1 << 30);
+        let read_one = |b: Vec<u8>, stated| {
+            let budget = budget.clone();
+            async move { POOL.read(Body::from(b), 4 * POOLED_FROM, stated, &mut budget.take(None, 0).unwrap()).await }
+        };
         let Ok(first) = read_one(body.clone(), Some(body.len())).await else { panic!("read") };
         assert_eq!(&first[..], &body[..]);
         let view = first.slice(100..200);
