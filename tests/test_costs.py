@@ -260,6 +260,34 @@ def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     assert_stopped(pid, whole, "4 such requests, a gRPC stream cancelled")
 
 
+def test_bodies_are_decompressed_a_quarter_of_the_cores_at_a_time(start_server):
+    """A few KB of gzip ask for up to --max-body-bytes of output, a few hundred times dearer to
+    decompress than to send: bodies are decompressed a quarter of the cores at a time (at least
+    one), the rest waiting their turn, so a flood of them cannot take the cores the models run on
+    (before, as many at once as clients sent, on tokio's blocking pool of 512 threads)."""
+    import gzip
+
+    s = start_server("--max-body-bytes", str(8 << 20), models=("mlp",))
+    pid = s.proc.pid
+    bomb = gzip.compress(bytes(16 << 20))  # refused once 8 MiB are decompressed: that is all it costs
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    status, answer = post(s, "/v2/models/mlp/infer", bomb, headers)
+    assert status == 413 and b"decompressed body is over" in answer, answer
+    settle(pid)
+    # Eight at once: the server's CPU while they run stays near a quarter of the cores.
+    places = max(1, (os.cpu_count() or 1) // 4)
+    start, began = cpu_seconds(pid), time.time()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: post(s, "/v2/models/mlp/infer", bomb, headers, timeout=120)[0], range(8)))
+    cores = (cpu_seconds(pid) - start) / (time.time() - began)
+    print(f"\neight gzip bodies of {len(bomb)} bytes at once: {cores:.2f} cores busy ({places} decompressing at a time)")
+    assert answers == [413] * 8, answers
+    assert cores < places + 0.5, cores
+    # Plain requests are served meanwhile and after.
+    body = {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]}
+    assert post(s, "/v2/models/mlp/infer", json.dumps(body).encode())[0] == 200
+
+
 def slow_rows(rows):
     x = np.full((rows, 512), 0.25, np.float32)
     header = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",

@@ -149,12 +149,16 @@ async fn read_body(
         Ok(Ok(b)) => b,
     };
     let encoding = parts.headers.remove(header::CONTENT_ENCODING);
-    // Decompression runs on the blocking pool: it is CPU work of up to --max-body-bytes. What
-    // it writes is held beside the compressed bytes as it is written.
+    // Decompression runs on the blocking pool, a few bodies at a time (`DECOMPRESSING`): it is
+    // CPU work of up to --max-body-bytes (a few KB of gzip can ask for 64 MiB). What it writes
+    // is held beside the compressed bytes as it is written.
     let bytes = match encoding.as_ref().map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase()).as_deref() {
         None | Some("identity") => Ok(bytes),
         Some(coding @ ("gzip" | "deflate")) => {
             let gzip = coding == "gzip";
+            let Ok(Ok(_place)) = tokio::time::timeout(limits.body_timeout, DECOMPRESSING.acquire()).await else {
+                return over_budget("too many compressed bodies are being decompressed on this server; retry shortly");
+            };
             let mut held = reserved;
             let inflated = off_io(true, move || {
                 let out = if gzip {
@@ -279,6 +283,14 @@ pub(crate) async fn off_io<T: Send + 'static>(
         .await
         .map_err(|e| ferrite_core::Error::internal(format!("a blocking task failed: {e}")))
 }
+
+/// Bodies decompressed at once: a quarter of the cores, at least one. A few KB of gzip can ask for
+/// `--max-body-bytes` of output (64 MiB: about 0.3 s of a core), so a flood of them, a few hundred
+/// times cheaper to send than to decompress, must not take the cores the models run on: past
+/// these, bodies wait their turn (within the body timeout; 503 after).
+static DECOMPRESSING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
+    tokio::sync::Semaphore::new((std::thread::available_parallelism().map_or(1, |n| n.get()) / 4).max(1))
+});
 
 /// A compressed body decompressed, at most `max` bytes, each buffer it grows into held in `held`
 /// (beside the `compressed` bytes) before it is written.
