@@ -5,16 +5,21 @@ do to another's latency, on the bundled repository, with the release binary.
   clients each send requests of 16 WebPs of 6320x6320 (1.7 KB each, 40 megapixels decoded), and
   while 4 clients each send one such WebP per request (what the per-request budget lets through);
 - text: one client sends one short text to TEI's /embed, alone, then while 2 clients each send
-  OpenAI /v1/embeddings calls of 2048 texts of 200 words.
+  OpenAI /v1/embeddings calls of 2048 texts of 200 words;
+- compressed: one client sends an MLP request over HTTP, alone, then while 2 clients each send
+  gzip-compressed gRPC ModelInfer calls of a 60 MiB tensor of zeros (about 60 KB on the wire;
+  refused by the model's shape once decompressed) and 2 send gzip HTTP bodies of 60 MiB of
+  zeros (refused as JSON): what decompression costs the others.
 
 Reports the steady client's p50, p99 and max, its requests completed, and the server's CPU, and
 writes bench/results/hostile.md. Guards the cost rule: the steady client's p99 beside the floods
 stays within a small multiple of its idle p99.
 
-Usage: python3 bench/hostile.py [--duration 10]
+Usage: python3 bench/hostile.py [--duration 10] [--binary PATH] [--only compressed] [--name hostile]
 """
 
 import argparse
+import gzip
 import io
 import json
 import os
@@ -84,16 +89,35 @@ def steady(url, body, headers, duration, stop=None):
     return np.array(lat)
 
 
-def flood(url, body, headers, stop, statuses):
+def flood(send, stop, statuses):
     while not stop.is_set():
-        statuses.append(post(url, body, headers))
+        statuses.append(send())
+
+
+def grpc_sender(target, request, compression):
+    """A flood's call: one gRPC ModelInfer of `request`, its status code's name."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+    channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30)])
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+    def send():
+        try:
+            stub.ModelInfer(request, compression=compression, timeout=60)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+    return send
 
 
 def scenario(name, pid, steady_req, flood_req, flooders, duration):
+    """`flood_req`: an HTTP request (url, body, headers) each flooder sends, or a list of senders
+    (one a flooder)."""
     idle = steady(*steady_req, duration)
     stop = threading.Event()
     statuses = []
-    threads = [threading.Thread(target=flood, args=(*flood_req, stop, statuses)) for _ in range(flooders)]
+    senders = flood_req if isinstance(flood_req, list) else [lambda: post(*flood_req)] * flooders
+    threads = [threading.Thread(target=flood, args=(send, stop, statuses)) for send in senders]
     cpu = cpu_seconds(pid)
     for t in threads:
         t.start()
@@ -110,9 +134,13 @@ def scenario(name, pid, steady_req, flood_req, flooders, duration):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=10)
+    ap.add_argument("--binary", help="a ferrite binary to measure (default: this tree's, built)")
+    ap.add_argument("--only", choices=["compressed"], help="that scenario alone")
+    ap.add_argument("--name", default="hostile")
     args = ap.parse_args()
-    binary = ROOT / "target" / "release" / "ferrite"
-    subprocess.run(["cargo", "build", "--release", "--locked", "--bin", "ferrite"], check=True, cwd=ROOT)
+    binary = Path(args.binary) if args.binary else ROOT / "target" / "release" / "ferrite"
+    if not args.binary:
+        subprocess.run(["cargo", "build", "--release", "--locked", "--bin", "ferrite"], check=True, cwd=ROOT)
     repo = WORK / "hostile"
     shutil.rmtree(repo, ignore_errors=True)
     shutil.copytree(ROOT / "models", repo)
@@ -127,7 +155,12 @@ def main():
             break
         except OSError:
             time.sleep(0.1)
+    rss_before = rss_after = rss_later = None
+    rows = []
     try:
+        if args.only == "compressed":
+            rows = [compressed(base, f"127.0.0.1:{grpc}", proc.pid, args.duration)]
+            return
         small = encode(Image.new("RGB", (64, 48), (120, 30, 200)), "JPEG")
         bomb = encode(Image.new("RGB", (6320, 6320), (10, 20, 30)), "WEBP", lossless=True)
         h, b = binary_body([small])
@@ -145,13 +178,40 @@ def main():
         rows.append(scenario("text: 2 clients of 2048-text embeddings", proc.pid, (f"{base}/embed", one, json_h),
                              (f"{base}/v1/embeddings", many, json_h), 2, args.duration))
         rss_after = rss_mib(proc.pid)
+        rows.append(compressed(base, f"127.0.0.1:{grpc}", proc.pid, args.duration))
         time.sleep(30)
         rss_later = rss_mib(proc.pid)
     finally:
         proc.terminate()
         proc.wait()
+        if rows:
+            write(args, binary, rows, (rss_before, rss_after, rss_later))
+
+
+def compressed(base, grpc_target, pid, duration):
+    import grpc
+    from tritonclient.grpc import service_pb2
+    request = service_pb2.ModelInferRequest(model_name="mlp")
+    t = request.inputs.add()
+    t.name, t.datatype = "input", "FP32"
+    t.shape.extend([1, (60 << 20) // 4])
+    request.raw_input_contents.append(bytes(60 << 20))
+    url = f"{base}/v2/models/mlp/infer"
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32",
+                                   "data": [0.5] * 512}]}).encode()
+    gz = gzip.compress(bytes(60 << 20))
+    gz_h = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    senders = [grpc_sender(grpc_target, request, grpc.Compression.Gzip) for _ in range(2)]
+    senders += [lambda: post(url, gz, gz_h)] * 2
+    return scenario("compressed: 2 gRPC clients of 60 MiB gzip messages, 2 HTTP of 60 MiB gzip bodies", pid,
+                    (url, body, {"Content-Type": "application/json"}), senders, 4, duration)
+
+
+def write(args, binary, rows, rss):
+    rss_before, rss_after, rss_later = rss
+    command = f"python3 bench/hostile.py --duration {args.duration:g}" + (f" --only {args.only}" if args.only else "")
     lines = ["# A steady client beside hostile floods", "",
-             f"`python3 bench/hostile.py --duration {args.duration:g}`, {time.strftime('%Y-%m-%d')}, "
+             f"`{command}` (`{binary.name}`), {time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()} CPUs, release binary on the bundled repository; the steady client sends one "
              "request at a time, alone and then beside the floods.", "",
              "| load | steady p50 / p99 / max idle (ms) | beside the flood (ms) | p99 multiple | steady requests idle / beside | flood answers | server CPU-s beside |",
@@ -159,11 +219,12 @@ def main():
     for name, idle, busy, codes, cpu in rows:
         lines.append(f"| {name} | {idle[0]:.1f} / {idle[1]:.1f} / {idle[2]:.1f} | {busy[0]:.1f} / {busy[1]:.1f} / "
                      f"{busy[2]:.1f} | {busy[1] / idle[1]:.1f}x | {idle[3]} / {busy[3]} | {codes} | {cpu:.1f} |")
-    lines += ["", f"Resident memory around the text floods: {rss_before:.0f} MiB before, {rss_after:.0f} MiB right "
-              f"after, {rss_later:.0f} MiB 30 s later (freed memory is handed back every 20 s)."]
+    if rss_before is not None:
+        lines += ["", f"Resident memory around the text floods: {rss_before:.0f} MiB before, {rss_after:.0f} MiB "
+                  f"right after, {rss_later:.0f} MiB 30 s later (freed memory is handed back every 20 s)."]
     text = "\n".join(lines) + "\n"
     print(text)
-    (RESULTS / "hostile.md").write_text(text)
+    (RESULTS / f"{args.name}.md").write_text(text)
 
 
 if __name__ == "__main__":

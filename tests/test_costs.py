@@ -288,6 +288,34 @@ def test_bodies_are_decompressed_a_quarter_of_the_cores_at_a_time(start_server):
     assert post(s, "/v2/models/mlp/infer", json.dumps(body).encode())[0] == 200
 
 
+def test_compressed_grpc_messages_are_decompressed_by_the_listener(start_server):
+    """tonic decompressed each gRPC message inline, on the I/O thread polling its call (a few such
+    messages a second stalled the connections those threads served: `bench/hostile.py`); the
+    listener now decompresses them itself, off those threads and a quarter of the cores at a time
+    (`grpc/unpack.rs`, unit-tested there). Through a real client: compressed messages past the
+    decoding limit once decompressed are refused, several at once, a plain request is answered
+    beside them, and compressed requests within the limit are answered as plain ones."""
+    s = start_server("--grpc-max-decoding-message-size", str(8 << 20), models=("mlp",))
+    bomb = grpcclient.InferInput("input", [1, 4 << 20], "FP32")
+    bomb.set_data_from_numpy(np.zeros((1, 4 << 20), np.float32))
+
+    def send(_):
+        try:
+            grpcclient.InferenceServerClient(s.grpc_url).infer("mlp", [bomb], compression_algorithm="gzip")
+        except Exception as e:
+            return "RESOURCE_EXHAUSTED" in str(e) and "too large" in str(e)
+
+    x = grpcclient.InferInput("input", [1, 512], "FP32")
+    x.set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+    client = grpcclient.InferenceServerClient(s.grpc_url)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        refused = pool.map(send, range(8))
+        assert client.infer("mlp", [x]).as_numpy("output").shape == (1, 10)
+        assert list(refused) == [True] * 8
+    for algorithm in (None, "gzip", "deflate"):
+        assert client.infer("mlp", [x], compression_algorithm=algorithm).as_numpy("output").shape == (1, 10)
+
+
 def slow_rows(rows):
     x = np.full((rows, 512), 0.25, np.float32)
     header = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",

@@ -122,7 +122,23 @@ where
             Big::Off
         };
         let stream = answers.clone();
-        let req = req.map(|inner| Body::new(Charged::new(inner, charge.clone(), stream, limit, big)));
+        // The inference service's compressed messages are decompressed by the body, not by tonic
+        // on the I/O thread (`unpack`).
+        let unpack = req
+            .uri()
+            .path()
+            .starts_with("/inference.GRPCInferenceService/")
+            .then(|| {
+                let encoding = req.headers().get("grpc-encoding").and_then(|v| v.to_str().ok());
+                let share = (self.layer.budget.clone(), charge.tenant.clone());
+                super::unpack::Unpack::new(encoding, self.layer.max_message, share, limit)
+            })
+            .flatten();
+        let req = req.map(|inner| {
+            let mut body = Charged::new(inner, charge.clone(), stream, limit, big);
+            body.unpack = unpack;
+            Body::new(body)
+        });
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await?;
@@ -400,11 +416,26 @@ struct Charged {
     /// Set while a message is partly received: when it must be whole.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     big: Big,
+    /// Compressed messages decompressed here (`unpack`), and the bytes made for tonic and not yet
+    /// handed to it.
+    unpack: Option<super::unpack::Unpack>,
+    pending: std::collections::VecDeque<Bytes>,
 }
 
 impl Charged {
     fn new(inner: Body, charge: Arc<Charge>, stream: Option<StreamAnswers>, limit: Duration, big: Big) -> Charged {
-        Charged { inner, charge, stream, frame: Framing::default(), since: 0, limit, deadline: None, big }
+        Charged {
+            inner,
+            charge,
+            stream,
+            frame: Framing::default(),
+            since: 0,
+            limit,
+            deadline: None,
+            big,
+            unpack: None,
+            pending: Default::default(),
+        }
     }
 
     fn capture(&mut self, data: &Bytes) -> Step {
@@ -472,6 +503,9 @@ impl http_body::Body for Charged {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
+        if let Some(out) = this.pending.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(out))));
+        }
         loop {
             let polled = Pin::new(&mut this.inner).poll_frame(cx);
             if polled.is_pending() && this.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
@@ -486,7 +520,9 @@ impl http_body::Body for Charged {
                 _ => None,
             };
             let Some(data) = data else {
-                if matches!(this.big, Big::Reading { .. }) && matches!(polled, Poll::Ready(None | Some(Ok(_)))) {
+                let inside =
+                    matches!(this.big, Big::Reading { .. }) || this.unpack.as_ref().is_some_and(|u| !u.between());
+                if inside && matches!(polled, Poll::Ready(None | Some(Ok(_)))) {
                     // The body ended inside the message, as tonic would say.
                     this.big = Big::Off;
                     return Poll::Ready(Some(Err(Status::internal("Unexpected EOF decoding stream."))));
@@ -496,20 +532,33 @@ impl http_body::Body for Charged {
             if let Err(refused) = this.account(data) {
                 return Poll::Ready(Some(Err(refused)));
             }
-            match this.capture(data) {
-                Step::Pass => return polled,
+            let out = match this.capture(data) {
+                Step::Pass if this.unpack.is_none() => return polled,
+                Step::Pass => data.clone(),
                 Step::Held => continue,
-                Step::Emit(out) => return Poll::Ready(Some(Ok(Frame::data(out)))),
+                Step::Emit(out) => out,
+            };
+            let Some(unpack) = &mut this.unpack else { return Poll::Ready(Some(Ok(Frame::data(out)))) };
+            if let Err(refused) = unpack.feed(out, &mut this.pending) {
+                this.unpack = None;
+                return Poll::Ready(Some(Err(refused)));
+            }
+            if let Some(out) = this.pending.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.is_end_stream() && self.pending.is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.unpack {
+            // Decompressed messages are longer than they came.
+            Some(_) => SizeHint::default(),
+            None => self.inner.size_hint(),
+        }
     }
 }
 

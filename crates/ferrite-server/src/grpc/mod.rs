@@ -7,6 +7,7 @@
 pub mod calls;
 pub mod convert;
 pub mod tei;
+mod unpack;
 
 use std::{pin::Pin, sync::Arc, time::Duration};
 

@@ -160,19 +160,22 @@ async fn read_body(
                 return over_budget("too many compressed bodies are being decompressed on this server; retry shortly");
             };
             let mut held = reserved;
-            let inflated = off_io(true, move || {
-                let out = if gzip {
-                    inflate(flate2::read::GzDecoder::new(&bytes[..]), max, bytes.len(), &mut held)
-                } else {
-                    inflate(flate2::read::ZlibDecoder::new(&bytes[..]), max, bytes.len(), &mut held)
-                };
-                (out, held)
-            })
-            .await;
+            let inflated = off_io(true, move || (decompress(gzip, &bytes, max, &mut held), held)).await;
             match inflated {
                 Ok((out, held)) => {
                     reserved = held;
-                    out
+                    out.map_err(|e| match e {
+                        Inflate::TooLarge => ApiError::new(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            format!("decompressed body is over {max} bytes"),
+                        ),
+                        Inflate::OverBudget => {
+                            ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(Duration::from_secs(1))).into()
+                        }
+                        Inflate::Corrupt(e) => {
+                            ApiError::bad_request(format!("cannot decompress the request body: {e}"))
+                        }
+                    })
                 }
                 Err(e) => return ApiError::from(e).into_response(),
             }
@@ -288,13 +291,31 @@ pub(crate) async fn off_io<T: Send + 'static>(
 /// `--max-body-bytes` of output (64 MiB: about 0.3 s of a core), so a flood of them, a few hundred
 /// times cheaper to send than to decompress, must leave the models most of the cores (one of
 /// two): past these, bodies wait their turn (within the body timeout; 503 after).
-static DECOMPRESSING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
+pub(crate) static DECOMPRESSING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
     tokio::sync::Semaphore::new((std::thread::available_parallelism().map_or(1, |n| n.get()) / 4).max(1))
 });
 
-/// A compressed body decompressed, at most `max` bytes, each buffer it grows into held in `held`
-/// (beside the `compressed` bytes) before it is written.
-fn inflate(decoder: impl std::io::Read, max: usize, compressed: usize, held: &mut Reserved) -> Result<Bytes, ApiError> {
+/// Why compressed bytes could not be decompressed.
+pub(crate) enum Inflate {
+    /// Past `max` bytes.
+    TooLarge,
+    /// Past the bytes in flight all requests (or its tenant's) may hold.
+    OverBudget,
+    Corrupt(std::io::Error),
+}
+
+/// gzip (else zlib's deflate) `compressed` bytes decompressed, at most `max` bytes, each buffer it
+/// grows into held in `held` (beside the compressed bytes) before it is written (HTTP bodies and
+/// gRPC messages).
+pub(crate) fn decompress(gzip: bool, compressed: &[u8], max: usize, held: &mut Reserved) -> Result<Bytes, Inflate> {
+    if gzip {
+        inflate(flate2::read::GzDecoder::new(compressed), max, compressed.len(), held)
+    } else {
+        inflate(flate2::read::ZlibDecoder::new(compressed), max, compressed.len(), held)
+    }
+}
+
+fn inflate(decoder: impl std::io::Read, max: usize, compressed: usize, held: &mut Reserved) -> Result<Bytes, Inflate> {
     use std::io::Read;
     const STEP: usize = 64 << 10;
     let mut decoder = decoder.take(max as u64 + 1);
@@ -305,19 +326,17 @@ fn inflate(decoder: impl std::io::Read, max: usize, compressed: usize, held: &mu
             // Doubled, up to what `max` allows (a byte past it tells a body over it).
             out.reserve_exact(at.max(STEP).min(max + 1 - at));
             if !held.grow(compressed + out.capacity()) {
-                return Err(ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(Duration::from_secs(1))).into());
+                return Err(Inflate::OverBudget);
             }
         }
         out.resize(out.capacity().min(at + STEP), 0);
-        let n = decoder
-            .read(&mut out[at..])
-            .map_err(|e| ApiError::bad_request(format!("cannot decompress the request body: {e}")))?;
+        let n = decoder.read(&mut out[at..]).map_err(Inflate::Corrupt)?;
         out.truncate(at + n);
         if n == 0 {
             break;
         }
         if out.len() > max {
-            return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("decompressed body is over {max} bytes")));
+            return Err(Inflate::TooLarge);
         }
     }
     Ok(out.into())
@@ -328,7 +347,7 @@ fn body_too_large(max: usize) -> Response {
 }
 
 /// Why a request body was refused before or while it was read.
-const BODIES_OVER_BUDGET: &str = "too many request bytes in flight on this server; retry shortly";
+pub(crate) const BODIES_OVER_BUDGET: &str = "too many request bytes in flight on this server; retry shortly";
 
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
 /// when asked).

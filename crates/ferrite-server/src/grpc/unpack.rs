@@ -1,0 +1,229 @@
+//! Compressed messages of the inference service, decompressed here and handed to tonic as plain
+//! ones. tonic decompresses a message inline, on the I/O thread polling the call, up to the
+//! decoding limit: a few KB of gzip ask for 64 MiB (about 0.3 s of a core), so a few such calls a
+//! second stalled every connection served by those threads (a steady client's p99 went from 5 to
+//! 146 ms beside two of them). Here a message is read whole (its bytes charged as the call's
+//! are), then decompressed off the I/O thread (`block_in_place`) and a quarter of the cores at a
+//! time, as HTTP bodies are (`http::DECOMPRESSING`), its output held in the budget of bytes in
+//! flight until tonic has decoded it.
+
+use std::{collections::VecDeque, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use tonic::Status;
+
+use crate::{
+    budget::{self, Budget},
+    http::{decompress, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
+};
+
+/// See the module.
+pub struct Unpack {
+    gzip: bool,
+    /// The decoding limit: compressed messages longer, or decompressing to more, are refused.
+    max: usize,
+    budget: Arc<Budget>,
+    tenant: Option<String>,
+    /// How long a message may wait for a place to be decompressed.
+    wait: Duration,
+    at: At,
+}
+
+/// Where in the body's messages the bytes fed so far end.
+enum At {
+    /// Between messages: the bytes of the next one's 5-byte prefix read so far.
+    Prefix(Vec<u8>),
+    /// Inside a plain message: the bytes of it left, passed on as they come.
+    Plain(usize),
+    /// Inside a compressed message of `want` bytes, read whole before it is decompressed.
+    Compressed { buf: Vec<u8>, want: usize },
+}
+
+impl Unpack {
+    /// For a call whose messages the `grpc-encoding` header says are gzip or deflate ones; `None`
+    /// for others (tonic refuses what it does not accept).
+    pub fn new(
+        encoding: Option<&str>,
+        max: usize,
+        (budget, tenant): (Arc<Budget>, Option<String>),
+        wait: Duration,
+    ) -> Option<Unpack> {
+        let gzip = match encoding? {
+            "gzip" => true,
+            "deflate" => false,
+            _ => return None,
+        };
+        Some(Unpack { gzip, max, budget, tenant, wait, at: At::Prefix(Vec::new()) })
+    }
+
+    /// Whether the body may end here (between messages).
+    pub fn between(&self) -> bool {
+        matches!(&self.at, At::Prefix(p) if p.is_empty())
+    }
+
+    /// The bytes to hand tonic for `data`, in order, into `out`: plain messages as they came, a
+    /// compressed one as a plain one once it is whole and decompressed.
+    pub fn feed(&mut self, mut data: Bytes, out: &mut VecDeque<Bytes>) -> Result<(), Status> {
+        while !data.is_empty() {
+            match &mut self.at {
+                At::Plain(left) => {
+                    let n = (*left).min(data.len());
+                    out.push_back(data.split_to(n));
+                    *left -= n;
+                    if *left == 0 {
+                        self.at = At::Prefix(Vec::new());
+                    }
+                }
+                At::Compressed { buf, want } => {
+                    let n = (*want - buf.len()).min(data.len());
+                    buf.extend_from_slice(&data.split_to(n));
+                }
+                At::Prefix(prefix) => {
+                    let n = (5 - prefix.len()).min(data.len());
+                    prefix.extend_from_slice(&data.split_to(n));
+                    if prefix.len() < 5 {
+                        continue;
+                    }
+                    let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+                    if prefix[0] == 1 && len <= self.max {
+                        let buf = Vec::with_capacity(len.min(1 << 20));
+                        self.at = At::Compressed { buf, want: len };
+                    } else {
+                        // Plain, or too long for tonic to take: as it came.
+                        out.push_back(Bytes::from(std::mem::take(prefix)));
+                        self.at = if len == 0 { At::Prefix(Vec::new()) } else { At::Plain(len) };
+                    }
+                }
+            }
+            if let At::Compressed { buf, want } = &mut self.at {
+                if buf.len() == *want {
+                    let compressed = std::mem::take(buf);
+                    self.at = At::Prefix(Vec::new());
+                    let plain = self.decompress(&compressed)?;
+                    let len = u32::try_from(plain.len()).map_err(|_| too_large(self.max))?;
+                    let mut prefix = vec![0u8];
+                    prefix.extend_from_slice(&len.to_be_bytes());
+                    out.push_back(Bytes::from(prefix));
+                    out.push_back(plain);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Off the I/O thread where the runtime allows it, once a place is free.
+    fn decompress(&self, compressed: &[u8]) -> Result<Bytes, Status> {
+        let run = |wait: bool| {
+            let place = if wait {
+                let handle = tokio::runtime::Handle::current();
+                handle.block_on(tokio::time::timeout(self.wait, DECOMPRESSING.acquire())).ok().and_then(Result::ok)
+            } else {
+                // No thread of a runtime to hand over (tests): wait here.
+                let until = std::time::Instant::now() + self.wait;
+                loop {
+                    match DECOMPRESSING.try_acquire() {
+                        Ok(place) => break Some(place),
+                        Err(_) if std::time::Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
+                        Err(_) => break None,
+                    }
+                }
+            };
+            let Some(_place) = place else {
+                return Err(unavailable("too many compressed messages are being decompressed on this server"));
+            };
+            let Some(mut held) = self.budget.take(self.tenant.as_deref(), 0) else {
+                return Err(unavailable(BODIES_OVER_BUDGET));
+            };
+            match decompress(self.gzip, compressed, self.max, &mut held) {
+                Ok(plain) => Ok(budget::holding(plain, held)),
+                Err(Inflate::TooLarge) => Err(too_large(self.max)),
+                Err(Inflate::OverBudget) => Err(unavailable(BODIES_OVER_BUDGET)),
+                Err(Inflate::Corrupt(e)) => Err(Status::internal(format!("Error decompressing: {e}"))),
+            }
+        };
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| run(true)),
+            _ => run(false),
+        }
+    }
+}
+
+fn unavailable(message: &str) -> Status {
+    super::status(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1))))
+}
+
+/// As tonic says it of a message over the decoding limit.
+fn too_large(max: usize) -> Status {
+    Status::resource_exhausted(format!(
+        "Error, decoded message length too large: found more than {max} bytes, the limit is: {max} bytes"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {
+        let mut f = vec![flag];
+        f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    fn gzip(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn unpack(max: usize, budget: &Arc<Budget>) -> Unpack {
+        Unpack::new(Some("gzip"), max, (budget.clone(), None), Duration::from_secs(1)).unwrap()
+    }
+
+    fn fed(u: &mut Unpack, body: &[u8], chunk: usize) -> Result<Vec<u8>, Status> {
+        let mut out = VecDeque::new();
+        for c in body.chunks(chunk) {
+            u.feed(Bytes::copy_from_slice(c), &mut out)?;
+        }
+        Ok(out.iter().flat_map(|b| b.to_vec()).collect())
+    }
+
+    #[test]
+    fn compressed_messages_reach_tonic_plain_and_plain_ones_as_they_came() {
+        let budget = Budget::new(64 << 20);
+        let a = b"first message".repeat(100);
+        let b = vec![7u8; 300_000];
+        let body = [frame(1, &gzip(&a)), frame(0, b"plain"), frame(0, b""), frame(1, &gzip(&b))].concat();
+        let want = [frame(0, &a), frame(0, b"plain"), frame(0, b""), frame(0, &b)].concat();
+        for chunk in [1, 3, 5, 4096, body.len()] {
+            let mut u = unpack(1 << 20, &budget);
+            assert_eq!(fed(&mut u, &body, chunk).unwrap(), want, "chunks of {chunk}");
+            assert!(u.between());
+        }
+        let mut u = unpack(1 << 20, &budget);
+        let _ = fed(&mut u, &body[..body.len() - 1], 4096).unwrap();
+        assert!(!u.between(), "inside the last message");
+        assert_eq!(budget.available(), Budget::new(64 << 20).available(), "the output is held only while it lives");
+    }
+
+    #[test]
+    fn a_bomb_is_refused_past_the_limit_and_a_corrupt_message_fails() {
+        let budget = Budget::new(64 << 20);
+        let bomb = frame(1, &gzip(&vec![0u8; (1 << 20) + 1]));
+        let e = fed(&mut unpack(1 << 20, &budget), &bomb, 4096).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        let e = fed(&mut unpack(1 << 20, &budget), &frame(1, b"not gzip at all"), 4096).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
+        // Past the budget of bytes in flight: refused, as an uncompressed message would be.
+        let small = Budget::new(64 << 10);
+        let e = fed(&mut unpack(1 << 20, &small), &frame(1, &gzip(&[1u8; 200 << 10])), 4096).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert_eq!(small.available(), 64);
+        // A compressed message longer than the limit is tonic's to refuse: passed on as it came.
+        let long = frame(1, &[1u8; 64]);
+        assert_eq!(fed(&mut unpack(32, &budget), &long, 7).unwrap(), long);
+        assert!(Unpack::new(Some("identity"), 1, (budget.clone(), None), Duration::ZERO).is_none());
+        assert!(Unpack::new(None, 1, (budget, None), Duration::ZERO).is_none());
+    }
+}
