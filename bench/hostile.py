@@ -127,7 +127,7 @@ def scenario(name, pid, steady_req, flood_req, flooders, duration):
         t.join()
     cpu = cpu_seconds(pid) - cpu
     row = lambda lat: (np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3, lat.max() * 1e3, len(lat))  # noqa: E731
-    codes = {c: statuses.count(c) for c in sorted(set(statuses))}
+    codes = {c: statuses.count(c) for c in sorted(set(statuses), key=str)}
     return name, row(idle), row(busy), codes, cpu
 
 

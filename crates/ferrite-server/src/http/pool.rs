@@ -86,20 +86,22 @@ impl Pool {
             _ => Ok(()),
         };
         let Some(len) = stated.filter(|&n| (POOLED_FROM..=max).contains(&n)) else {
-            // Small or unsized: the frames as they come, copied into one only if there are more.
-            let (mut frames, mut total) = (Vec::new(), 0);
+            // Small or unsized: its one frame as it came, or the frames copied into one.
+            let (mut first, mut joined) = (None::<Bytes>, Vec::new());
             while let Some(frame) = body.frame().await {
                 let frame = frame.map_err(|e| ReadError::Failed(e.to_string()))?;
                 if let Ok(data) = frame.into_data() {
-                    total += data.len();
-                    hold(total)?;
-                    frames.push(data);
+                    hold(first.as_ref().map_or(joined.len(), Bytes::len) + data.len())?;
+                    match first.take() {
+                        None if joined.is_empty() => first = Some(data),
+                        earlier => {
+                            joined.extend_from_slice(earlier.as_deref().unwrap_or_default());
+                            joined.extend_from_slice(&data);
+                        }
+                    }
                 }
             }
-            return Ok(match frames.len() {
-                0 | 1 => frames.pop().unwrap_or_default(),
-                _ => frames.concat().into(),
-            });
+            return Ok(first.unwrap_or_else(|| joined.into()));
         };
         let mut buf = self.buffer(len);
         while let Some(frame) = body.frame().await {
@@ -232,6 +234,15 @@ mod tests {
             assert_eq!(budget.available(), 5, "what was kept is still held until the request ends");
             drop(held);
             assert_eq!(budget.available(), 8);
+        }
+        // Within the budget, the frames of a small body come back as one.
+        for stated in [None, Some(6), Some(POOLED_FROM)] {
+            let budget = crate::budget::Budget::new(8 << 10);
+            let frames = [b"ab".as_slice(), b"", b"cd", b"e", b"f"]
+                .map(|f| Ok::<_, Infallible>(http_body::Frame::data(Bytes::from_static(f))));
+            let body = Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)));
+            let read = OWN.read(body, 4 * POOLED_FROM, stated, &mut budget.take(None, 0).unwrap()).await;
+            assert!(matches!(read, Ok(b) if b[..] == *b"abcdef"), "{stated:?}");
         }
         // Memory follows the bytes too: a buffer for a body stated large, with no idle one that
         // holds it, starts small and grows as its bytes come, to the stated length at most.
