@@ -71,8 +71,9 @@ impl Pool {
 
     /// The whole body, at most `max` bytes, each of its bytes held in `held` before it is kept
     /// (as they arrive: a client that states a large body and trickles it holds only what it
-    /// sent): into a pooled buffer when it states a length of at least `POOLED_FROM` (the buffer
-    /// holds the stated length; a body that sends more grows it, up to `max`), else as it comes.
+    /// sent): into a pooled buffer when it states a length of at least `POOLED_FROM` (`buffer`:
+    /// grown as the bytes come; a body that sends more than stated grows it, up to `max`), else
+    /// as it comes.
     pub async fn read(
         &'static self,
         mut body: Body,
@@ -80,10 +81,11 @@ impl Pool {
         stated: Option<usize>,
         held: &mut Reserved,
     ) -> Result<Bytes, ReadError> {
-        let mut hold = |n: usize| match (n > max, held.grow(n)) {
-            (true, _) => Err(ReadError::TooLarge),
-            (_, false) => Err(ReadError::OverBudget),
-            _ => Ok(()),
+        // Past `max`, refused before the bytes are charged.
+        let mut hold = |n: usize| match n > max {
+            true => Err(ReadError::TooLarge),
+            false if held.grow(n) => Ok(()),
+            false => Err(ReadError::OverBudget),
         };
         let Some(len) = stated.filter(|&n| (POOLED_FROM..=max).contains(&n)) else {
             // Small or unsized: its one frame as it came, or the frames copied into one.
