@@ -927,6 +927,73 @@ def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_
     assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE], codes
 
 
+def threads(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+
+
+def grpc_status(sock, conn, timeout=60):
+    """The grpc-status a call on `conn`'s only stream ended with (in its headers or trailers)."""
+    import h2.events
+    sock.settimeout(1)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            data = sock.recv(1 << 16)
+        except socket.timeout:
+            continue
+        if not data:
+            return "closed"
+        for event in conn.receive_data(data):
+            if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                if "grpc-status" in dict(event.headers):
+                    return dict(event.headers)["grpc-status"]
+        sock.sendall(conn.data_to_send())
+    return "no answer"
+
+
+def test_compressed_grpc_messages_wait_their_turn_without_a_thread(start_server):
+    """Each compressed gRPC message waiting for its turn to be decompressed held a thread
+    (`block_in_place`): 600 at once, 16 KB each, took all 512 of tokio's blocking pool, and with it
+    the runtime's hand-over of its I/O threads: a plain request waited 8.8 s. They now wait without
+    one: a hundred at once leave the server's threads as they were, a plain request is answered
+    beside them, and each is answered in turn (past the decoding limit: RESOURCE_EXHAUSTED)."""
+    import h2.config
+    import h2.connection
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2
+    s = start_server("--grpc-max-decoding-message-size", str(8 << 20), models=("mlp",))
+    req = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[bytes(16 << 20)])
+    t = req.inputs.add()
+    t.name, t.datatype = "input", "FP32"
+    t.shape.extend([(4 << 20) // 512, 512])
+    msg = gzip.compress(req.SerializeToString())
+    body = b"\1" + struct.pack(">I", len(msg)) + msg
+    idle = threads(s.proc.pid)
+    calls = []
+    for _ in range(100):
+        sock = socket.create_connection(("127.0.0.1", s.grpc_port))
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
+        sock.sendall(conn.data_to_send())
+        h2_send(sock, conn, "/inference.GRPCInferenceService/ModelInfer", [*GRPC_HEADERS, ("grpc-encoding", "gzip")], body)
+        calls.append((sock, conn))
+    time.sleep(0.5)
+    held = threads(s.proc.pid) - idle
+    x = grpcclient.InferInput("input", [1, 512], "FP32")
+    x.set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+    began = time.time()
+    assert grpcclient.InferenceServerClient(s.grpc_url).infer("mlp", [x]).as_numpy("output").shape == (1, 10)
+    plain = time.time() - began
+    statuses = [grpc_status(sock, conn) for sock, conn in calls]
+    for sock, _ in calls:
+        sock.close()
+    print(f"\n100 compressed messages waiting: {held} threads more than idle; a plain request in {plain:.3f} s")
+    assert held < 20, f"{held} threads held by 100 waiting messages"
+    assert statuses == ["8"] * 100, statuses
+
+
 def test_grpc_connections_with_no_call_open_are_closed_when_idle(start_server):
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc

@@ -416,9 +416,11 @@ struct Charged {
     /// Set while a message is partly received: when it must be whole.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     big: Big,
-    /// Compressed messages decompressed here (`unpack`), and the bytes made for tonic and not yet
-    /// handed to it.
+    /// Compressed messages decompressed here (`unpack`): the one being decompressed, the bytes
+    /// received after it, and the bytes made for tonic and not yet handed to it.
     unpack: Option<super::unpack::Unpack>,
+    decompressing: Option<super::unpack::Decompressing>,
+    rest: Bytes,
     pending: std::collections::VecDeque<Bytes>,
 }
 
@@ -434,6 +436,8 @@ impl Charged {
             deadline: None,
             big,
             unpack: None,
+            decompressing: None,
+            rest: Bytes::new(),
             pending: Default::default(),
         }
     }
@@ -503,10 +507,27 @@ impl http_body::Body for Charged {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
-        if let Some(out) = this.pending.pop_front() {
-            return Poll::Ready(Some(Ok(Frame::data(out))));
-        }
         loop {
+            if let Some(out) = this.pending.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
+            }
+            // A compressed message is being decompressed: nothing more is read until it is.
+            if let Some(decompressing) = &mut this.decompressing {
+                let plain = ready!(decompressing.as_mut().poll(cx));
+                this.decompressing = None;
+                match plain {
+                    Ok(plain) => this.pending.extend(plain),
+                    Err(refused) => {
+                        this.unpack = None;
+                        return Poll::Ready(Some(Err(refused)));
+                    }
+                }
+                continue;
+            }
+            if let Some(unpack) = this.unpack.as_mut().filter(|_| !this.rest.is_empty()) {
+                this.decompressing = unpack.feed(&mut this.rest, &mut this.pending);
+                continue;
+            }
             let polled = Pin::new(&mut this.inner).poll_frame(cx);
             if polled.is_pending() && this.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
                 this.deadline = None;
@@ -538,19 +559,15 @@ impl http_body::Body for Charged {
                 Step::Held => continue,
                 Step::Emit(out) => out,
             };
-            let Some(unpack) = &mut this.unpack else { return Poll::Ready(Some(Ok(Frame::data(out)))) };
-            if let Err(refused) = unpack.feed(out, &mut this.pending) {
-                this.unpack = None;
-                return Poll::Ready(Some(Err(refused)));
-            }
-            if let Some(out) = this.pending.pop_front() {
+            if this.unpack.is_none() {
                 return Poll::Ready(Some(Ok(Frame::data(out))));
             }
+            this.rest = out;
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream() && self.pending.is_empty()
+        self.inner.is_end_stream() && self.pending.is_empty() && self.decompressing.is_none() && self.rest.is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {

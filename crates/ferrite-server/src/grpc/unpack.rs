@@ -3,18 +3,18 @@
 //! decoding limit: a few KB of gzip ask for 64 MiB (about 0.3 s of a core), so a few such calls a
 //! second stalled every connection served by those threads (a steady client's p99 went from 5 to
 //! 146 ms beside two of them). Here a message is read whole (its bytes charged as the call's
-//! are), then decompressed off the I/O thread (`block_in_place`) and a quarter of the cores at a
-//! time, as HTTP bodies are (`http::DECOMPRESSING`), its output held in the budget of bytes in
-//! flight until tonic has decoded it.
+//! are), then decompressed on the blocking pool a quarter of the cores at a time, as HTTP bodies
+//! are (`http::DECOMPRESSING`), the call waiting its turn without a thread, its output held in the
+//! budget of bytes in flight until tonic has decoded it.
 
-use std::{collections::VecDeque, sync::Arc, time::Duration};
+use std::{collections::VecDeque, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use tonic::Status;
 
 use crate::{
     budget::{self, Budget},
-    http::{decompress, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
+    http::{decompress, off_io, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
 };
 
 /// See the module.
@@ -61,9 +61,10 @@ impl Unpack {
         matches!(&self.at, At::Prefix(p) if p.is_empty())
     }
 
-    /// The bytes to hand tonic for `data`, in order, into `out`: plain messages as they came, a
-    /// compressed one as a plain one once it is whole and decompressed.
-    pub fn feed(&mut self, mut data: Bytes, out: &mut VecDeque<Bytes>) -> Result<(), Status> {
+    /// Takes bytes from the front of `data` and puts those to hand tonic for them, in order, into
+    /// `out`: plain messages as they came. Stops where a compressed message is whole, with the
+    /// rest of `data` left, and returns the work that makes it a plain one (`decompress`).
+    pub fn feed(&mut self, data: &mut Bytes, out: &mut VecDeque<Bytes>) -> Option<Decompressing> {
         while !data.is_empty() {
             match &mut self.at {
                 At::Plain(left) => {
@@ -99,54 +100,47 @@ impl Unpack {
                 if buf.len() == *want {
                     let compressed = std::mem::take(buf);
                     self.at = At::Prefix(Vec::new());
-                    let plain = self.decompress(&compressed)?;
-                    let len = u32::try_from(plain.len()).map_err(|_| too_large(self.max))?;
-                    let mut prefix = vec![0u8];
-                    prefix.extend_from_slice(&len.to_be_bytes());
-                    out.push_back(Bytes::from(prefix));
-                    out.push_back(plain);
+                    return Some(self.decompress(compressed));
                 }
             }
         }
-        Ok(())
+        None
     }
 
-    /// Off the I/O thread where the runtime allows it, once a place is free.
-    fn decompress(&self, compressed: &[u8]) -> Result<Bytes, Status> {
-        let run = |wait: bool| {
-            let place = if wait {
-                let handle = tokio::runtime::Handle::current();
-                handle.block_on(tokio::time::timeout(self.wait, DECOMPRESSING.acquire())).ok().and_then(Result::ok)
-            } else {
-                // No thread of a runtime to hand over (tests): wait here.
-                let until = std::time::Instant::now() + self.wait;
-                loop {
-                    match DECOMPRESSING.try_acquire() {
-                        Ok(place) => break Some(place),
-                        Err(_) if std::time::Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
-                        Err(_) => break None,
-                    }
-                }
-            };
-            let Some(_place) = place else {
+    /// A whole compressed message made a plain one (its 5-byte prefix, then it), once a place is
+    /// free (waited for asynchronously: a thread held per waiting message let a flood of them
+    /// take tokio's blocking pool, and with it the runtime's hand-over of its I/O threads), on
+    /// the blocking pool.
+    fn decompress(&self, compressed: Vec<u8>) -> Decompressing {
+        let (gzip, max, wait) = (self.gzip, self.max, self.wait);
+        let (budget, tenant) = (self.budget.clone(), self.tenant.clone());
+        Box::pin(async move {
+            let Ok(Ok(place)) = tokio::time::timeout(wait, DECOMPRESSING.acquire()).await else {
                 return Err(unavailable("too many compressed messages are being decompressed on this server"));
             };
-            let Some(mut held) = self.budget.take(self.tenant.as_deref(), 0) else {
+            let Some(mut held) = budget.take(tenant.as_deref(), 0) else {
                 return Err(unavailable(BODIES_OVER_BUDGET));
             };
-            match decompress(self.gzip, compressed, self.max, &mut held) {
-                Ok(plain) => Ok(budget::holding(plain, held)),
-                Err(Inflate::TooLarge) => Err(too_large(self.max)),
-                Err(Inflate::OverBudget) => Err(unavailable(BODIES_OVER_BUDGET)),
-                Err(Inflate::Corrupt(e)) => Err(Status::internal(format!("Error decompressing: {e}"))),
-            }
-        };
-        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| run(true)),
-            _ => run(false),
-        }
+            let inflated = off_io(true, move || {
+                let _place = place;
+                decompress(gzip, &compressed, max, &mut held).map(|plain| budget::holding(plain, held))
+            });
+            let plain = match inflated.await.map_err(super::status)? {
+                Ok(plain) => plain,
+                Err(Inflate::TooLarge) => return Err(too_large(max)),
+                Err(Inflate::OverBudget) => return Err(unavailable(BODIES_OVER_BUDGET)),
+                Err(Inflate::Corrupt(e)) => return Err(Status::internal(format!("Error decompressing: {e}"))),
+            };
+            let len = u32::try_from(plain.len()).map_err(|_| too_large(max))?;
+            let mut prefix = vec![0u8];
+            prefix.extend_from_slice(&len.to_be_bytes());
+            Ok([Bytes::from(prefix), plain])
+        })
     }
 }
+
+/// A compressed message being made a plain one: its prefix and its bytes.
+pub type Decompressing = Pin<Box<dyn Future<Output = Result<[Bytes; 2], Status>> + Send>>;
 
 fn unavailable(message: &str) -> Status {
     super::status(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1))))
@@ -181,16 +175,20 @@ mod tests {
         Unpack::new(Some("gzip"), max, (budget.clone(), None), Duration::from_secs(1)).unwrap()
     }
 
-    fn fed(u: &mut Unpack, body: &[u8], chunk: usize) -> Result<Vec<u8>, Status> {
+    async fn fed(u: &mut Unpack, body: &[u8], chunk: usize) -> Result<Vec<u8>, Status> {
         let mut out = VecDeque::new();
         for c in body.chunks(chunk) {
-            u.feed(Bytes::copy_from_slice(c), &mut out)?;
+            let mut data = Bytes::copy_from_slice(c);
+            while let Some(plain) = u.feed(&mut data, &mut out) {
+                out.extend(plain.await?);
+            }
+            assert!(data.is_empty());
         }
         Ok(out.iter().flat_map(|b| b.to_vec()).collect())
     }
 
-    #[test]
-    fn compressed_messages_reach_tonic_plain_and_plain_ones_as_they_came() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn compressed_messages_reach_tonic_plain_and_plain_ones_as_they_came() {
         let budget = Budget::new(64 << 20);
         let a = b"first message".repeat(100);
         let b = vec![7u8; 300_000];
@@ -198,31 +196,31 @@ mod tests {
         let want = [frame(0, &a), frame(0, b"plain"), frame(0, b""), frame(0, &b)].concat();
         for chunk in [1, 3, 5, 4096, body.len()] {
             let mut u = unpack(1 << 20, &budget);
-            assert_eq!(fed(&mut u, &body, chunk).unwrap(), want, "chunks of {chunk}");
+            assert_eq!(fed(&mut u, &body, chunk).await.unwrap(), want, "chunks of {chunk}");
             assert!(u.between());
         }
         let mut u = unpack(1 << 20, &budget);
-        let _ = fed(&mut u, &body[..body.len() - 1], 4096).unwrap();
+        let _ = fed(&mut u, &body[..body.len() - 1], 4096).await.unwrap();
         assert!(!u.between(), "inside the last message");
         assert_eq!(budget.available(), Budget::new(64 << 20).available(), "the output is held only while it lives");
     }
 
-    #[test]
-    fn a_bomb_is_refused_past_the_limit_and_a_corrupt_message_fails() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_bomb_is_refused_past_the_limit_and_a_corrupt_message_fails() {
         let budget = Budget::new(64 << 20);
         let bomb = frame(1, &gzip(&vec![0u8; (1 << 20) + 1]));
-        let e = fed(&mut unpack(1 << 20, &budget), &bomb, 4096).unwrap_err();
+        let e = fed(&mut unpack(1 << 20, &budget), &bomb, 4096).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
-        let e = fed(&mut unpack(1 << 20, &budget), &frame(1, b"not gzip at all"), 4096).unwrap_err();
+        let e = fed(&mut unpack(1 << 20, &budget), &frame(1, b"not gzip at all"), 4096).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
         // Past the budget of bytes in flight: refused, as an uncompressed message would be.
         let small = Budget::new(64 << 10);
-        let e = fed(&mut unpack(1 << 20, &small), &frame(1, &gzip(&[1u8; 200 << 10])), 4096).unwrap_err();
+        let e = fed(&mut unpack(1 << 20, &small), &frame(1, &gzip(&[1u8; 200 << 10])), 4096).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
         assert_eq!(small.available(), 64);
         // A compressed message longer than the limit is tonic's to refuse: passed on as it came.
         let long = frame(1, &[1u8; 64]);
-        assert_eq!(fed(&mut unpack(32, &budget), &long, 7).unwrap(), long);
+        assert_eq!(fed(&mut unpack(32, &budget), &long, 7).await.unwrap(), long);
         assert!(Unpack::new(Some("identity"), 1, (budget.clone(), None), Duration::ZERO).is_none());
         assert!(Unpack::new(None, 1, (budget, None), Duration::ZERO).is_none());
     }
