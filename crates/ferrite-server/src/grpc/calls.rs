@@ -162,12 +162,7 @@ impl AnswerCharge {
     /// Adds an answer of `bytes`, or fails the call when the budget cannot take it (the answer's
     /// memory is then freed at once, not held for a client that may never read it).
     pub fn add(&self, bytes: usize) -> Result<(), Status> {
-        self.0.hold(budget::permits(bytes)).map_err(|_| {
-            super::status(ferrite_core::Error::unavailable(
-                crate::http::ANSWERS_OVER_BUDGET,
-                Some(Duration::from_secs(1)),
-            ))
-        })
+        self.0.hold(budget::permits(bytes)).map_err(|_| super::unavailable(crate::http::ANSWERS_OVER_BUDGET))
     }
 }
 
@@ -301,10 +296,7 @@ impl Charge {
             self.permits.fetch_add(want - have, Ordering::AcqRel);
             return Ok(());
         }
-        Err(super::status(ferrite_core::Error::unavailable(
-            "too many request bytes in flight on this server; retry shortly",
-            Some(Duration::from_secs(1)),
-        )))
+        Err(super::unavailable(crate::http::BODIES_OVER_BUDGET))
     }
 
     fn release(&self) {

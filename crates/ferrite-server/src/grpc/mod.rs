@@ -192,6 +192,12 @@ pub fn status(e: Error) -> Status {
     }
 }
 
+/// UNAVAILABLE, to be retried in a second: a refusal for want of room (bytes in flight, places to
+/// decompress) that frees as other calls end.
+pub(crate) fn unavailable(message: &str) -> Status {
+    status(Error::unavailable(message, Some(std::time::Duration::from_secs(1))))
+}
+
 fn retry(code: Code, message: &str, after: std::time::Duration) -> Status {
     let mut metadata = MetadataMap::new();
     metadata.insert("retry-after", after.as_secs().max(1).into());

@@ -12,6 +12,7 @@ use std::{collections::VecDeque, future::Future, pin::Pin, sync::Arc, time::Dura
 use bytes::Bytes;
 use tonic::Status;
 
+use super::unavailable;
 use crate::{
     budget::{self, Budget},
     http::{decompress, off_io, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
@@ -141,10 +142,6 @@ impl Unpack {
 
 /// A compressed message being made a plain one: its prefix and its bytes.
 pub type Decompressing = Pin<Box<dyn Future<Output = Result<[Bytes; 2], Status>> + Send>>;
-
-fn unavailable(message: &str) -> Status {
-    super::status(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1))))
-}
 
 /// As tonic says it of a message over the decoding limit.
 fn too_large(max: usize) -> Status {

@@ -161,31 +161,29 @@ async fn read_body(
             };
             let mut held = reserved;
             let inflated = off_io(true, move || (decompress(gzip, &bytes, max, &mut held), held)).await;
-            match inflated {
-                Ok((out, held)) => {
-                    reserved = held;
-                    out.map_err(|e| match e {
-                        Inflate::TooLarge => ApiError::new(
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            format!("decompressed body is over {max} bytes"),
-                        ),
-                        Inflate::OverBudget => {
-                            ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(Duration::from_secs(1))).into()
-                        }
-                        Inflate::Corrupt(e) => {
-                            ApiError::bad_request(format!("cannot decompress the request body: {e}"))
-                        }
-                    })
-                }
+            let (out, held) = match inflated {
+                Ok(inflated) => inflated,
                 Err(e) => return ApiError::from(e).into_response(),
+            };
+            reserved = held;
+            match out {
+                Ok(out) => Ok(out),
+                Err(Inflate::TooLarge) => {
+                    let msg = format!("decompressed body is over {max} bytes");
+                    Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, msg).into_response())
+                }
+                Err(Inflate::OverBudget) => Err(over_budget(BODIES_OVER_BUDGET)),
+                Err(Inflate::Corrupt(e)) => {
+                    Err(ApiError::bad_request(format!("cannot decompress the request body: {e}")).into_response())
+                }
             }
         }
         Some(other) => Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("Content-Encoding '{other}' is not accepted (gzip, deflate or identity)"),
-        )),
-    }
-    .map_err(IntoResponse::into_response);
+        )
+        .into_response()),
+    };
     let bytes = match bytes {
         Ok(b) => b,
         Err(resp) => return resp,
