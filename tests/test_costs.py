@@ -288,6 +288,58 @@ def test_bodies_are_decompressed_a_quarter_of_the_cores_at_a_time(start_server):
     assert post(s, "/v2/models/mlp/infer", json.dumps(body).encode())[0] == 200
 
 
+def test_a_decompressed_body_that_is_not_json_costs_its_decompression(start_server):
+    """A body serde refuses was quoted for NaN/Infinity a byte at a time before it was refused, on
+    the blocking pool and outside the decompression slots: 16 KB of gzip (16 MiB of zeros, within
+    the limit) cost about twenty-five times their decompression. Now a body with neither word is
+    refused after memchr's passes: a few times its decompression in a debug build (the yardstick:
+    a body past the limit, refused once the limit is decompressed)."""
+    import gzip
+
+    s = start_server("--max-body-bytes", str(16 << 20), models=("mlp",))
+    pid = s.proc.pid
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+
+    def cost(body, want):
+        settle(pid)
+        start = cpu_seconds(pid)
+        status, answer = post(s, "/v2/models/mlp/infer", body, headers, timeout=120)
+        assert status == want, answer
+        return cpu_seconds(pid) - start
+
+    over = min(cost(gzip.compress(bytes(32 << 20)), 413) for _ in range(2))
+    within = cost(gzip.compress(bytes(16 << 20)), 400)
+    print(f"\n16 MiB of zeros, refused as JSON: {within:.2f} CPU-s; decompressing to the limit: {over:.2f}")
+    assert within < 10 * max(over, 0.05), (within, over)
+
+
+def test_decompression_stops_when_its_client_leaves(start_server):
+    """A body being decompressed when its client leaves stops within a step (64 KiB of output),
+    as a model run does; before, the decompression ran to its end (or the limit)."""
+    import gzip
+
+    s = start_server(models=("mlp",))
+    pid = s.proc.pid
+    bomb = gzip.compress(bytes(128 << 20), compresslevel=1)  # refused at 64 MiB decompressed
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    settle(pid)
+    start = cpu_seconds(pid)
+    assert post(s, "/v2/models/mlp/infer", bomb, headers, timeout=120)[0] == 413
+    whole = cpu_seconds(pid) - start
+    settle(pid)
+    sock = socket.create_connection(("127.0.0.1", s.port))
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(bomb)}\r\n{head}\r\n".encode()
+                 + bomb)
+    time.sleep(whole / 5)
+    sock.close()
+    left = cpu_seconds(pid)
+    settle(pid)
+    after = cpu_seconds(pid) - left
+    print(f"\na 64 MiB decompression: {whole:.2f} CPU-s when awaited; {after:.2f} CPU-s after its client left")
+    assert after < whole / 2, (whole, after)
+
+
 def test_compressed_grpc_messages_are_decompressed_by_the_listener(start_server):
     """tonic decompressed each gRPC message inline, on the I/O thread polling its call (a few such
     messages a second stalled the connections those threads served: `bench/hostile.py`); the

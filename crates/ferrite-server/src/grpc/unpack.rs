@@ -15,7 +15,7 @@ use tonic::Status;
 use super::unavailable;
 use crate::{
     budget::{self, Budget},
-    http::{decompress, off_io, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
+    http::{decompress, off_io, Awaited, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
 };
 
 /// See the module.
@@ -122,15 +122,17 @@ impl Unpack {
             let Some(mut held) = budget.take(tenant.as_deref(), 0) else {
                 return Err(unavailable(BODIES_OVER_BUDGET));
             };
+            let (_awaited, wanted) = Awaited::new();
             let inflated = off_io(true, move || {
                 let _place = place;
-                decompress(gzip, &compressed, max, &mut held).map(|plain| budget::holding(plain, held))
+                decompress(gzip, &compressed, max, &mut held, &wanted).map(|plain| budget::holding(plain, held))
             });
             let plain = match inflated.await.map_err(super::status)? {
                 Ok(plain) => plain,
                 Err(Inflate::TooLarge) => return Err(too_large(max)),
                 Err(Inflate::OverBudget) => return Err(unavailable(BODIES_OVER_BUDGET)),
                 Err(Inflate::Corrupt(e)) => return Err(Status::internal(format!("Error decompressing: {e}"))),
+                Err(Inflate::Unwanted) => return Err(Status::cancelled("the call was cancelled")),
             };
             let len = u32::try_from(plain.len()).map_err(|_| too_large(max))?;
             let mut prefix = vec![0u8];

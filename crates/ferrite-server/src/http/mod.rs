@@ -156,11 +156,16 @@ async fn read_body(
         None | Some("identity") => Ok(bytes),
         Some(coding @ ("gzip" | "deflate")) => {
             let gzip = coding == "gzip";
-            let Ok(Ok(_place)) = tokio::time::timeout(limits.body_timeout, DECOMPRESSING.acquire()).await else {
+            let Ok(Ok(place)) = tokio::time::timeout(limits.body_timeout, DECOMPRESSING.acquire()).await else {
                 return over_budget("too many compressed bodies are being decompressed on this server; retry shortly");
             };
             let mut held = reserved;
-            let inflated = off_io(true, move || (decompress(gzip, &bytes, max, &mut held), held)).await;
+            let (_awaited, wanted) = Awaited::new();
+            let inflated = off_io(true, move || {
+                let _place = place;
+                (decompress(gzip, &bytes, max, &mut held, &wanted), held)
+            })
+            .await;
             let (out, held) = match inflated {
                 Ok(inflated) => inflated,
                 Err(e) => return ApiError::from(e).into_response(),
@@ -176,6 +181,8 @@ async fn read_body(
                 Err(Inflate::Corrupt(e)) => {
                     Err(ApiError::bad_request(format!("cannot decompress the request body: {e}")).into_response())
                 }
+                // Not read by anyone: the request's future is gone.
+                Err(Inflate::Unwanted) => Err(StatusCode::REQUEST_TIMEOUT.into_response()),
             }
         }
         Some(other) => Err(ApiError::new(
@@ -300,20 +307,55 @@ pub(crate) enum Inflate {
     /// Past the bytes in flight all requests (or its tenant's) may hold.
     OverBudget,
     Corrupt(std::io::Error),
+    /// Stopped: no one awaits the output any more (its client left).
+    Unwanted,
 }
 
-/// gzip (else zlib's deflate) `compressed` bytes decompressed, at most `max` bytes, each buffer it
-/// grows into held in `held` (beside the compressed bytes) before it is written (HTTP bodies and
-/// gRPC messages).
-pub(crate) fn decompress(gzip: bool, compressed: &[u8], max: usize, held: &mut Reserved) -> Result<Bytes, Inflate> {
-    if gzip {
-        inflate(flate2::read::GzDecoder::new(compressed), max, compressed.len(), held)
-    } else {
-        inflate(flate2::read::ZlibDecoder::new(compressed), max, compressed.len(), held)
+/// Held by the future that awaits work on the blocking pool: dropped with it (its client left),
+/// it tells the work, which holds the flag, to stop. A decompression's slot is held by the work,
+/// not the future: freed with a dropped future, it let the next body start while the first still
+/// ran, so bodies whose clients sent them and left ran two cores of two.
+pub(crate) struct Awaited(Arc<std::sync::atomic::AtomicBool>);
+
+impl Awaited {
+    /// The guard, and the flag for the work: true while the guard lives.
+    pub(crate) fn new() -> (Awaited, Arc<std::sync::atomic::AtomicBool>) {
+        let wanted = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        (Awaited(wanted.clone()), wanted)
     }
 }
 
-fn inflate(decoder: impl std::io::Read, max: usize, compressed: usize, held: &mut Reserved) -> Result<Bytes, Inflate> {
+impl Drop for Awaited {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// gzip (else zlib's deflate) `compressed` bytes decompressed, at most `max` bytes, each buffer it
+/// grows into held in `held` (beside the compressed bytes) before it is written, while `wanted`
+/// (see `Awaited`; HTTP bodies and gRPC messages).
+pub(crate) fn decompress(
+    gzip: bool,
+    compressed: &[u8],
+    max: usize,
+    held: &mut Reserved,
+    wanted: &std::sync::atomic::AtomicBool,
+) -> Result<Bytes, Inflate> {
+    let len = compressed.len();
+    if gzip {
+        inflate(flate2::read::GzDecoder::new(compressed), max, len, held, wanted)
+    } else {
+        inflate(flate2::read::ZlibDecoder::new(compressed), max, len, held, wanted)
+    }
+}
+
+fn inflate(
+    decoder: impl std::io::Read,
+    max: usize,
+    compressed: usize,
+    held: &mut Reserved,
+    wanted: &std::sync::atomic::AtomicBool,
+) -> Result<Bytes, Inflate> {
     use std::io::Read;
     const STEP: usize = 64 << 10;
     let mut decoder = decoder.take(max as u64 + 1);
@@ -335,6 +377,9 @@ fn inflate(decoder: impl std::io::Read, max: usize, compressed: usize, held: &mu
         }
         if out.len() > max {
             return Err(Inflate::TooLarge);
+        }
+        if !wanted.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Inflate::Unwanted);
         }
     }
     Ok(out.into())
