@@ -11,7 +11,7 @@ mod texts;
 
 use axum::{
     body::Bytes,
-    extract::{rejection::BytesRejection, DefaultBodyLimit, Path, State},
+    extract::{DefaultBodyLimit, Path, State},
     http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post, MethodRouter},
@@ -841,20 +841,22 @@ fn is_msgpack(value: Option<&HeaderValue>) -> bool {
     value.and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains("msgpack"))
 }
 
+/// Takes the request whole, not a `HeaderMap` and the body: axum's `HeaderMap` extractor clones
+/// the request's headers.
 async fn infer(
     State(s): State<AppState>,
     Path(p): Path<ModelPath>,
     acting: Acting,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
     use tracing::Instrument;
+    let (parts, body) = req.into_parts();
     let span = crate::telemetry::request_span(
         "http",
         &p.model,
-        crate::telemetry::extract(&crate::telemetry::Headers(&headers)),
+        crate::telemetry::extract(&crate::telemetry::Headers(&parts.headers)),
     );
-    infer_inner(s, p, acting, headers, body).instrument(span).await
+    infer_inner(s, p, acting, parts.headers, body).instrument(span).await
 }
 
 async fn infer_inner(
@@ -862,9 +864,12 @@ async fn infer_inner(
     p: ModelPath,
     acting: Acting,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let mut body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    // The body is whole already (`read_body`): its one frame, as it was read.
+    let mut body = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
     let max = s.core.limits().max_elements;
     let msgpack_in = is_msgpack(headers.get(header::CONTENT_TYPE));
     // MessagePack bodies carry their tensors inside; the binary extension is JSON's.
