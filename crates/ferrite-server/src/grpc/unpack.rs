@@ -204,6 +204,17 @@ mod tests {
         assert_eq!(budget.available(), Budget::new(64 << 20).available(), "the output is held only while it lives");
     }
 
+    #[test]
+    fn a_decompression_no_one_awaits_stops_at_its_next_step() {
+        let budget = Budget::new(64 << 20);
+        let bytes = gzip(&vec![0u8; 1 << 20]);
+        let (awaited, wanted) = Awaited::new();
+        let mut held = budget.take(None, 0).unwrap();
+        assert_eq!(decompress(true, &bytes, 4 << 20, &mut held, &wanted).ok().map(|b| b.len()), Some(1 << 20));
+        drop(awaited);
+        assert!(matches!(decompress(true, &bytes, 4 << 20, &mut held, &wanted), Err(Inflate::Unwanted)));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn a_bomb_is_refused_past_the_limit_and_a_corrupt_message_fails() {
         let budget = Budget::new(64 << 20);
