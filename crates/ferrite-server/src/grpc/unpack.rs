@@ -1,7 +1,7 @@
 //! Compressed messages of the inference service, decompressed here and handed to tonic as plain
 //! ones. tonic decompresses a message inline, on the I/O thread polling the call, up to the
-//! decoding limit: a few KB of gzip ask for 64 MiB (about 0.3 s of a core), so a few such calls a
-//! second stalled every connection served by those threads (a steady client's p99 went from 5 to
+//! decoding limit: a few KB of gzip ask for 64 MiB (tens of milliseconds of a core), so a flood of
+//! such calls stalled every connection served by those threads (a steady client's p99 went from 5 to
 //! 146 ms beside two of them). Here a message is read whole (its bytes charged as the call's
 //! are), then decompressed on the blocking pool a quarter of the cores at a time, as HTTP bodies
 //! are (`http::DECOMPRESSING`), the call waiting its turn without a thread, its output held in the

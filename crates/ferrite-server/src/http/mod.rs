@@ -293,8 +293,8 @@ pub(crate) async fn off_io<T: Send + 'static>(
 }
 
 /// Bodies decompressed at once: a quarter of the cores, at least one. A few KB of gzip can ask for
-/// `--max-body-bytes` of output (64 MiB: about 0.3 s of a core), so a flood of them, a few hundred
-/// times cheaper to send than to decompress, must leave the models most of the cores (one of
+/// `--max-body-bytes` of output (64 MiB: about 0.05 s of a core, release build), so a flood of
+/// them, far cheaper to send than to decompress, must leave the models most of the cores (one of
 /// two): past these, bodies wait their turn (within the body timeout; 503 after).
 pub(crate) static DECOMPRESSING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
     tokio::sync::Semaphore::new((std::thread::available_parallelism().map_or(1, |n| n.get()) / 4).max(1))
