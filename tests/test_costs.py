@@ -288,6 +288,30 @@ def test_bodies_are_decompressed_a_quarter_of_the_cores_at_a_time(start_server):
     assert post(s, "/v2/models/mlp/infer", json.dumps(body).encode())[0] == 200
 
 
+def test_decompressed_bodies_are_read_under_their_decompression_place(start_server):
+    """What follows a decompression is proportional to the decompressed bytes too: a V2 body of
+    JSON whitespace (a few KB of gzip) took longer to read than to decompress, and the reads ran on
+    the blocking pool as many at once as bodies came. A V2 infer body is now read under the place
+    it was decompressed in: eight such bodies at once keep near a quarter of the cores busy."""
+    import gzip
+
+    s = start_server("--max-body-bytes", str(8 << 20), models=("mlp",))
+    pid = s.proc.pid
+    request = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+    body = gzip.compress(b'{"inputs":' + b" " * (7 << 20) + request[len('{"inputs":'):].encode())
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    assert post(s, "/v2/models/mlp/infer", body, headers)[0] == 200
+    settle(pid)
+    places = max(1, (os.cpu_count() or 1) // 4)
+    start, began = cpu_seconds(pid), time.time()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: post(s, "/v2/models/mlp/infer", body, headers, timeout=120)[0], range(8)))
+    cores = (cpu_seconds(pid) - start) / (time.time() - began)
+    print(f"\neight gzip bodies of 7 MiB of whitespace at once: {cores:.2f} cores busy ({places} places)")
+    assert answers == [200] * 8, answers
+    assert cores < places + 0.5, cores
+
+
 def test_a_decompressed_body_that_is_not_json_costs_its_decompression(start_server):
     """A body serde refuses was quoted for NaN/Infinity a byte at a time before it was refused, on
     the blocking pool and outside the decompression slots: 16 KB of gzip (16 MiB of zeros, within

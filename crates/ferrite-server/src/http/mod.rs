@@ -161,18 +161,18 @@ async fn read_body(
             };
             let mut held = reserved;
             let (_awaited, wanted) = Awaited::new();
-            let inflated = off_io(true, move || {
-                let _place = place;
-                (decompress(gzip, &bytes, max, &mut held, &wanted), held)
-            })
-            .await;
-            let (out, held) = match inflated {
+            let inflated = off_io(true, move || (decompress(gzip, &bytes, max, &mut held, &wanted), held, place)).await;
+            let (out, held, place) = match inflated {
                 Ok(inflated) => inflated,
                 Err(e) => return ApiError::from(e).into_response(),
             };
             reserved = held;
             match out {
-                Ok(out) => Ok(out),
+                Ok(out) => {
+                    // Kept for the handler to read the body under (`Decompressed`).
+                    parts.extensions.insert(Decompressed { _place: Arc::new(place) });
+                    Ok(out)
+                }
                 Err(Inflate::TooLarge) => {
                     let msg = format!("decompressed body is over {max} bytes");
                     Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, msg).into_response())
@@ -309,6 +309,17 @@ pub(crate) enum Inflate {
     Corrupt(std::io::Error),
     /// Stopped: no one awaits the output any more (its client left).
     Unwanted,
+}
+
+/// A decompressed body's place among those decompressing (`DECOMPRESSING`), in its request's
+/// extensions: a handler that reads the body (V2 infer) holds it until it has, so the work
+/// proportional to the decompressed bytes is bound with the decompression (a body of 64 MiB of
+/// JSON whitespace, a few KB of gzip, took longer to read than to decompress, and the reads ran
+/// as many at once as bodies came); handlers that do not take it let it go with the request's
+/// parts.
+#[derive(Clone)]
+pub(crate) struct Decompressed {
+    _place: Arc<tokio::sync::SemaphorePermit<'static>>,
 }
 
 /// Held by the future that awaits work on the blocking pool: dropped with it (its client left),
@@ -850,13 +861,14 @@ async fn infer(
     req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
     use tracing::Instrument;
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let span = crate::telemetry::request_span(
         "http",
         &p.model,
         crate::telemetry::extract(&crate::telemetry::Headers(&parts.headers)),
     );
-    infer_inner(s, p, acting, parts.headers, body).instrument(span).await
+    let decompressed = parts.extensions.remove::<Decompressed>();
+    infer_inner(s, p, acting, parts.headers, body, decompressed).instrument(span).await
 }
 
 async fn infer_inner(
@@ -865,6 +877,7 @@ async fn infer_inner(
     acting: Acting,
     headers: HeaderMap,
     body: axum::body::Body,
+    decompressed: Option<Decompressed>,
 ) -> Result<Response, ApiError> {
     // The body is whole already (`read_body`): its one frame, as it was read.
     let mut body = axum::body::to_bytes(body, usize::MAX)
@@ -893,6 +906,7 @@ async fn infer_inner(
     let large = body.len() > OFFLOAD_BYTES
         || (SHARED.find(&body).is_some() && (msgpack_in || json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64));
     let parsed = off_io(large, move || -> Result<_, ApiError> {
+        let _place = decompressed;
         let parsed = if msgpack_in {
             msgpack::parse(&model, version, &body, max, Some(&shm))?
         } else {
