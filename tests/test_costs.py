@@ -260,6 +260,18 @@ def test_work_stops_when_a_grpc_call_is_cancelled(costly):
     assert_stopped(pid, whole, "4 such requests, a gRPC stream cancelled")
 
 
+def eight_at_once(server, body, headers):
+    """Eight MLP requests of `body` at once, once the server is quiet: their statuses, the cores
+    the server kept busy meanwhile, and the places decompressing at a time (a quarter of the cores)."""
+    pid = server.proc.pid
+    settle(pid)
+    start, began = cpu_seconds(pid), time.time()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: post(server, "/v2/models/mlp/infer", body, headers, timeout=120)[0], range(8)))
+    cores = (cpu_seconds(pid) - start) / (time.time() - began)
+    return answers, cores, max(1, (os.cpu_count() or 1) // 4)
+
+
 def test_bodies_are_decompressed_a_quarter_of_the_cores_at_a_time(start_server):
     """A few KB of gzip ask for up to --max-body-bytes of output, a few hundred times dearer to
     decompress than to send: bodies are decompressed a quarter of the cores at a time (at least
@@ -268,18 +280,12 @@ def test_bodies_are_decompressed_a_quarter_of_the_cores_at_a_time(start_server):
     import gzip
 
     s = start_server("--max-body-bytes", str(8 << 20), models=("mlp",))
-    pid = s.proc.pid
     bomb = gzip.compress(bytes(16 << 20))  # refused once 8 MiB are decompressed: that is all it costs
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     status, answer = post(s, "/v2/models/mlp/infer", bomb, headers)
     assert status == 413 and b"decompressed body is over" in answer, answer
-    settle(pid)
     # Eight at once: the server's CPU while they run stays near a quarter of the cores.
-    places = max(1, (os.cpu_count() or 1) // 4)
-    start, began = cpu_seconds(pid), time.time()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: post(s, "/v2/models/mlp/infer", bomb, headers, timeout=120)[0], range(8)))
-    cores = (cpu_seconds(pid) - start) / (time.time() - began)
+    answers, cores, places = eight_at_once(s, bomb, headers)
     print(f"\neight gzip bodies of {len(bomb)} bytes at once: {cores:.2f} cores busy ({places} decompressing at a time)")
     assert answers == [413] * 8, answers
     assert cores < places + 0.5, cores
@@ -296,17 +302,11 @@ def test_decompressed_bodies_are_read_under_their_decompression_place(start_serv
     import gzip
 
     s = start_server("--max-body-bytes", str(8 << 20), models=("mlp",))
-    pid = s.proc.pid
     request = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
     body = gzip.compress(b'{"inputs":' + b" " * (7 << 20) + request[len('{"inputs":'):].encode())
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     assert post(s, "/v2/models/mlp/infer", body, headers)[0] == 200
-    settle(pid)
-    places = max(1, (os.cpu_count() or 1) // 4)
-    start, began = cpu_seconds(pid), time.time()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: post(s, "/v2/models/mlp/infer", body, headers, timeout=120)[0], range(8)))
-    cores = (cpu_seconds(pid) - start) / (time.time() - began)
+    answers, cores, places = eight_at_once(s, body, headers)
     print(f"\neight gzip bodies of 7 MiB of whitespace at once: {cores:.2f} cores busy ({places} places)")
     assert answers == [200] * 8, answers
     assert cores < places + 0.5, cores
