@@ -64,7 +64,7 @@ impl Unpack {
 
     /// Takes bytes from the front of `data` and puts those to hand tonic for them, in order, into
     /// `out`: plain messages as they came. Stops where a compressed message is whole, with the
-    /// rest of `data` left, and returns the work that makes it a plain one (`decompress`).
+    /// rest of `data` left, and returns the work that makes it a plain one (`unpacked`).
     pub fn feed(&mut self, data: &mut Bytes, out: &mut VecDeque<Bytes>) -> Option<Decompressing> {
         while !data.is_empty() {
             match &mut self.at {
@@ -101,7 +101,7 @@ impl Unpack {
                 if buf.len() == *want {
                     let compressed = std::mem::take(buf);
                     self.at = At::Prefix(Vec::new());
-                    return Some(self.decompress(compressed));
+                    return Some(self.unpacked(compressed));
                 }
             }
         }
@@ -112,7 +112,7 @@ impl Unpack {
     /// free (waited for asynchronously: a thread held per waiting message let a flood of them
     /// take tokio's blocking pool, and with it the runtime's hand-over of its I/O threads), on
     /// the blocking pool.
-    fn decompress(&self, compressed: Vec<u8>) -> Decompressing {
+    fn unpacked(&self, compressed: Vec<u8>) -> Decompressing {
         let (gzip, max, wait) = (self.gzip, self.max, self.wait);
         let (budget, tenant) = (self.budget.clone(), self.tenant.clone());
         Box::pin(async move {
