@@ -1022,3 +1022,41 @@ def test_grpc_connections_with_no_call_open_are_closed_when_idle(start_server):
     answers = list(stub.ModelStreamInfer(slowly(), timeout=30))
     assert len(answers) == 2 and not any(a.error_message for a in answers)
     channel.close()
+
+
+def peak_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_grpc_messages_of_many_small_fields_are_refused_before_decoding(start_server):
+    """What prost makes of a message is not its size: an empty `inputs` entry is 2 bytes on the
+    wire and a few hundred once decoded (one 64 MiB message took 10 GB), an empty TEI text 2 and
+    24. Such messages are refused (RESOURCE_EXHAUSTED) before they are decoded, whether the call's
+    body captured them (a large unary ModelInfer), or tonic read them (a stream's, TEI's)."""
+    import grpc
+    import tritonclient.grpc as grpcclient
+    s = start_server("--grpc-max-decoding-message-size", str(8 << 20), models=("mlp", "text_encoder", "text_embedder"))
+    empties = b"\x0a\x03mlp" + b"\x2a\x00" * (2 << 20)  # model_name, then 2M empty inputs: 4 MiB
+    texts = b"\x0a\x01q" + b"\x12\x00" * (2 << 20)  # RerankRequest: query, then 2M empty texts
+    options = [("grpc.max_send_message_length", -1)]
+    before = peak_rss_kib(s.proc.pid)
+    with grpc.insecure_channel(s.grpc_url, options=options) as channel:
+        calls = [
+            lambda: channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(empties, timeout=60),
+            lambda: list(channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(iter([empties]),
+                                                                                                    timeout=60)),
+            lambda: channel.unary_unary("/tei.v1.Rerank/Rerank")(texts, timeout=60),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "once decoded" in e.value.details()
+    grown = (peak_rss_kib(s.proc.pid) - before) >> 10
+    print(f"\npeak RSS grew {grown} MB over three 4 MiB messages of empty entries")
+    assert grown < 100, f"peak RSS grew {grown} MB"
+    x = grpcclient.InferInput("input", [1, 512], "FP32")
+    x.set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+    assert grpcclient.InferenceServerClient(s.grpc_url).infer("mlp", [x]).as_numpy("output").shape == (1, 10)
+

@@ -4,6 +4,7 @@
 //! A thin translation: protobuf messages to core requests and back, and the core's errors mapped
 //! once to gRPC codes. Validation, limits and batching are the core's, as for HTTP.
 
+pub mod bound;
 pub mod calls;
 pub mod convert;
 pub mod tei;
@@ -59,6 +60,7 @@ pub fn service(
     stopping: Stopping,
 ) -> GrpcInferenceServiceServer<Service> {
     use tonic::codec::CompressionEncoding;
+    bound::set_largest(limits.max_decoding_message_size);
     GrpcInferenceServiceServer::new(Service { core, shm, stopping })
         .accept_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Deflate)
@@ -374,9 +376,15 @@ impl GrpcInferenceService for Service {
         let meta = self.call_meta(r.metadata(), r.extensions())?;
         let charge = r.extensions().get::<calls::AnswerCharge>().cloned();
         // A large message was read by the call's body into a pooled buffer (`calls`); tonic decoded
-        // an empty one in its place.
+        // an empty one in its place. It is checked as tonic's are (`bound`), and decoded off the
+        // I/O threads as large HTTP bodies are.
         let req = match r.extensions().get::<calls::Captured>().and_then(calls::Captured::take) {
-            Some(bytes) => prost::Message::decode(bytes).map_err(|e| Status::internal(e.to_string()))?,
+            Some(bytes) => crate::http::off_io(true, move || {
+                bound::check(&<pb::ModelInferRequest as prost::Name>::full_name(), &bytes)?;
+                prost::Message::decode(bytes).map_err(|e| Status::internal(e.to_string()))
+            })
+            .await
+            .map_err(status)??,
             None => r.into_inner(),
         };
         let span = telemetry::request_span("grpc", &req.model_name, parent);
