@@ -11,7 +11,7 @@ mod texts;
 
 use axum::{
     body::Bytes,
-    extract::{DefaultBodyLimit, Path, State},
+    extract::{DefaultBodyLimit, FromRequest, Path, State},
     http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post, MethodRouter},
@@ -320,6 +320,36 @@ pub(crate) enum Inflate {
 #[derive(Clone)]
 pub(crate) struct Decompressed {
     _place: Arc<tokio::sync::SemaphorePermit<'static>>,
+}
+
+/// A JSON API's body (the text APIs'), with its decompression place: parsed off the I/O threads
+/// when large, under that place, as V2 infer bodies are (a 64 MiB body took seconds of an I/O
+/// thread to parse).
+pub(crate) struct JsonBody {
+    body: Bytes,
+    place: Option<Decompressed>,
+}
+
+impl<S: Send + Sync> FromRequest<S> for JsonBody {
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Response> {
+        let place = req.extensions().get::<Decompressed>().cloned();
+        let body = Bytes::from_request(req, state).await.map_err(IntoResponse::into_response)?;
+        Ok(JsonBody { body, place })
+    }
+}
+
+impl JsonBody {
+    /// The body as a `T`, or 400 with serde's reason.
+    pub(crate) async fn parse<T: serde::de::DeserializeOwned + Send + 'static>(self) -> Result<T, ApiError> {
+        let JsonBody { body, place } = self;
+        off_io(body.len() > OFFLOAD_BYTES, move || {
+            let _place = place;
+            serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+        })
+        .await?
+    }
 }
 
 /// Held by the future that awaits work on the blocking pool: dropped with it (its client left),

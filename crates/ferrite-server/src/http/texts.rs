@@ -18,7 +18,10 @@ use ferrite_core::{
     texts::{self, shown, EmbedOptions, TextModel, TEI_MAX_INPUTS},
     Error,
 };
-use serde::Deserialize;
+use serde::{
+    de::{SeqAccess, Visitor},
+    Deserialize, Deserializer,
+};
 use utoipa::ToSchema;
 
 use super::{
@@ -28,7 +31,7 @@ use super::{
         TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse, TeiSimilarityResponse, TeiToken,
         TeiTokenizeResponse,
     },
-    tenant_of, ApiError, AppState,
+    tenant_of, ApiError, AppState, JsonBody,
 };
 use crate::auth::Acting;
 
@@ -53,8 +56,64 @@ fn bytes(texts: Vec<String>) -> Vec<Bytes> {
     texts.into_iter().map(Bytes::from).collect()
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+/// Lists a call may give (texts, passages, documents, lists of ids): the most any of these APIs
+/// takes (OpenAI's 2048 texts). Past it a list is refused as it is read, the rest left unread:
+/// read whole, 64 MiB of empty strings (serde's untagged enums buffer them
+/// first) took 1.4 GB.
+const MAX_LIST: usize = texts::MAX_INPUTS;
+
+/// A list of at most `MAX_LIST` entries.
+fn capped<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(mut seq: A) -> Result<Vec<T>, A::Error> {
+    let mut kept = Vec::new();
+    while let Some(x) = seq.next_element()? {
+        if kept.len() == MAX_LIST {
+            return Err(serde::de::Error::custom(format!("give 1 to {MAX_LIST} texts a call, not more")));
+        }
+        kept.push(x);
+    }
+    Ok(kept)
+}
+
+/// `deserialize_with` for a list field (`capped`).
+fn list<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    struct V<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Vec<T>, A::Error> {
+            capped(seq)
+        }
+    }
+    d.deserialize_seq(V(std::marker::PhantomData))
+}
+
+/// A string or a list of strings, not more than `MAX_LIST` (`deserialize_with`: `Texts` as
+/// serde's untagged enum would read it, without buffering the body's values first).
+fn texts_in<'de, D: Deserializer<'de>>(d: D) -> Result<Texts, D::Error> {
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Texts;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a text or a list of texts")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Texts, E> {
+            Ok(Texts::One(v.to_string()))
+        }
+        fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Texts, E> {
+            Ok(Texts::One(v))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Texts, A::Error> {
+            capped(seq).map(Texts::Many)
+        }
+    }
+    d.deserialize_any(V)
+}
+
+/// The body of an OpenAI or Cohere call, or 400.
+async fn parse<T: serde::de::DeserializeOwned + Send + 'static>(body: JsonBody) -> Result<T, ApiError> {
+    body.parse().await
 }
 
 // ---- OpenAI --------------------------------------------------------------------------------
@@ -62,6 +121,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 #[derive(Deserialize, ToSchema)]
 #[schema(as = OpenAiEmbeddingRequest)]
 pub(super) struct OpenAiRequest {
+    #[serde(deserialize_with = "texts_in")]
     input: Texts,
     model: String,
     /// `float` (default) or `base64`.
@@ -87,9 +147,9 @@ fn openai_error(e: ApiError) -> Response {
     resp
 }
 
-pub(super) async fn openai(State(s): State<AppState>, acting: Acting, body: Bytes) -> Response {
+pub(super) async fn openai(State(s): State<AppState>, acting: Acting, body: JsonBody) -> Response {
     let answer = async {
-        let req: OpenAiRequest = parse(&body)?;
+        let req: OpenAiRequest = parse(body).await?;
         let base64 = match req.encoding_format.as_deref() {
             None | Some("float") => false,
             Some("base64") => true,
@@ -189,8 +249,12 @@ impl IntoResponse for TeiFail {
 
 pub(super) type TeiResult = Result<Response, TeiFail>;
 
-fn tei_parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, TeiFail> {
-    serde_json::from_slice(body).map_err(|e| TeiFail::validation(format!("invalid request body: {e}")))
+/// The body of a TEI call, or 422 (TEI's answer to a body it cannot read).
+async fn tei_parse<T: serde::de::DeserializeOwned + Send + 'static>(body: JsonBody) -> Result<T, TeiFail> {
+    body.parse().await.map_err(|e| match e.status {
+        StatusCode::BAD_REQUEST => TeiFail::validation(e.message),
+        _ => TeiFail(e),
+    })
 }
 
 /// TEI's checks of a call's texts: none empty (400), at most its client batch size (422).
@@ -235,6 +299,7 @@ fn yes() -> bool {
 #[derive(Deserialize, ToSchema)]
 #[schema(as = TeiEmbedRequest)]
 pub(super) struct TeiEmbedRequest {
+    #[serde(deserialize_with = "texts_in")]
     inputs: Texts,
     /// Unit vectors (default); `false` answers the model's own (refused by a pipeline whose
     /// pool step normalizes).
@@ -273,8 +338,8 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
     Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, tenant).await?.rows)
 }
 
-pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
-    let req: TeiEmbedRequest = tei_parse(&body)?;
+pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiEmbedRequest = tei_parse(body).await?;
     let vectors = tei_vectors(&s, acting, req).await?;
     Ok(axum::Json(TeiEmbedResponse(vectors)).into_response())
 }
@@ -282,6 +347,7 @@ pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: Bytes
 #[derive(Deserialize, ToSchema)]
 pub(super) struct SimilarityInputs {
     source_sentence: String,
+    #[serde(deserialize_with = "list")]
     sentences: Vec<String>,
 }
 
@@ -299,8 +365,8 @@ pub(super) struct TeiSimilarityRequest {
     model: Option<String>,
 }
 
-pub(super) async fn similarity(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
-    let req: TeiSimilarityRequest = tei_parse(&body)?;
+pub(super) async fn similarity(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiSimilarityRequest = tei_parse(body).await?;
     let inputs = std::iter::once(req.inputs.source_sentence).chain(req.inputs.sentences).collect();
     let embed = TeiEmbedRequest {
         inputs: Texts::Many(inputs),
@@ -324,6 +390,7 @@ pub(super) async fn similarity(State(s): State<AppState>, acting: Acting, body: 
 #[schema(as = TeiRerankRequest)]
 pub(super) struct TeiRerankRequest {
     query: String,
+    #[serde(deserialize_with = "list")]
     texts: Vec<String>,
     #[serde(default)]
     truncate: Option<bool>,
@@ -353,8 +420,8 @@ async fn ranked(
     Ok((a.model, scored, a.tokens))
 }
 
-pub(super) async fn rerank(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
-    let req: TeiRerankRequest = tei_parse(&body)?;
+pub(super) async fn rerank(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiRerankRequest = tei_parse(body).await?;
     tei_texts(std::iter::once(&req.query).chain(&req.texts))?;
     if req.texts.is_empty() {
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`texts` cannot be empty"));
@@ -407,9 +474,74 @@ impl ToSchema for PredictInput {
     }
 }
 
+/// An entry of a `/predict` list: a text, or a list (a pair when of two).
+enum Entry {
+    Text(String),
+    List(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for Entry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Entry, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Entry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a text or a pair of texts")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Entry, E> {
+                Ok(Entry::Text(v.to_string()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Entry, E> {
+                Ok(Entry::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Entry, A::Error> {
+                capped(seq).map(Entry::List)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `PredictInput` as serde's untagged enum would read it (two texts are one pair), without
+/// buffering the body's values first, and a list of at most `MAX_LIST`.
+fn predict_in<'de, D: Deserializer<'de>>(d: D) -> Result<PredictInput, D::Error> {
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = PredictInput;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a text or a pair of texts, or a list of either")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<PredictInput, E> {
+            Ok(PredictInput::Single(Sequence::One(v.to_string())))
+        }
+        fn visit_string<E: serde::de::Error>(self, v: String) -> Result<PredictInput, E> {
+            Ok(PredictInput::Single(Sequence::One(v)))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<PredictInput, A::Error> {
+            let mut entries: Vec<Entry> = capped(seq)?;
+            if let [Entry::Text(_), Entry::Text(_)] = entries.as_slice() {
+                let (Some(Entry::Text(b)), Some(Entry::Text(a))) = (entries.pop(), entries.pop()) else {
+                    unreachable!("two texts")
+                };
+                return Ok(PredictInput::Single(Sequence::Pair(a, b)));
+            }
+            let sequences = entries.into_iter().map(|e| match e {
+                Entry::Text(t) => Ok(Sequence::One(t)),
+                Entry::List(pair) => match <[String; 2]>::try_from(pair) {
+                    Ok([a, b]) => Ok(Sequence::Pair(a, b)),
+                    Err(_) => Err(serde::de::Error::custom("a pair is a list of two texts")),
+                },
+            });
+            sequences.collect::<Result<_, _>>().map(PredictInput::Batch)
+        }
+    }
+    d.deserialize_any(V)
+}
+
 #[derive(Deserialize, ToSchema)]
 #[schema(as = TeiPredictRequest)]
 pub(super) struct TeiPredictRequest {
+    #[serde(deserialize_with = "predict_in")]
     inputs: PredictInput,
     #[serde(default)]
     truncate: Option<bool>,
@@ -422,8 +554,8 @@ pub(super) struct TeiPredictRequest {
     model: Option<String>,
 }
 
-pub(super) async fn predict(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
-    let req: TeiPredictRequest = tei_parse(&body)?;
+pub(super) async fn predict(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiPredictRequest = tei_parse(body).await?;
     let (single, sequences) = match req.inputs {
         PredictInput::Single(q) => (true, vec![q]),
         PredictInput::Batch(v) => (false, v),
@@ -461,6 +593,7 @@ pub(super) async fn predict(State(s): State<AppState>, acting: Acting, body: Byt
 #[derive(Deserialize, ToSchema)]
 #[schema(as = TeiTokenizeRequest)]
 pub(super) struct TeiTokenizeRequest {
+    #[serde(deserialize_with = "texts_in")]
     inputs: Texts,
     #[serde(default = "yes")]
     add_special_tokens: bool,
@@ -470,8 +603,8 @@ pub(super) struct TeiTokenizeRequest {
     model: Option<String>,
 }
 
-pub(super) async fn tokenize(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
-    let req: TeiTokenizeRequest = tei_parse(&body)?;
+pub(super) async fn tokenize(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiTokenizeRequest = tei_parse(body).await?;
     let texts = req.inputs.into_vec();
     tei_texts(&texts)?;
     let tenant = tenant_of(acting)?;
@@ -497,9 +630,69 @@ pub(super) enum Ids {
     Many(Vec<Vec<u32>>),
 }
 
+/// An entry of `ids`: an id, or a list of them.
+enum IdEntry {
+    Id(u32),
+    List(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for IdEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<IdEntry, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = IdEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a token id or a list of them")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<IdEntry, E> {
+                u32::try_from(v).map(IdEntry::Id).map_err(|_| E::custom(format!("token id {v} is past u32")))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<IdEntry, A::Error> {
+                let mut ids = Vec::new();
+                while let Some(id) = seq.next_element()? {
+                    ids.push(id);
+                }
+                Ok(IdEntry::List(ids))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `Ids` as serde's untagged enum would read it, without buffering the body's values first, with
+/// at most `MAX_LIST` lists (a list of ids is as long as its text).
+fn ids_in<'de, D: Deserializer<'de>>(d: D) -> Result<Ids, D::Error> {
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Ids;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of token ids, or a list of such lists")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Ids, A::Error> {
+            let (mut ids, mut lists) = (Vec::new(), Vec::new());
+            while let Some(entry) = seq.next_element()? {
+                match entry {
+                    IdEntry::Id(id) => ids.push(id),
+                    IdEntry::List(_) if lists.len() == MAX_LIST => {
+                        return Err(serde::de::Error::custom(format!("give 1 to {MAX_LIST} lists of ids")))
+                    }
+                    IdEntry::List(list) => lists.push(list),
+                }
+            }
+            match (ids.is_empty(), lists.is_empty()) {
+                (_, true) => Ok(Ids::One(ids)),
+                (true, false) => Ok(Ids::Many(lists)),
+                (false, false) => Err(serde::de::Error::custom("ids: a list of ids, or a list of lists, not both")),
+            }
+        }
+    }
+    d.deserialize_seq(V)
+}
+
 #[derive(Deserialize, ToSchema)]
 #[schema(as = TeiDecodeRequest)]
 pub(super) struct TeiDecodeRequest {
+    #[serde(deserialize_with = "ids_in")]
     ids: Ids,
     #[serde(default = "yes")]
     skip_special_tokens: bool,
@@ -507,8 +700,8 @@ pub(super) struct TeiDecodeRequest {
     model: Option<String>,
 }
 
-pub(super) async fn decode(State(s): State<AppState>, acting: Acting, body: Bytes) -> TeiResult {
-    let req: TeiDecodeRequest = tei_parse(&body)?;
+pub(super) async fn decode(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiDecodeRequest = tei_parse(body).await?;
     let lists = match req.ids {
         Ids::One(ids) => vec![ids],
         Ids::Many(lists) => lists,
@@ -595,6 +788,7 @@ pub(super) struct CohereRerankRequest {
     #[serde(default)]
     model: Option<String>,
     query: String,
+    #[serde(deserialize_with = "list")]
     documents: Vec<Document>,
     /// The best `top_n` only (default all).
     #[serde(default)]
@@ -603,9 +797,9 @@ pub(super) struct CohereRerankRequest {
     return_documents: bool,
 }
 
-pub(super) async fn cohere_rerank(State(s): State<AppState>, acting: Acting, body: Bytes) -> Response {
+pub(super) async fn cohere_rerank(State(s): State<AppState>, acting: Acting, body: JsonBody) -> Response {
     let answer = async {
-        let req: CohereRerankRequest = parse(&body)?;
+        let req: CohereRerankRequest = parse(body).await?;
         let docs: Vec<String> = req
             .documents
             .into_iter()
@@ -648,4 +842,73 @@ fn rand_id() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn predict(json: &str) -> Result<Vec<(String, Option<String>)>, serde_json::Error> {
+        let req: TeiPredictRequest = serde_json::from_str(&format!(r#"{{"inputs": {json}}}"#))?;
+        let sequences = match req.inputs {
+            PredictInput::Single(q) => vec![q],
+            PredictInput::Batch(v) => v,
+        };
+        Ok(sequences
+            .into_iter()
+            .map(|q| match q {
+                Sequence::One(a) => (a, None),
+                Sequence::Pair(a, b) => (a, Some(b)),
+            })
+            .collect())
+    }
+
+    fn one(a: &str) -> (String, Option<String>) {
+        (a.into(), None)
+    }
+
+    fn pair(a: &str, b: &str) -> (String, Option<String>) {
+        (a.into(), Some(b.into()))
+    }
+
+    #[test]
+    fn predict_inputs_read_as_the_untagged_enum_read_them() {
+        assert_eq!(predict(r#""a""#).unwrap(), [one("a")]);
+        // Two texts are one pair; one or three, a list of texts.
+        assert_eq!(predict(r#"["a", "b"]"#).unwrap(), [pair("a", "b")]);
+        assert_eq!(predict(r#"["a"]"#).unwrap(), [one("a")]);
+        assert_eq!(predict(r#"["a", "b", "c"]"#).unwrap(), [one("a"), one("b"), one("c")]);
+        assert_eq!(predict(r#"[["a", "b"], "c"]"#).unwrap(), [pair("a", "b"), one("c")]);
+        assert!(predict(r#"[["a"]]"#).is_err());
+        assert!(predict("7").is_err());
+    }
+
+    #[test]
+    fn ids_read_as_the_untagged_enum_read_them() {
+        let ids =
+            |json: &str| serde_json::from_str::<TeiDecodeRequest>(&format!(r#"{{"ids": {json}}}"#)).map(|r| r.ids);
+        assert!(matches!(ids("[1, 2]").unwrap(), Ids::One(v) if v == [1, 2]));
+        assert!(matches!(ids("[]").unwrap(), Ids::One(v) if v.is_empty()));
+        assert!(matches!(ids("[[1], [2, 3]]").unwrap(), Ids::Many(v) if v == [vec![1], vec![2, 3]]));
+        assert!(ids("[1, [2]]").is_err());
+        assert!(ids("[-1]").is_err());
+        assert!(ids("[4294967296]").is_err());
+    }
+
+    #[test]
+    fn lists_past_the_most_a_call_takes_are_refused_as_they_are_read() {
+        let texts = |n: usize| format!(r#"{{"inputs": [{}]}}"#, vec![r#""x""#; n].join(","));
+        let req: TeiEmbedRequest = serde_json::from_str(&texts(MAX_LIST)).unwrap();
+        assert_eq!(req.inputs.into_vec().len(), MAX_LIST);
+        let e = serde_json::from_str::<TeiEmbedRequest>(&texts(MAX_LIST + 1)).err().unwrap();
+        assert!(e.to_string().contains("give 1 to 2048 texts"), "{e}");
+        let one: TeiEmbedRequest = serde_json::from_str(r#"{"inputs": "x"}"#).unwrap();
+        assert_eq!(one.inputs.into_vec(), ["x"]);
+        let rerank = format!(r#"{{"query": "q", "texts": [{}]}}"#, vec![r#""""#; MAX_LIST + 1].join(","));
+        assert!(serde_json::from_str::<TeiRerankRequest>(&rerank).is_err());
+        let docs = format!(r#"{{"query": "q", "documents": [{}]}}"#, vec![r#"{"text": "d"}"#; MAX_LIST + 1].join(","));
+        assert!(serde_json::from_str::<CohereRerankRequest>(&docs).is_err());
+        let lists = format!(r#"{{"ids": [{}]}}"#, vec!["[]"; MAX_LIST + 1].join(","));
+        assert!(serde_json::from_str::<TeiDecodeRequest>(&lists).is_err());
+    }
 }
