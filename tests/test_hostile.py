@@ -1065,7 +1065,8 @@ def test_text_api_lists_are_bounded_as_they_are_read(start_server):
     """A text API's body of 16 MiB of empty strings was read whole before its texts were counted,
     through serde's untagged enums, which buffer every value first: 22 bytes of memory a byte of
     body (64 MiB took 1.4 GB, on an I/O thread, for seconds). Lists are now refused past the most
-    any call takes (2048), as they are read."""
+    any call takes (2048), as they are read; a load request's parameter values (JSON values: ten
+    bytes a byte) are not kept."""
     s = start_server(models=("text_encoder", "text_embedder"))
     n = (16 << 20) // 3
     before = peak_rss_kib(s.proc.pid)
@@ -1078,8 +1079,12 @@ def test_text_api_lists_are_bounded_as_they_are_read(start_server):
         got, answer = send(s, "POST", path, JSON, body)
         assert got == status, (path, answer[:300])
         assert b"2048" in answer, (path, answer[:300])
+    # A load request's parameters are refused by name; their values are not kept.
+    got, answer = send(s, "POST", "/v2/repository/models/text_encoder/load", JSON,
+                       b'{"parameters":{"a":[' + b"[]," * n + b"[]]}}")
+    assert got == 501, answer[:300]
     grown = (peak_rss_kib(s.proc.pid) - before) >> 10
-    print(f"\npeak RSS grew {grown} MB over four 16 MiB bodies of empty entries")
+    print(f"\npeak RSS grew {grown} MB over five 16 MiB bodies of empty entries")
     assert grown < 100, f"peak RSS grew {grown} MB"
     got, answer = send(s, "POST", "/embed", JSON, json.dumps({"inputs": ["a cat", "a dog"]}).encode())
     assert got == 200 and len(json.loads(answer)) == 2, answer[:300]
