@@ -117,6 +117,12 @@ pub fn unsigned<'a>(get: &impl Fn(&str) -> Option<Param<'a>>, key: &str) -> Resu
 /// count; it bounds the work a request can cause before the model is consulted.
 pub const MAX_TENSORS_PER_REQUEST: usize = 256;
 
+/// Dims of one tensor's shape (a cached value's too).
+pub const MAX_RANK: usize = 64;
+
+/// Entries of one `parameters` object of a request or of one of its tensors.
+pub const MAX_PARAMETERS: usize = 256;
+
 /// Refuses a request that names more inputs or outputs than `MAX_TENSORS_PER_REQUEST`.
 pub fn check_tensor_counts(inputs: usize, outputs: usize) -> Result<()> {
     if inputs.max(outputs) > MAX_TENSORS_PER_REQUEST {

@@ -48,7 +48,7 @@ pub fn decode(mut b: Bytes, max_elements: usize) -> Result<Vec<Tensor>> {
         let datatype =
             *DataType::ALL.get(int(&mut b, 1)? as usize).ok_or_else(|| Error::internal("corrupt cache value"))?;
         let rank = int(&mut b, 4)? as usize;
-        if rank > 64 {
+        if rank > crate::wire::MAX_RANK {
             return Err(Error::internal("corrupt cache value"));
         }
         let shape = (0..rank).map(|_| int(&mut b, 8).map(|d| d as usize)).collect::<Result<Vec<_>>>()?;

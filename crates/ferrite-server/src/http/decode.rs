@@ -6,7 +6,7 @@ use std::{collections::HashMap, fmt};
 use bytes::Bytes;
 use ferrite_core::{
     dispatch,
-    wire::{Param as WireParam, RequestParams},
+    wire::{self, Param as WireParam, RequestParams},
     DataType, Element, Error, Number, TensorData,
 };
 use serde::{
@@ -63,6 +63,64 @@ impl<'de> Deserialize<'de> for Param {
     }
 }
 
+/// How many entries a kind of list in a request body may hold, and what they are called.
+pub trait Most {
+    const MOST: usize;
+    const WHAT: &'static str;
+}
+
+/// A request's inputs, or its requested outputs.
+pub struct Tensors;
+impl Most for Tensors {
+    const MOST: usize = wire::MAX_TENSORS_PER_REQUEST;
+    const WHAT: &'static str = "inputs or outputs";
+}
+
+/// A tensor's shape.
+pub struct Dims;
+impl Most for Dims {
+    const MOST: usize = wire::MAX_RANK;
+    const WHAT: &'static str = "dims in a shape";
+}
+
+/// A list read with at most `most` entries, refused as it is read past them (the rest unread):
+/// read whole, a body's lists of small entries took ten to twenty times its bytes of memory
+/// before they were counted.
+pub fn capped<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(
+    mut seq: A,
+    most: usize,
+    what: &str,
+) -> Result<Vec<T>, A::Error> {
+    let mut kept = Vec::new();
+    while let Some(x) = seq.next_element()? {
+        if kept.len() == most {
+            return Err(serde::de::Error::custom(format!("more than {most} {what}")));
+        }
+        kept.push(x);
+    }
+    Ok(kept)
+}
+
+/// `deserialize_with` for a list of at most `M::MOST` entries (`capped`).
+pub fn at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>, M: Most>(d: D) -> Result<Vec<T>, D::Error> {
+    struct V<T, M>(std::marker::PhantomData<(T, M)>);
+    impl<'de, T: Deserialize<'de>, M: Most> Visitor<'de> for V<T, M> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "a list of at most {} {}", M::MOST, M::WHAT)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Vec<T>, A::Error> {
+            capped(seq, M::MOST, M::WHAT)
+        }
+    }
+    d.deserialize_seq(V::<T, M>(std::marker::PhantomData))
+}
+
+/// `at_most` for a list that may be left out.
+pub fn some_at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>, M: Most>(d: D) -> Result<Option<Vec<T>>, D::Error> {
+    at_most::<D, T, M>(d).map(Some)
+}
+
 /// A body's `parameters`, in the order sent: a handful a request, so a list looked through beats a
 /// hashed map. A key sent twice counts as its last value, as when a JSON object is read into a map.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -91,6 +149,10 @@ impl<'de> Deserialize<'de> for Params {
             fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Params, A::Error> {
                 let mut params = Vec::with_capacity(map.size_hint().unwrap_or(0).min(16));
                 while let Some(entry) = map.next_entry::<String, Param>()? {
+                    if params.len() == wire::MAX_PARAMETERS {
+                        let most = wire::MAX_PARAMETERS;
+                        return Err(serde::de::Error::custom(format!("more than {most} parameters")));
+                    }
                     params.push(entry);
                 }
                 Ok(Params(params))

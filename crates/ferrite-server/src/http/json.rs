@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
-use super::decode::{param_bool, param_u64, request_params, Params, Sink};
+use super::decode::{at_most, param_bool, param_u64, request_params, some_at_most, Dims, Params, Sink, Tensors};
 use crate::shm::{Access, Regions};
 use ferrite_core::wire::{check_tensor_counts, parse_header};
 
@@ -24,9 +24,9 @@ pub struct JsonRequest<'a> {
     #[serde(default)]
     #[schema(value_type = Object)]
     pub parameters: Params,
-    #[serde(borrow)]
+    #[serde(borrow, deserialize_with = "at_most::<_, _, Tensors>")]
     pub inputs: Vec<JsonInput<'a>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "some_at_most::<_, _, Tensors>")]
     pub outputs: Option<Vec<JsonOutput>>,
 }
 
@@ -38,6 +38,7 @@ pub struct JsonRequest<'a> {
 #[schema(as = RequestInput)]
 pub struct JsonInput<'a> {
     pub name: String,
+    #[serde(deserialize_with = "at_most::<_, _, Dims>")]
     pub shape: Vec<i64>,
     #[schema(value_type = super::bodies::Datatype)]
     pub datatype: String,
@@ -129,6 +130,7 @@ pub fn parse(
 pub fn shared_input_bytes(json: &[u8]) -> u64 {
     #[derive(Deserialize)]
     struct Request {
+        #[serde(deserialize_with = "at_most::<_, _, Tensors>")]
         inputs: Vec<Input>,
     }
     #[derive(Deserialize)]
@@ -208,6 +210,10 @@ fn data_spans(json: &[u8]) -> Option<Vec<(usize, usize)>> {
                     start += 1;
                 }
                 let end = value_end(json, start)?;
+                // Past one `data` an input: serde refuses the body (read whole, its lists capped).
+                if spans.len() == ferrite_core::wire::MAX_TENSORS_PER_REQUEST {
+                    return None;
+                }
                 spans.push((start, end));
                 i = end;
                 continue;

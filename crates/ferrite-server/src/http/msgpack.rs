@@ -20,7 +20,7 @@ use serde::{
 };
 
 use super::{
-    decode::{place, request_params, Params, Sink},
+    decode::{at_most, place, request_params, some_at_most, Dims, Params, Sink, Tensors},
     json::BinaryOutputs,
 };
 use crate::shm::{Access, Regions};
@@ -34,14 +34,16 @@ struct Header {
     id: Option<String>,
     #[serde(default)]
     parameters: Params,
+    #[serde(deserialize_with = "at_most::<_, _, Tensors>")]
     inputs: Vec<InputHeader>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "some_at_most::<_, _, Tensors>")]
     outputs: Option<Vec<OutputHeader>>,
 }
 
 #[derive(Deserialize)]
 struct InputHeader {
     name: String,
+    #[serde(deserialize_with = "at_most::<_, _, Dims>")]
     shape: Vec<i64>,
     datatype: String,
     #[serde(default)]

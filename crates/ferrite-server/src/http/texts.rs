@@ -31,6 +31,7 @@ use super::{
         TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse, TeiSimilarityResponse, TeiToken,
         TeiTokenizeResponse,
     },
+    decode::{at_most, Most},
     tenant_of, ApiError, AppState, JsonBody,
 };
 use crate::auth::Acting;
@@ -62,31 +63,16 @@ fn bytes(texts: Vec<String>) -> Vec<Bytes> {
 /// first) took 1.4 GB.
 const MAX_LIST: usize = texts::MAX_INPUTS;
 
-/// A list of at most `MAX_LIST` entries.
-fn capped<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(mut seq: A) -> Result<Vec<T>, A::Error> {
-    let mut kept = Vec::new();
-    while let Some(x) = seq.next_element()? {
-        if kept.len() == MAX_LIST {
-            return Err(serde::de::Error::custom(format!("give 1 to {MAX_LIST} texts a call, not more")));
-        }
-        kept.push(x);
-    }
-    Ok(kept)
+/// A call's list of texts (passages, documents, lists of ids).
+struct Listed;
+impl Most for Listed {
+    const MOST: usize = MAX_LIST;
+    const WHAT: &'static str = "texts a call";
 }
 
-/// `deserialize_with` for a list field (`capped`).
-fn list<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
-    struct V<T>(std::marker::PhantomData<T>);
-    impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
-        type Value = Vec<T>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a list")
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Vec<T>, A::Error> {
-            capped(seq)
-        }
-    }
-    d.deserialize_seq(V(std::marker::PhantomData))
+/// A list of at most `MAX_LIST` entries.
+fn capped<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(seq: A) -> Result<Vec<T>, A::Error> {
+    super::decode::capped(seq, Listed::MOST, Listed::WHAT)
 }
 
 /// A string or a list of strings, not more than `MAX_LIST` (`deserialize_with`: `Texts` as
@@ -347,7 +333,7 @@ pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: JsonB
 #[derive(Deserialize, ToSchema)]
 pub(super) struct SimilarityInputs {
     source_sentence: String,
-    #[serde(deserialize_with = "list")]
+    #[serde(deserialize_with = "at_most::<_, _, Listed>")]
     sentences: Vec<String>,
 }
 
@@ -390,7 +376,7 @@ pub(super) async fn similarity(State(s): State<AppState>, acting: Acting, body: 
 #[schema(as = TeiRerankRequest)]
 pub(super) struct TeiRerankRequest {
     query: String,
-    #[serde(deserialize_with = "list")]
+    #[serde(deserialize_with = "at_most::<_, _, Listed>")]
     texts: Vec<String>,
     #[serde(default)]
     truncate: Option<bool>,
@@ -674,7 +660,7 @@ fn ids_in<'de, D: Deserializer<'de>>(d: D) -> Result<Ids, D::Error> {
                 match entry {
                     IdEntry::Id(id) => ids.push(id),
                     IdEntry::List(_) if lists.len() == MAX_LIST => {
-                        return Err(serde::de::Error::custom(format!("give 1 to {MAX_LIST} lists of ids")))
+                        return Err(serde::de::Error::custom(format!("more than {MAX_LIST} lists of ids")))
                     }
                     IdEntry::List(list) => lists.push(list),
                 }
@@ -788,7 +774,7 @@ pub(super) struct CohereRerankRequest {
     #[serde(default)]
     model: Option<String>,
     query: String,
-    #[serde(deserialize_with = "list")]
+    #[serde(deserialize_with = "at_most::<_, _, Listed>")]
     documents: Vec<Document>,
     /// The best `top_n` only (default all).
     #[serde(default)]
@@ -901,7 +887,7 @@ mod tests {
         let req: TeiEmbedRequest = serde_json::from_str(&texts(MAX_LIST)).unwrap();
         assert_eq!(req.inputs.into_vec().len(), MAX_LIST);
         let e = serde_json::from_str::<TeiEmbedRequest>(&texts(MAX_LIST + 1)).err().unwrap();
-        assert!(e.to_string().contains("give 1 to 2048 texts"), "{e}");
+        assert!(e.to_string().contains("more than 2048 texts a call"), "{e}");
         let one: TeiEmbedRequest = serde_json::from_str(r#"{"inputs": "x"}"#).unwrap();
         assert_eq!(one.inputs.into_vec(), ["x"]);
         let rerank = format!(r#"{{"query": "q", "texts": [{}]}}"#, vec![r#""""#; MAX_LIST + 1].join(","));
