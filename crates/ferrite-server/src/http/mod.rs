@@ -279,7 +279,7 @@ fn content_length(headers: &axum::http::HeaderMap) -> Option<usize> {
 pub(crate) const OFFLOAD_BYTES: usize = 256 << 10;
 
 /// Runs `work` on the blocking pool when `large`, else here (HTTP's and gRPC's large bodies and
-/// shared-memory tensors alike).
+/// shared-memory tensors alike), at most as many at once as there are cores (`WORKING`).
 pub(crate) async fn off_io<T: Send + 'static>(
     large: bool,
     work: impl FnOnce() -> T + Send + 'static,
@@ -287,10 +287,24 @@ pub(crate) async fn off_io<T: Send + 'static>(
     if !large {
         return Ok(work());
     }
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| ferrite_core::Error::internal(format!("a blocking task failed: {e}")))
+    // The semaphore is never closed.
+    let place = WORKING.acquire().await.map_err(|e| ferrite_core::Error::internal(e.to_string()))?;
+    tokio::task::spawn_blocking(move || {
+        let _place = place;
+        work()
+    })
+    .await
+    .map_err(|e| ferrite_core::Error::internal(format!("a blocking task failed: {e}")))
 }
+
+/// Large bodies decoded (and answers encoded) at once: one a core. What a body decodes to may be
+/// many times its bytes (a BYTES tensor of 8 million empty strings, 24 MB of JSON, is 256 MB of
+/// strings), and the bytes in flight bound how many bodies are held, not how many are decoded at
+/// once: forty such bodies decoded together took 10 GB; more at once than there are cores are no
+/// faster. The work holds its place (not the future that awaits it, which its client may drop).
+static WORKING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
+    tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+});
 
 /// Bodies decompressed at once: a quarter of the cores, at least one. A few KB of gzip can ask for
 /// `--max-body-bytes` of output (64 MiB: about 0.05 s of a core, release build), so a flood of
