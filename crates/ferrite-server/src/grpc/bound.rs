@@ -6,9 +6,10 @@
 //! rerank call of empty texts 0.9 GB. So every message the gRPC listener decodes (`Codec`, and
 //! the ModelInfer messages captured into pooled buffers) is first walked, field by field from the
 //! protocol's own descriptors, with nothing allocated, and refused (RESOURCE_EXHAUSTED) when what
-//! it would decode to, beyond the bytes it shares with its buffer, is more than its own length and
-//! one largest message: no legitimate message comes near that (a packed tensor decodes to at most
-//! eight times its bytes and is bounded by the elements a request may carry).
+//! it would decode to, beyond the bytes it shares with its buffer, is more than sixteen times its
+//! length (a megabyte more for small ones), or its length and one largest message: no legitimate
+//! message comes near that (a packed tensor decodes to at most eight times its bytes, a tensor of
+//! empty strings to sixteen, and both are bounded by the elements a request may carry).
 
 use std::{
     marker::PhantomData,
@@ -52,18 +53,35 @@ const MESSAGE: usize = 256;
 const STRING: usize = 24;
 const SHARED: usize = 32;
 
-/// Refuses a message of type `name` whose decoding would allocate more than its own length and one
-/// largest message. A message that is not valid protobuf is left to prost to refuse.
-pub fn check(name: &str, wire: &[u8]) -> Result<(), Status> {
-    within(name, wire, LARGEST.load(Ordering::Relaxed))
+/// What a message may decode to, beyond the bytes it shares with its buffer: `RATIO` times its
+/// length and `SLACK` (a tensor of empty strings as `bytes_contents` is 16 times its bytes, of
+/// small int64s 8 times), and never more than its length and one largest message. The bytes in
+/// flight bound the messages held, so this bounds what they may decode to.
+const RATIO: usize = 16;
+const SLACK: usize = 1 << 20;
+
+/// Refuses a message of type `U` whose decoding would allocate more than its bound (`RATIO`).
+/// A message that is not valid protobuf is left to prost to refuse. One too small to reach its
+/// bound, whatever its fields (a field is two bytes at least, and costs at most `MESSAGE`), is not
+/// walked: most are (an MLP's request, 2 KB, is).
+pub fn check<U: prost::Name>(wire: &[u8]) -> Result<(), Status> {
+    let limit = bound(wire.len(), LARGEST.load(Ordering::Relaxed));
+    if wire.len().saturating_mul(MESSAGE / 2) <= limit {
+        return Ok(());
+    }
+    within(&U::full_name(), wire, limit)
 }
 
-/// `check`, with `largest` for the largest message.
-fn within(name: &str, wire: &[u8], largest: usize) -> Result<(), Status> {
+/// What a message of `n` bytes may decode to, `largest` the largest message accepted.
+fn bound(n: usize, largest: usize) -> usize {
+    n.saturating_mul(RATIO).saturating_add(SLACK).min(n.saturating_add(largest))
+}
+
+/// `check`'s walk of `wire` as the message `name`, against `limit`.
+fn within(name: &str, wire: &[u8], limit: usize) -> Result<(), Status> {
     let Some(message) = POOL.get_message_by_name(name) else {
         return Ok(());
     };
-    let limit = wire.len().saturating_add(largest);
     let mut cost = 0;
     match walk(&message, wire, &mut cost, limit, 0) {
         Ok(()) | Err(Stop::Malformed) => Ok(()),
@@ -192,7 +210,7 @@ impl<U: prost::Message + prost::Name + Default> Decoder for Checked<U> {
         // The message is whole in one buffer.
         let n = buf.remaining();
         let chunk = buf.chunk();
-        check(&U::full_name(), &chunk[..n.min(chunk.len())])?;
+        check::<U>(&chunk[..n.min(chunk.len())])?;
         self.0.decode(buf)
     }
 
@@ -205,10 +223,11 @@ impl<U: prost::Message + prost::Name + Default> Decoder for Checked<U> {
 mod tests {
     use super::*;
     use crate::grpc::pb;
+    use bytes::Bytes;
     use prost::Message as _;
 
     fn ok(name: &str, wire: &[u8]) -> bool {
-        within(name, wire, 64 << 20).is_ok()
+        within(name, wire, bound(wire.len(), 64 << 20)).is_ok()
     }
 
     #[test]
@@ -237,6 +256,18 @@ mod tests {
         };
         // 8 MiB of one-byte varints: 64 MiB of int64s, within a largest message.
         assert!(ok("inference.ModelInferRequest", &tensor(8 << 20).encode_to_vec()));
+        // A million empty strings: 2 MiB, 32 MiB of `Bytes`.
+        let strings = pb::InferTensorContents { bytes_contents: vec![Bytes::new(); 1 << 20], ..Default::default() };
+        let wire = pb::ModelInferRequest {
+            inputs: vec![pb::model_infer_request::InferInputTensor { contents: Some(strings), ..Default::default() }],
+            ..Default::default()
+        }
+        .encode_to_vec();
+        assert!(ok("inference.ModelInferRequest", &wire));
+        // Within one largest message, but far more than sixteen times its bytes.
+        let mut empties = pb::ModelInferRequest::default().encode_to_vec();
+        empties.extend(std::iter::repeat_n([0x2a, 0x00], 64 << 10).flatten());
+        assert!(!ok("inference.ModelInferRequest", &empties));
     }
 
     #[test]
@@ -247,8 +278,17 @@ mod tests {
             ..Default::default()
         }
         .encode_to_vec();
-        assert!(within("tei.v1.RerankRequest", &wire, 64 << 20).is_ok());
-        assert!(within("tei.v1.RerankRequest", &wire, 16 << 20).is_err());
+        assert!(ok("tei.v1.RerankRequest", &wire));
+        assert!(within("tei.v1.RerankRequest", &wire, bound(wire.len(), 16 << 20)).is_err());
+    }
+
+    #[test]
+    fn messages_too_small_to_reach_their_bound_need_no_walk() {
+        // The densest message there is (empty entries of messages), at the largest size not walked.
+        let n = (1..).take_while(|&n| n * (MESSAGE / 2) <= bound(n, 64 << 20)).last().unwrap();
+        let wire: Vec<u8> = std::iter::repeat_n([0x2a, 0x00], n / 2).flatten().collect();
+        assert!(ok("inference.ModelInferRequest", &wire));
+        assert!(n > 8 << 10, "{n}: an MLP's request is walked");
     }
 
     #[test]

@@ -380,7 +380,7 @@ impl GrpcInferenceService for Service {
         // I/O threads as large HTTP bodies are.
         let req = match r.extensions().get::<calls::Captured>().and_then(calls::Captured::take) {
             Some(bytes) => crate::http::off_io(true, move || {
-                bound::check(&<pb::ModelInferRequest as prost::Name>::full_name(), &bytes)?;
+                bound::check::<pb::ModelInferRequest>(&bytes)?;
                 prost::Message::decode(bytes).map_err(|e| Status::internal(e.to_string()))
             })
             .await
