@@ -75,26 +75,41 @@ fn capped<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(seq: A) -> Result<Vec<T>,
     super::decode::capped(seq, Listed::MOST, Listed::WHAT)
 }
 
+/// A text, or a list of at most `MAX_LIST` texts (in `/predict`'s lists, a pair when of two).
+enum Entry {
+    Text(String),
+    List(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for Entry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Entry, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Entry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a text or a list of texts")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Entry, E> {
+                Ok(Entry::Text(v.to_string()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Entry, E> {
+                Ok(Entry::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Entry, A::Error> {
+                capped(seq).map(Entry::List)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// A string or a list of strings, not more than `MAX_LIST` (`deserialize_with`: `Texts` as
 /// serde's untagged enum would read it, without buffering the body's values first).
 fn texts_in<'de, D: Deserializer<'de>>(d: D) -> Result<Texts, D::Error> {
-    struct V;
-    impl<'de> Visitor<'de> for V {
-        type Value = Texts;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a text or a list of texts")
-        }
-        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Texts, E> {
-            Ok(Texts::One(v.to_string()))
-        }
-        fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Texts, E> {
-            Ok(Texts::One(v))
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Texts, A::Error> {
-            capped(seq).map(Texts::Many)
-        }
-    }
-    d.deserialize_any(V)
+    Ok(match Entry::deserialize(d)? {
+        Entry::Text(t) => Texts::One(t),
+        Entry::List(v) => Texts::Many(v),
+    })
 }
 
 /// The body of an OpenAI or Cohere call, or 400.
@@ -457,34 +472,6 @@ impl ToSchema for PredictInput {
     fn schemas(schemas: &mut Vec<(String, utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>)>) {
         schemas.push((Sequence::name().into(), <Sequence as utoipa::PartialSchema>::schema()));
         Sequence::schemas(schemas);
-    }
-}
-
-/// An entry of a `/predict` list: a text, or a list (a pair when of two).
-enum Entry {
-    Text(String),
-    List(Vec<String>),
-}
-
-impl<'de> Deserialize<'de> for Entry {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Entry, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Entry;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a text or a pair of texts")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Entry, E> {
-                Ok(Entry::Text(v.to_string()))
-            }
-            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Entry, E> {
-                Ok(Entry::Text(v))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Entry, A::Error> {
-                capped(seq).map(Entry::List)
-            }
-        }
-        d.deserialize_any(V)
     }
 }
 
