@@ -113,14 +113,12 @@ fn walk(message: &MessageDescriptor, mut buf: &[u8], cost: &mut usize, limit: us
             // Unknown fields are skipped.
             None => (false, None),
         };
+        // A number is an entry of its list when repeated (unpacked), else no allocation.
+        let number = if repeated { 8 } else { 0 };
         let added = match key & 7 {
             0 => {
                 varint(&mut buf)?;
-                if repeated {
-                    8
-                } else {
-                    0
-                }
+                number
             }
             1 | 5 => {
                 let n = if key & 7 == 1 { 8 } else { 4 };
@@ -128,11 +126,7 @@ fn walk(message: &MessageDescriptor, mut buf: &[u8], cost: &mut usize, limit: us
                     return Err(Stop::Malformed);
                 }
                 buf.advance(n);
-                if repeated {
-                    8
-                } else {
-                    0
-                }
+                number
             }
             2 => {
                 let len = usize::try_from(varint(&mut buf)?).map_err(|_| Stop::Malformed)?;
@@ -150,9 +144,11 @@ fn walk(message: &MessageDescriptor, mut buf: &[u8], cost: &mut usize, limit: us
                     Some(Kind::String) => STRING + len,
                     // `Bytes`: a view of the buffer (the build asks for them).
                     Some(Kind::Bytes) => SHARED,
-                    // A packed list: its elements, eight bytes each at most.
-                    Some(Kind::Double | Kind::Fixed64 | Kind::Sfixed64) => len,
-                    Some(Kind::Float | Kind::Fixed32 | Kind::Sfixed32) => len,
+                    // A packed list: of fixed-width numbers, as many bytes as sent; of varints,
+                    // eight bytes each at most.
+                    Some(
+                        Kind::Double | Kind::Fixed64 | Kind::Sfixed64 | Kind::Float | Kind::Fixed32 | Kind::Sfixed32,
+                    ) => len,
                     Some(_) => inner.iter().filter(|&&b| b < 0x80).count() * 8,
                 }
             }

@@ -298,10 +298,11 @@ pub(crate) async fn off_io<T: Send + 'static>(
 }
 
 /// Large bodies decoded (and answers encoded) at once: one a core. What a body decodes to may be
-/// many times its bytes (a BYTES tensor of 8 million empty strings, 24 MB of JSON, is 256 MB of
-/// strings), and the bytes in flight bound how many bodies are held, not how many are decoded at
-/// once: forty such bodies decoded together took 10 GB; more at once than there are cores are no
-/// faster. The work holds its place (not the future that awaits it, which its client may drop).
+/// many times its bytes (8 MiB of JSON empty strings is a BYTES tensor of 90 MB), and the bytes in
+/// flight bound how many bodies are held, not how many are decoded at once: sixteen such bodies
+/// decoded together took 1 GB, one a core 0.29 GB, in the same time; more at once than there are
+/// cores are no faster. The work holds its place (not the future awaiting it, which its client
+/// may drop).
 static WORKING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
     tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
 });
