@@ -337,9 +337,9 @@ pub(crate) struct Decompressed {
     _place: Arc<tokio::sync::SemaphorePermit<'static>>,
 }
 
-/// A JSON API's body (the text APIs'), with its decompression place: parsed off the I/O threads
-/// when large, under that place, as V2 infer bodies are (a 64 MiB body took seconds of an I/O
-/// thread to parse).
+/// A JSON API's body (the text and repository APIs', a region's registration), with its
+/// decompression place: parsed off the I/O threads when large, under that place, as V2 infer
+/// bodies are (a 64 MiB text API body took seconds of an I/O thread to parse).
 pub(crate) struct JsonBody {
     body: Bytes,
     place: Option<Decompressed>,
@@ -358,10 +358,30 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
 impl JsonBody {
     /// The body as a `T`, or 400 with serde's reason.
     pub(crate) async fn parse<T: serde::de::DeserializeOwned + Send + 'static>(self) -> Result<T, ApiError> {
+        self.read("invalid request body", None).await
+    }
+
+    /// `parse`, a body that may be left out (empty or whitespace: the type's default), 400 saying
+    /// `what` it is.
+    async fn parse_optional<T: serde::de::DeserializeOwned + Default + Send + 'static>(
+        self,
+        what: &'static str,
+    ) -> Result<T, ApiError> {
+        self.read(what, Some(T::default)).await
+    }
+
+    async fn read<T: serde::de::DeserializeOwned + Send + 'static>(
+        self,
+        what: &'static str,
+        left_out: Option<fn() -> T>,
+    ) -> Result<T, ApiError> {
         let JsonBody { body, place } = self;
         off_io(body.len() > OFFLOAD_BYTES, move || {
             let _place = place;
-            serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+            match left_out {
+                Some(default) if body.iter().all(u8::is_ascii_whitespace) => Ok(default()),
+                _ => serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("{what}: {e}"))),
+            }
         })
         .await?
     }
@@ -761,8 +781,11 @@ fn stats_body(core: &Core, model_stats: Vec<ferrite_core::telemetry::stats::Stat
 
 /// `POST /v2/repository/index`: `[{"name", "version", "state", "reason"}]`, `{"ready": true}`
 /// for the ready ones only.
-async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json<bodies::RepositoryIndex>, ApiError> {
-    let req: bodies::RepositoryIndexRequest = optional_body(&body, "invalid index request")?;
+async fn repository_index(
+    State(s): State<AppState>,
+    body: JsonBody,
+) -> Result<Json<bodies::RepositoryIndex>, ApiError> {
+    let req: bodies::RepositoryIndexRequest = body.parse_optional("invalid index request").await?;
     let rows = s
         .core
         .index()
@@ -778,18 +801,10 @@ async fn repository_index(State(s): State<AppState>, body: Bytes) -> Result<Json
     Ok(Json(bodies::RepositoryIndex(rows)))
 }
 
-/// A JSON body that may be left out (empty or whitespace: the type's default).
-fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &Bytes, what: &str) -> Result<T, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(T::default());
-    }
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("{what}: {e}")))
-}
-
 /// The parameter names of a load or unload request body (`{"parameters": {...}}`, or none).
-fn parameter_names(body: &Bytes) -> Result<Vec<String>, ApiError> {
-    let req: bodies::RepositoryRequest = optional_body(body, "invalid request")?;
-    Ok(req.parameters.keys().cloned().collect())
+async fn parameter_names(body: JsonBody) -> Result<Vec<String>, ApiError> {
+    let req: bodies::RepositoryRequest = body.parse_optional("invalid request").await?;
+    Ok(req.parameters.into_keys().collect())
 }
 
 async fn blocking(
@@ -804,18 +819,18 @@ async fn blocking(
 async fn repository_load(
     State(s): State<AppState>,
     Path(model): Path<String>,
-    body: Bytes,
+    body: JsonBody,
 ) -> Result<Json<bodies::Empty>, ApiError> {
-    let names = parameter_names(&body)?;
+    let names = parameter_names(body).await?;
     blocking(move || s.core.load_model(&model, names.iter().map(String::as_str))).await
 }
 
 async fn repository_unload(
     State(s): State<AppState>,
     Path(model): Path<String>,
-    body: Bytes,
+    body: JsonBody,
 ) -> Result<Json<bodies::Empty>, ApiError> {
-    let names = parameter_names(&body)?;
+    let names = parameter_names(body).await?;
     blocking(move || s.core.unload_model(&model, names.iter().map(String::as_str))).await
 }
 
@@ -855,11 +870,10 @@ async fn shm_register(
     State(s): State<AppState>,
     Path(p): Path<RegionPath>,
     acting: Acting,
-    body: Bytes,
+    body: JsonBody,
 ) -> Result<Json<bodies::Empty>, ApiError> {
     let tenant = tenant_of(acting)?;
-    let r: bodies::RegisterRegion = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid shared memory registration: {e}")))?;
+    let r: bodies::RegisterRegion = body.read("invalid shared memory registration", None).await?;
     let name = p.name.unwrap_or_default();
     s.shm.register(tenant.as_deref(), &name, &r.key, r.offset, r.byte_size)?;
     Ok(Json(bodies::Empty {}))
