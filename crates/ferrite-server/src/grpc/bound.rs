@@ -11,12 +11,9 @@
 //! message comes near that (a packed tensor decodes to at most eight times its bytes, a tensor of
 //! empty strings to sixteen, and both are bounded by the elements a request may carry).
 
-use std::{
-    marker::PhantomData,
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        LazyLock,
-    },
+use std::sync::{
+    atomic::{AtomicUsize, Ordering},
+    LazyLock,
 };
 
 use bytes::Buf;
@@ -192,21 +189,19 @@ where
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        Checked(self.0.decoder(), PhantomData)
+        Checked(self.0.decoder())
     }
 }
 
-pub struct Checked<U>(tonic_prost::ProstDecoder<U>, PhantomData<U>);
+pub struct Checked<U>(tonic_prost::ProstDecoder<U>);
 
 impl<U: prost::Message + prost::Name + Default> Decoder for Checked<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        // The message is whole in one buffer.
-        let n = buf.remaining();
-        let chunk = buf.chunk();
-        check::<U>(&chunk[..n.min(chunk.len())])?;
+        // The message is whole in one buffer, and its chunk ends with it.
+        check::<U>(buf.chunk())?;
         self.0.decode(buf)
     }
 

@@ -446,9 +446,8 @@ pub(super) enum Sequence {
     Pair(String, String),
 }
 
-/// TEI's `/predict` input: a text or a pair, or a list of either (`["a", "b"]` is one pair).
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// TEI's `/predict` input: a text or a pair, or a list of either (`["a", "b"]` is one pair); read
+/// by `predict_in`.
 pub(super) enum PredictInput {
     Single(Sequence),
     Batch(Vec<Sequence>),
