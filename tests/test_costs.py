@@ -312,6 +312,46 @@ def test_decompressed_bodies_are_read_under_their_decompression_place(start_serv
     assert cores < places + 0.5, cores
 
 
+@pytest.mark.parametrize("flooder", ["flood", None])
+def test_a_tenants_compressed_bodies_wait_behind_its_own_not_in_front_of_anothers(start_server, tmp_path, flooder):
+    """The places bodies are decompressed (and large ones decoded) in were one queue for all: one
+    tenant's flood of gzip bodies, a few KB each, put every other tenant's compressed request
+    behind all of it (sixteen bodies of 64 MiB of JSON, 65 KB each, kept another tenant's gzip
+    requests waiting 9 s, release build). A tenant now waits for its turn behind its own requests:
+    another's request waits for the work in progress, not for the flood. So do requests that name
+    no tenant (`flooder` None), which may take every place but queue behind their own past it."""
+    import gzip
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[default]\n")
+    s = start_server("--max-body-bytes", str(32 << 20), "--tenant-header", "x-tenant", "--tenant-config", str(tenants),
+                     models=("mlp",))
+    bomb = gzip.compress(bytes(64 << 20), compresslevel=1)  # refused once 32 MiB are decompressed
+    request = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+    gz = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    answered = []
+
+    def send(tenant, body, want):
+        headers = {**gz, "x-tenant": tenant} if tenant else gz
+        status, answer = post(s, "/v2/models/mlp/infer", body, headers, timeout=300)
+        assert status == want, answer
+        answered.append(tenant)
+
+    flood = 12
+    with concurrent.futures.ThreadPoolExecutor(flood) as pool:
+        floods = [pool.submit(send, flooder, bomb, 413) for _ in range(flood)]
+        while not answered:  # all twelve arrived, one answered
+            time.sleep(0.01)
+        began = time.time()
+        send("quiet", gzip.compress(request.encode()), 200)
+        waited = time.time() - began
+        [f.result() for f in floods]
+    after = len(answered) - 1 - answered.index("quiet")
+    print(f"\na tenant's gzip request beside {flood} of {flooder or 'no tenant'}'s: {waited:.2f} s, {after} of them answered after it")
+    # Behind the flood it would be answered after none of them (or one); beside it, after most.
+    assert after >= flood // 2, answered
+
+
 def test_a_decompressed_body_that_is_not_json_costs_its_decompression(start_server):
     """A body serde refuses was quoted for NaN/Infinity a byte at a time before it was refused, on
     the blocking pool and outside the decompression slots: 16 KB of gzip (16 MiB of zeros, within

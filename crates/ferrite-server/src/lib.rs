@@ -8,6 +8,7 @@ pub mod config_source;
 pub mod grpc;
 pub mod http;
 mod idle;
+pub mod places;
 pub mod serve;
 pub mod shm;
 pub mod telemetry;

@@ -265,9 +265,11 @@ impl Service {
         let max = self.core.limits().max_elements;
         // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
         let large = convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64;
-        let (core_req, shm) = crate::http::off_io(large, move || (convert::to_core(req, max, Some(&shm)), shm)).await?;
+        let tenant = meta.tenant.as_deref();
+        let (core_req, shm) =
+            crate::http::off_io(large, tenant, move || (convert::to_core(req, max, Some(&shm)), shm)).await?;
         let mut core_req = core_req?;
-        core_req.tenant = meta.tenant;
+        core_req.tenant = meta.tenant.clone();
         core_req.canary = meta.canary;
         if let Some(d) = deadline_us {
             core_req.timeout_us = Some(core_req.timeout_us.filter(|&t| t > 0 && t < d).unwrap_or(d));
@@ -277,7 +279,7 @@ impl Service {
         // threads too, as HTTP does.
         let written = resp.outputs.iter().filter(|t| shared.iter().any(|(name, _)| t.name == *name));
         let large = written.map(|t| t.data.wire_len()).sum::<usize>() > crate::http::OFFLOAD_BYTES;
-        crate::http::off_io(large, move || {
+        crate::http::off_io(large, meta.tenant.as_deref(), move || {
             for (name, place) in &shared {
                 if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
                     shm.write(t, place)?;
@@ -379,7 +381,7 @@ impl GrpcInferenceService for Service {
         // an empty one in its place. It is checked as tonic's are (`bound`), and decoded off the
         // I/O threads as large HTTP bodies are.
         let req = match r.extensions().get::<calls::Captured>().and_then(calls::Captured::take) {
-            Some(bytes) => crate::http::off_io(true, move || {
+            Some(bytes) => crate::http::off_io(true, meta.tenant.as_deref(), move || {
                 bound::check::<pb::ModelInferRequest>(&bytes)?;
                 prost::Message::decode(bytes).map_err(|e| Status::internal(e.to_string()))
             })

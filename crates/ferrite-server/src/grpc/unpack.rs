@@ -116,14 +116,14 @@ impl Unpack {
         let (gzip, max, wait) = (self.gzip, self.max, self.wait);
         let (budget, tenant) = (self.budget.clone(), self.tenant.clone());
         Box::pin(async move {
-            let Ok(Ok(place)) = tokio::time::timeout(wait, DECOMPRESSING.acquire()).await else {
+            let Ok(place) = tokio::time::timeout(wait, DECOMPRESSING.take(tenant.as_deref())).await else {
                 return Err(unavailable("too many compressed messages are being decompressed on this server"));
             };
             let Some(mut held) = budget.take(tenant.as_deref(), 0) else {
                 return Err(unavailable(BODIES_OVER_BUDGET));
             };
             let (_awaited, wanted) = Awaited::new();
-            let inflated = off_io(true, move || {
+            let inflated = off_io(true, tenant.as_deref(), move || {
                 let _place = place;
                 decompress(gzip, &compressed, max, &mut held, &wanted).map(|plain| budget::holding(plain, held))
             });

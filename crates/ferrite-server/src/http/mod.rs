@@ -22,6 +22,7 @@ use ferrite_core::{Core, Model};
 use crate::{
     auth::{Acting, Auth, Denied, Scope},
     budget::{Budget, Reserved},
+    places::{Place, Places},
 };
 use serde::Deserialize;
 use serde_json::Value;
@@ -134,6 +135,7 @@ async fn read_body(
     let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| fits) else {
         return over_budget(BODIES_OVER_BUDGET);
     };
+    let tenant = acting.share().map(str::to_string);
     parts.extensions.insert(acting);
     let read = pool::BODIES.read(body, max, stated, &mut reserved);
     let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
@@ -156,12 +158,16 @@ async fn read_body(
         None | Some("identity") => Ok(bytes),
         Some(coding @ ("gzip" | "deflate")) => {
             let gzip = coding == "gzip";
-            let Ok(Ok(place)) = tokio::time::timeout(limits.body_timeout, DECOMPRESSING.acquire()).await else {
+            let Ok(place) = tokio::time::timeout(limits.body_timeout, DECOMPRESSING.take(tenant.as_deref())).await
+            else {
                 return over_budget("too many compressed bodies are being decompressed on this server; retry shortly");
             };
             let mut held = reserved;
             let (_awaited, wanted) = Awaited::new();
-            let inflated = off_io(true, move || (decompress(gzip, &bytes, max, &mut held, &wanted), held, place)).await;
+            let inflated = off_io(true, tenant.as_deref(), move || {
+                (decompress(gzip, &bytes, max, &mut held, &wanted), held, place)
+            })
+            .await;
             let (out, held, place) = match inflated {
                 Ok(inflated) => inflated,
                 Err(e) => return ApiError::from(e).into_response(),
@@ -279,16 +285,17 @@ fn content_length(headers: &axum::http::HeaderMap) -> Option<usize> {
 pub(crate) const OFFLOAD_BYTES: usize = 256 << 10;
 
 /// Runs `work` on the blocking pool when `large`, else here (HTTP's and gRPC's large bodies and
-/// shared-memory tensors alike), at most as many at once as there are cores (`WORKING`).
+/// shared-memory tensors alike), at most as many at once as there are cores (`WORKING`), a
+/// `tenant`'s requests at most half of them.
 pub(crate) async fn off_io<T: Send + 'static>(
     large: bool,
+    tenant: Option<&str>,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ferrite_core::Error> {
     if !large {
         return Ok(work());
     }
-    // The semaphore is never closed.
-    let place = WORKING.acquire().await.map_err(|e| ferrite_core::Error::internal(e.to_string()))?;
+    let place = WORKING.take(tenant).await;
     tokio::task::spawn_blocking(move || {
         let _place = place;
         work()
@@ -302,18 +309,17 @@ pub(crate) async fn off_io<T: Send + 'static>(
 /// flight bound how many bodies are held, not how many are decoded at once: sixteen such bodies
 /// decoded together took 1 GB, one a core 0.29 GB, in the same time; more at once than there are
 /// cores are no faster. The work holds its place (not the future awaiting it, which its client
-/// may drop).
-static WORKING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
-    tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
-});
+/// may drop); a tenant's flood of them waits behind itself (`Places`).
+static WORKING: std::sync::LazyLock<Places> =
+    std::sync::LazyLock::new(|| Places::new(std::thread::available_parallelism().map_or(1, |n| n.get())));
 
 /// Bodies decompressed at once: a quarter of the cores, at least one. A few KB of gzip can ask for
 /// `--max-body-bytes` of output (64 MiB: about 0.05 s of a core, release build), so a flood of
 /// them, far cheaper to send than to decompress, must leave the models most of the cores (one of
-/// two): past these, bodies wait their turn (within the body timeout; 503 after).
-pub(crate) static DECOMPRESSING: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
-    tokio::sync::Semaphore::new((std::thread::available_parallelism().map_or(1, |n| n.get()) / 4).max(1))
-});
+/// two): past these, bodies wait their turn (within the body timeout; 503 after), a tenant's
+/// behind its own (`Places`).
+pub(crate) static DECOMPRESSING: std::sync::LazyLock<Places> =
+    std::sync::LazyLock::new(|| Places::new(std::thread::available_parallelism().map_or(1, |n| n.get()) / 4));
 
 /// Why compressed bytes could not be decompressed.
 pub(crate) enum Inflate {
@@ -334,7 +340,7 @@ pub(crate) enum Inflate {
 /// parts.
 #[derive(Clone)]
 pub(crate) struct Decompressed {
-    _place: Arc<tokio::sync::SemaphorePermit<'static>>,
+    _place: Arc<Place>,
 }
 
 /// A JSON API's body (the text and repository APIs', a region's registration), with its
@@ -343,6 +349,8 @@ pub(crate) struct Decompressed {
 pub(crate) struct JsonBody {
     body: Bytes,
     place: Option<Decompressed>,
+    /// The tenant its request acts for (`Acting`): whose place its parse takes.
+    tenant: Option<String>,
 }
 
 impl<S: Send + Sync> FromRequest<S> for JsonBody {
@@ -350,8 +358,9 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
 
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Response> {
         let place = req.extensions().get::<Decompressed>().cloned();
+        let tenant = req.extensions().get::<Acting>().and_then(|a| a.share().map(str::to_string));
         let body = Bytes::from_request(req, state).await.map_err(IntoResponse::into_response)?;
-        Ok(JsonBody { body, place })
+        Ok(JsonBody { body, place, tenant })
     }
 }
 
@@ -375,8 +384,8 @@ impl JsonBody {
         what: &'static str,
         left_out: Option<fn() -> T>,
     ) -> Result<T, ApiError> {
-        let JsonBody { body, place } = self;
-        off_io(body.len() > OFFLOAD_BYTES, move || {
+        let JsonBody { body, place, tenant } = self;
+        off_io(body.len() > OFFLOAD_BYTES, tenant.as_deref(), move || {
             let _place = place;
             match left_out {
                 Some(default) if body.iter().all(u8::is_ascii_whitespace) => Ok(default()),
@@ -964,7 +973,7 @@ async fn infer_inner(
     // (A MessagePack body naming a region is not sized first: it is moved off in any case.)
     let large = body.len() > OFFLOAD_BYTES
         || (SHARED.find(&body).is_some() && (msgpack_in || json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64));
-    let parsed = off_io(large, move || -> Result<_, ApiError> {
+    let parsed = off_io(large, tenant.as_deref(), move || -> Result<_, ApiError> {
         let _place = decompressed;
         let parsed = if msgpack_in {
             msgpack::parse(&model, version, &body, max, Some(&shm))?
@@ -974,6 +983,7 @@ async fn infer_inner(
         Ok((parsed, shm))
     });
     let ((mut req, binary), shm) = parsed.await??;
+    let working = tenant.clone();
     req.tenant = tenant;
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
         req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
@@ -984,7 +994,7 @@ async fn infer_inner(
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
     let msgpack_out = accept.contains("msgpack") || (msgpack_in && !accept.contains("json"));
     let large = resp.outputs.iter().map(|t| t.data.wire_len()).sum::<usize>() > OFFLOAD_BYTES;
-    off_io(large, move || -> Result<Response, ApiError> {
+    off_io(large, working.as_deref(), move || -> Result<Response, ApiError> {
         for (name, place) in &binary.shared {
             if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
                 shm.write(t, place)?;
