@@ -1135,3 +1135,46 @@ def test_large_bodies_are_decoded_a_core_at_a_time(start_server):
     # The bodies held (64 MiB), and one decoding a core (90 MB each); all eight at once: 670 MB.
     cores = min(8, len(os.sched_getaffinity(0)))
     assert grown < 64 + 100 * cores + 60, f"peak RSS grew {grown} MB ({cores} cores)"
+
+
+def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, tmp_path):
+    """A body's bytes are held in the bytes in flight until it is answered, but what it decoded to
+    was not: a BYTES element of JSON's three bytes (`"",`) holds 32 while queued, so requests
+    within the budget could hold ten times it. What the inputs hold beyond the bytes already
+    charged is now taken from the budget too, over HTTP and gRPC alike: a request decoding to
+    more than the budget can spare is refused (503 / UNAVAILABLE, to retry)."""
+    import onnx
+    import tritonclient.grpc as grpcclient
+    from onnx import TensorProto, helper
+    repo = tmp_path / "repo"
+    (repo / "echo" / "1").mkdir(parents=True)
+    graph = helper.make_graph([helper.make_node("Identity", ["text"], ["out"])], "echo",
+                              [helper.make_tensor_value_info("text", TensorProto.STRING, ["N", "S"])],
+                              [helper.make_tensor_value_info("out", TensorProto.STRING, ["N", "S"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    onnx.save(model, repo / "echo" / "1" / "model.onnx")
+    s = start_server("--max-inflight-body-bytes", str(32 << 20), repository=repo)
+
+    def body(n):
+        return b'{"inputs":[{"name":"text","datatype":"BYTES","shape":[1,%d],"data":[' % n + b'"",' * (n - 1) + b'""]}]}'
+
+    # 0.9 MiB decoding to 10 MB, within the budget; 4.2 MiB decoding to 45 MB, past it.
+    small, large = body(300_000), body(1_400_000)
+    ok = send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)
+    assert ok[0] == 200, ok[1][:300]
+    status, answer = send(s, "POST", "/v2/models/echo/infer", JSON, large, timeout=120)
+    assert status == 503 and b"too many request bytes in flight" in answer, (status, answer[:200])
+    client = grpcclient.InferenceServerClient(s.grpc_url)
+
+    def grpc(n):
+        x = grpcclient.InferInput("text", [1, n], "BYTES")
+        x.set_data_from_numpy(np.full((1, n), b"", dtype=np.object_))
+        return client.infer("echo", [x])
+
+    assert grpc(300_000).as_numpy("out").shape == (1, 300_000)
+    # 5.6 MB on the wire (4 bytes an element), 45 MB decoded.
+    with pytest.raises(Exception) as refused:
+        grpc(1_400_000)
+    assert "UNAVAILABLE" in str(refused.value) and "too many request bytes in flight" in str(refused.value)
+    # Given back once answered: the small ones again.
+    assert send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)[0] == 200

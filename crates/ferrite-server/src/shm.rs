@@ -288,6 +288,11 @@ impl Access {
         TensorData::from_wire(input, datatype, count, data)
     }
 
+    /// The bytes read so far for its request (charged to the budget while their tensors live).
+    pub fn bytes_read(&self) -> usize {
+        self.read.load(Relaxed)
+    }
+
     /// Writes an output's bytes to its place; their length.
     pub fn write(&self, output: &Tensor, place: &Place) -> Result<u64, Error> {
         let name = &output.name;

@@ -164,6 +164,13 @@ impl AnswerCharge {
     pub fn add(&self, bytes: usize) -> Result<(), Status> {
         self.0.hold(budget::permits(bytes)).map_err(|_| super::unavailable(crate::http::ANSWERS_OVER_BUDGET))
     }
+
+    /// Holds `bytes` in all for the request its message decoded to (never less than its message's
+    /// bytes, held already), unless the budget cannot take them: a message may decode to many
+    /// times its bytes (a BYTES element of 2 bytes holds 32 while queued).
+    pub fn decoded(&self, bytes: usize) -> bool {
+        self.0.hold(budget::permits(bytes)).is_ok()
+    }
 }
 
 /// A ModelStreamInfer call's answers on their way to its client, in its request's extensions. Each

@@ -35,6 +35,8 @@ pub struct AppState {
     pub core: Core,
     /// Triton's system shared-memory regions, shared with the gRPC listener.
     pub shm: Arc<crate::shm::Regions>,
+    /// The bytes in flight (`HttpLimits::body_budget`): what a body decodes to beyond its bytes.
+    pub budget: Arc<Budget>,
 }
 
 /// Limits the HTTP front-end applies before anything reaches the core.
@@ -480,8 +482,9 @@ pub(crate) const BODIES_OVER_BUDGET: &str = "too many request bytes in flight on
 /// `GET /metrics` in the Prometheus text format (served on its own port, and on the HTTP port
 /// when asked).
 pub fn metrics_app(core: Core) -> Router {
-    let shm = Arc::new(crate::shm::Regions::new(false, 0, Budget::new(0)));
-    Router::new().route("/metrics", get(metrics)).with_state(AppState { core, shm })
+    let budget = Budget::new(0);
+    let shm = Arc::new(crate::shm::Regions::new(false, 0, budget.clone()));
+    Router::new().route("/metrics", get(metrics)).with_state(AppState { core, shm, budget })
 }
 
 /// Requires a bearer token with the route's scope on every route of `router`: `/metrics` and the
@@ -698,7 +701,7 @@ pub fn app(core: Core, limits: &HttpLimits, shm: Arc<crate::shm::Regions>) -> Ro
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state((Arc::new(limits.clone()), core.clone()), read_body))
-        .with_state(AppState { core, shm })
+        .with_state(AppState { core, shm, budget: limits.body_budget.clone() })
 }
 
 #[derive(Deserialize)]
@@ -951,6 +954,7 @@ async fn infer_inner(
     let mut body = axum::body::to_bytes(body, usize::MAX)
         .await
         .map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+    let sent = body.len();
     let max = s.core.limits().max_elements;
     let msgpack_in = is_msgpack(headers.get(header::CONTENT_TYPE));
     // MessagePack bodies carry their tensors inside; the binary extension is JSON's.
@@ -983,6 +987,7 @@ async fn infer_inner(
         Ok((parsed, shm))
     });
     let ((mut req, binary), shm) = parsed.await??;
+    let _decoded = held_beyond(&s.budget, tenant.as_deref(), &req, sent + shm.bytes_read())?;
     let working = tenant.clone();
     req.tenant = tenant;
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
@@ -1003,6 +1008,26 @@ async fn infer_inner(
         Ok(encode_response(&resp, &binary, msgpack_out))
     })
     .await?
+}
+
+/// What a request's inputs hold beyond `charged` (its body's bytes, and those read from shared
+/// memory), taken from the bytes in flight until it is answered: a body may decode to many times
+/// its bytes (a BYTES element of JSON's three bytes holds 32 while queued; an INT64 of two, 8).
+/// 503 when the budget, or the tenant's share, cannot take them.
+fn held_beyond(
+    budget: &Arc<Budget>,
+    tenant: Option<&str>,
+    req: &ferrite_core::InferRequest,
+    charged: usize,
+) -> Result<Option<Reserved>, ApiError> {
+    let held = req.inputs.iter().map(|t| t.data.held_len()).sum::<usize>();
+    match held.checked_sub(charged).filter(|&more| more > 0) {
+        None => Ok(None),
+        Some(more) => match budget.take(tenant, more) {
+            Some(reserved) => Ok(Some(reserved)),
+            None => Err(ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(Duration::from_secs(1))).into()),
+        },
+    }
 }
 
 /// The tenant a request acts for: its token's, or the tenant header's where tenants are
