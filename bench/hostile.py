@@ -10,12 +10,16 @@ do to another's latency, on the bundled repository, with the release binary.
   gzip-compressed gRPC ModelInfer calls of a 60 MiB tensor of zeros (about 60 KB on the wire;
   refused by the model's shape once decompressed) and 2 send gzip HTTP bodies of 60 MiB of
   zeros (refused as JSON): what decompression costs the others.
+- tenants (`--only tenants`, with a tenant config): one tenant sends gzip MLP requests over HTTP,
+  alone, then while 16 clients of another tenant each send gzip bodies of 64 MiB of JSON empty
+  strings (65 KB on the wire; decompressed, parsed, then refused by the model's datatype): whether
+  one tenant's flood queues in front of another's requests for the decompression places.
 
 Reports the steady client's p50, p99 and max, its requests completed, and the server's CPU, and
 writes bench/results/hostile.md. Guards the cost rule: the steady client's p99 beside the floods
 stays within a small multiple of its idle p99.
 
-Usage: python3 bench/hostile.py [--duration 10] [--binary PATH] [--only compressed] [--name hostile]
+Usage: python3 bench/hostile.py [--duration 10] [--binary PATH] [--only compressed|tenants] [--name hostile]
 """
 
 import argparse
@@ -135,7 +139,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=10)
     ap.add_argument("--binary", help="a ferrite binary to measure (default: this tree's, built)")
-    ap.add_argument("--only", choices=["compressed"], help="that scenario alone")
+    ap.add_argument("--only", choices=["compressed", "tenants"], help="that scenario alone")
     ap.add_argument("--name", default="hostile")
     args = ap.parse_args()
     binary = Path(args.binary) if args.binary else ROOT / "target" / "release" / "ferrite"
@@ -146,8 +150,12 @@ def main():
     shutil.copytree(ROOT / "models", repo)
     port, grpc, metrics = free_port(), free_port(), free_port()
     log = open(WORK / "hostile.log", "w")
+    tenants = []
+    if args.only == "tenants":
+        (WORK / "tenants.toml").write_text("[default]\n")
+        tenants = ["--tenant-header", "x-tenant", "--tenant-config", str(WORK / "tenants.toml")]
     proc = subprocess.Popen([str(binary), "serve", "--model-repository", str(repo), "--http-port", str(port),
-                             "--grpc-port", str(grpc), "--metrics-port", str(metrics)], stdout=log, stderr=log)
+                             "--grpc-port", str(grpc), "--metrics-port", str(metrics), *tenants], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -160,6 +168,9 @@ def main():
     try:
         if args.only == "compressed":
             rows = [compressed(base, f"127.0.0.1:{grpc}", proc.pid, args.duration)]
+            return
+        if args.only == "tenants":
+            rows = [tenants_apart(base, proc.pid, args.duration)]
             return
         small = encode(Image.new("RGB", (64, 48), (120, 30, 200)), "JPEG")
         bomb = encode(Image.new("RGB", (6320, 6320), (10, 20, 30)), "WEBP", lossless=True)
@@ -205,6 +216,19 @@ def compressed(base, grpc_target, pid, duration):
     senders += [lambda: post(url, gz, gz_h)] * 2
     return scenario("compressed: 2 gRPC clients of 60 MiB gzip messages, 2 HTTP of 60 MiB gzip bodies", pid,
                     (url, body, {"Content-Type": "application/json"}), senders, 4, duration)
+
+
+def tenants_apart(base, pid, duration):
+    url = f"{base}/v2/models/mlp/infer"
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32",
+                                   "data": [0.5] * 512}]}).encode()
+    gz_h = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    n = (64 << 20) // 3 - 40
+    bomb = gzip.compress(b'{"inputs":[{"name":"input","datatype":"BYTES","shape":[%d],"data":[' % n
+                         + b'"",' * (n - 1) + b'""]}]}')
+    senders = [lambda: post(url, bomb, {**gz_h, "x-tenant": "flood"})] * 16
+    return scenario(f"tenants: 16 clients of one tenant's gzip bodies of 64 MiB of JSON ({len(bomb) >> 10} KB each)",
+                    pid, (url, gzip.compress(body), {**gz_h, "x-tenant": "quiet"}), senders, 16, duration)
 
 
 def write(args, binary, rows, rss):

@@ -1141,8 +1141,8 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     """A body's bytes are held in the bytes in flight until it is answered, but what it decoded to
     was not: a BYTES element of JSON's three bytes (`"",`) holds 32 while queued, so requests
     within the budget could hold ten times it. What the inputs hold beyond the bytes already
-    charged is now taken from the budget too, over HTTP and gRPC alike: a request decoding to
-    more than the budget can spare is refused (503 / UNAVAILABLE, to retry)."""
+    charged is now taken from the budget too, over HTTP and gRPC (calls and streams) alike: a
+    request decoding to more than the budget can spare is refused (503 / UNAVAILABLE, to retry)."""
     import onnx
     import tritonclient.grpc as grpcclient
     from onnx import TensorProto, helper
@@ -1176,5 +1176,19 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     with pytest.raises(Exception) as refused:
         grpc(1_400_000)
     assert "UNAVAILABLE" in str(refused.value) and "too many request bytes in flight" in str(refused.value)
+    # A stream's messages alike: the large one answered with the error, the stream going on.
+    import queue
+    answers = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    for n in (1_400_000, 300_000):
+        x = grpcclient.InferInput("text", [1, n], "BYTES")
+        x.set_data_from_numpy(np.full((1, n), b"", dtype=np.object_))
+        client.async_stream_infer("echo", [x])
+        result, error = answers.get(timeout=120)
+        if n > 300_000:
+            assert error is not None and "too many request bytes in flight" in str(error), (result, error)
+        else:
+            assert error is None and result.as_numpy("out").shape == (1, n), error
+    client.stop_stream()
     # Given back once answered: the small ones again.
     assert send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)[0] == 200

@@ -258,7 +258,7 @@ impl Service {
         req: pb::ModelInferRequest,
         deadline_us: Option<u64>,
         meta: CallMeta,
-        charge: Option<&calls::AnswerCharge>,
+        hold: impl FnOnce(usize) -> bool + Send,
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let shared = convert::shared_outputs(&req)?;
@@ -270,16 +270,11 @@ impl Service {
         let (core_req, shm) =
             crate::http::off_io(large, tenant, move || (convert::to_core(req, max, Some(&shm)), shm)).await?;
         let mut core_req = core_req?;
-        // What the message decoded to is held until answered, as its bytes are (a unary call's;
-        // a stream's messages are held as they came).
-        if let Some(charge) = charge {
-            let held = core_req.inputs.iter().map(|t| t.data.held_len()).sum::<usize>();
-            if !charge.decoded(held.saturating_sub(shm.bytes_read())) {
-                return Err(Error::unavailable(
-                    crate::http::BODIES_OVER_BUDGET,
-                    Some(std::time::Duration::from_secs(1)),
-                ));
-            }
+        // What the message decoded to is held until answered, as its bytes are (`hold`: bytes in
+        // all, never less than its message's; those read from shared memory are held already).
+        let held = core_req.inputs.iter().map(|t| t.data.held_len()).sum::<usize>();
+        if !hold(held.saturating_sub(shm.bytes_read())) {
+            return Err(Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(std::time::Duration::from_secs(1))));
         }
         core_req.tenant = meta.tenant.clone();
         core_req.canary = meta.canary;
@@ -403,7 +398,8 @@ impl GrpcInferenceService for Service {
         };
         let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
-        let resp = self.infer(req, deadline, meta, charge.as_ref()).instrument(span).await.map_err(status)?;
+        let hold = |bytes| charge.as_ref().is_none_or(|c| c.decoded(bytes));
+        let resp = self.infer(req, deadline, meta, hold).instrument(span).await.map_err(status)?;
         if let Some(charge) = charge {
             charge.add(prost::Message::encoded_len(&resp))?;
         }
@@ -441,7 +437,7 @@ impl GrpcInferenceService for Service {
                 };
                 let (tx, svc, meta, answers) = (tx.clone(), svc.clone(), meta.clone(), answers.clone());
                 // What the message's bytes hold, held until it is answered.
-                let request = answers.as_ref().and_then(|a| a.next_message());
+                let mut request = answers.as_ref().and_then(|a| a.next_message());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
@@ -452,7 +448,9 @@ impl GrpcInferenceService for Service {
                             infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
                         };
                         let out = tokio::select! {
-                            r = svc.infer(msg, None, meta, None) => r.map_err(|e| e.to_string()),
+                            r = svc.infer(msg, None, meta, |bytes| request.as_mut().is_none_or(|r| r.grow(bytes))) => {
+                                r.map_err(|e| e.to_string())
+                            }
                             // The client went away: dropping the request frees its queue slot.
                             _ = tx.closed() => return,
                         };
