@@ -319,7 +319,8 @@ def test_a_tenants_compressed_bodies_wait_behind_its_own_not_in_front_of_another
     behind all of it (sixteen bodies of 64 MiB of JSON, 65 KB each, kept another tenant's gzip
     requests waiting 9 s, release build). A tenant now waits for its turn behind its own requests:
     another's request waits for the work in progress, not for the flood. So do requests that name
-    no tenant (`flooder` None), which may take every place but queue behind their own past it."""
+    no tenant (`flooder` None), which may take every place but queue behind their own past it. And
+    a body that comes to little (64 KiB) waits for no place at all."""
     import gzip
 
     tenants = tmp_path / "tenants.toml"
@@ -342,12 +343,17 @@ def test_a_tenants_compressed_bodies_wait_behind_its_own_not_in_front_of_another
         floods = [pool.submit(send, flooder, bomb, 413) for _ in range(flood)]
         while not answered:  # all twelve arrived, one answered
             time.sleep(0.01)
-        began = time.time()
-        send("quiet", gzip.compress(request.encode()), 200)
-        waited = time.time() - began
+        waited = []
+        # 100 KiB of JSON (decompressed in a place, in its turn), then 2 KiB (at once, in none).
+        padded = b'{"inputs":' + b" " * (100 << 10) + request[len('{"inputs":'):].encode()
+        for body in (padded, request.encode()):
+            began = time.time()
+            send("quiet", gzip.compress(body), 200)
+            waited.append(f"{time.time() - began:.2f} s")
         [f.result() for f in floods]
-    after = len(answered) - 1 - answered.index("quiet")
-    print(f"\na tenant's gzip request beside {flood} of {flooder or 'no tenant'}'s: {waited:.2f} s, {after} of them answered after it")
+    after = len(answered) - 1 - max(i for i, t in enumerate(answered) if t == "quiet")
+    print(f"\na tenant's two gzip requests beside {flood} of {flooder or 'no tenant'}'s: {' and '.join(waited)}, "
+          f"{after} of them answered after both")
     # Behind the flood it would be answered after none of them (or one); beside it, after most.
     assert after >= flood // 2, answered
 

@@ -7,7 +7,13 @@
 //! are (`http::DECOMPRESSING`), the call waiting its turn without a thread, its output held in the
 //! budget of bytes in flight until tonic has decoded it.
 
-use std::{collections::VecDeque, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    collections::VecDeque,
+    future::Future,
+    pin::Pin,
+    sync::{atomic::AtomicBool, Arc},
+    time::Duration,
+};
 
 use bytes::Bytes;
 use tonic::Status;
@@ -15,7 +21,7 @@ use tonic::Status;
 use super::unavailable;
 use crate::{
     budget::{self, Budget},
-    http::{decompress, off_io, Awaited, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING},
+    http::{decompress, off_io, Awaited, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING, INFLATED_HERE},
 };
 
 /// See the module.
@@ -108,26 +114,34 @@ impl Unpack {
         None
     }
 
-    /// A whole compressed message made a plain one (its 5-byte prefix, then it), once a place is
-    /// free (waited for asynchronously: a thread held per waiting message let a flood of them
-    /// take tokio's blocking pool, and with it the runtime's hand-over of its I/O threads), on
-    /// the blocking pool.
+    /// A whole compressed message made a plain one (its 5-byte prefix, then it): at once if it
+    /// comes to little (`INFLATED_HERE`), else once a place is free (waited for asynchronously: a
+    /// thread held per waiting message let a flood of them take tokio's blocking pool, and with it
+    /// the runtime's hand-over of its I/O threads), on the blocking pool.
     fn unpacked(&self, compressed: Vec<u8>) -> Decompressing {
         let (gzip, max, wait) = (self.gzip, self.max, self.wait);
         let (budget, tenant) = (self.budget.clone(), self.tenant.clone());
         Box::pin(async move {
-            let Ok(place) = tokio::time::timeout(wait, DECOMPRESSING.take(tenant.as_deref())).await else {
-                return Err(unavailable("too many compressed messages are being decompressed on this server"));
-            };
             let Some(mut held) = budget.take(tenant.as_deref(), 0) else {
                 return Err(unavailable(BODIES_OVER_BUDGET));
             };
-            let (_awaited, wanted) = Awaited::new();
-            let inflated = off_io(true, tenant.as_deref(), move || {
-                let _place = place;
-                decompress(gzip, &compressed, max, &mut held, &wanted).map(|plain| budget::holding(plain, held))
-            });
-            let plain = match inflated.await.map_err(super::status)? {
+            // A message that comes to little is decompressed here, at once, as HTTP bodies are.
+            let here = max.min(INFLATED_HERE);
+            let plain = match decompress(gzip, &compressed, here, &mut held, &AtomicBool::new(true)) {
+                Err(Inflate::TooLarge) if here < max => {
+                    let Ok(place) = tokio::time::timeout(wait, DECOMPRESSING.take(tenant.as_deref())).await else {
+                        return Err(unavailable("too many compressed messages are being decompressed on this server"));
+                    };
+                    let (_awaited, wanted) = Awaited::new();
+                    let inflated = off_io(true, tenant.as_deref(), move || {
+                        let _place = place;
+                        decompress(gzip, &compressed, max, &mut held, &wanted).map(|plain| budget::holding(plain, held))
+                    });
+                    inflated.await.map_err(super::status)?
+                }
+                plain => plain.map(|plain| budget::holding(plain, held)),
+            };
+            let plain = match plain {
                 Ok(plain) => plain,
                 Err(Inflate::TooLarge) => return Err(too_large(max)),
                 Err(Inflate::OverBudget) => return Err(unavailable(BODIES_OVER_BUDGET)),
