@@ -28,6 +28,14 @@ pub struct InferRequest {
     pub parameters: Option<String>,
 }
 
+impl InferRequest {
+    /// The bytes its inputs hold in memory (`TensorData::held_len`): what a front-end holds in the
+    /// bytes in flight for it, beyond its body's.
+    pub fn held_len(&self) -> usize {
+        self.inputs.iter().map(|t| t.data.held_len()).sum()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct InferResponse {
     pub model_name: String,

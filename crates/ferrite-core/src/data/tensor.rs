@@ -182,8 +182,9 @@ impl TensorData {
     }
 
     /// The bytes it holds in memory: a fixed-size tensor's, and a BYTES tensor's elements with a
-    /// handle each (32 bytes: eight times what an empty element takes on the wire, sixteen in
-    /// JSON), whether or not they are views of a buffer held elsewhere (a request body's).
+    /// handle each (32 bytes: eight times what an empty element takes in the binary extension,
+    /// ten in JSON, sixteen in protobuf), whether or not they are views of a buffer held elsewhere
+    /// (a request body's).
     pub fn held_len(&self) -> usize {
         match self {
             TensorData::Fixed(b) => b.len(),

@@ -272,8 +272,7 @@ impl Service {
         let mut core_req = core_req?;
         // What the message decoded to is held until answered, as its bytes are (`hold`: bytes in
         // all, never less than its message's; those read from shared memory are held already).
-        let held = core_req.inputs.iter().map(|t| t.data.held_len()).sum::<usize>();
-        if !hold(held.saturating_sub(shm.bytes_read())) {
+        if !hold(core_req.held_len().saturating_sub(shm.bytes_read())) {
             return Err(Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(std::time::Duration::from_secs(1))));
         }
         core_req.tenant = meta.tenant.clone();

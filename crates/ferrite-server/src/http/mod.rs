@@ -1036,8 +1036,7 @@ fn held_beyond(
     req: &ferrite_core::InferRequest,
     charged: usize,
 ) -> Result<Option<Reserved>, ApiError> {
-    let held = req.inputs.iter().map(|t| t.data.held_len()).sum::<usize>();
-    match held.checked_sub(charged).filter(|&more| more > 0) {
+    match req.held_len().checked_sub(charged).filter(|&more| more > 0) {
         None => Ok(None),
         Some(more) => match budget.take(tenant, more) {
             Some(reserved) => Ok(Some(reserved)),
