@@ -273,7 +273,7 @@ impl Service {
         // What the message decoded to is held until answered, as its bytes are (`hold`: bytes in
         // all, never less than its message's; those read from shared memory are held already).
         if !hold(core_req.held_len().saturating_sub(shm.bytes_read())) {
-            return Err(Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(std::time::Duration::from_secs(1))));
+            return Err(Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(ferrite_core::wire::RETRY_AFTER)));
         }
         core_req.tenant = meta.tenant.clone();
         core_req.canary = meta.canary;

@@ -7,13 +7,7 @@
 //! are (`http::DECOMPRESSING`), the call waiting its turn without a thread, its output held in the
 //! budget of bytes in flight until tonic has decoded it.
 
-use std::{
-    collections::VecDeque,
-    future::Future,
-    pin::Pin,
-    sync::{atomic::AtomicBool, Arc},
-    time::Duration,
-};
+use std::{collections::VecDeque, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use tonic::Status;
@@ -21,7 +15,7 @@ use tonic::Status;
 use super::unavailable;
 use crate::{
     budget::{self, Budget},
-    http::{decompress, off_io, Awaited, Inflate, BODIES_OVER_BUDGET, DECOMPRESSING, INFLATED_HERE},
+    http::{decompress_in_turn, Inflate, BODIES_OVER_BUDGET},
 };
 
 /// See the module.
@@ -122,26 +116,13 @@ impl Unpack {
         let (gzip, max, wait) = (self.gzip, self.max, self.wait);
         let (budget, tenant) = (self.budget.clone(), self.tenant.clone());
         Box::pin(async move {
-            let Some(mut held) = budget.take(tenant.as_deref(), 0) else {
+            let Some(held) = budget.take(tenant.as_deref(), 0) else {
                 return Err(unavailable(BODIES_OVER_BUDGET));
             };
-            // A message that comes to little is decompressed here, at once, as HTTP bodies are.
-            let here = max.min(INFLATED_HERE);
-            let plain = match decompress(gzip, &compressed, here, &mut held, &AtomicBool::new(true)) {
-                Err(Inflate::TooLarge) if here < max => {
-                    let Ok(place) = tokio::time::timeout(wait, DECOMPRESSING.take(tenant.as_deref())).await else {
-                        return Err(unavailable("too many compressed messages are being decompressed on this server"));
-                    };
-                    let (_awaited, wanted) = Awaited::new();
-                    let inflated = off_io(true, tenant.as_deref(), move || {
-                        let _place = place;
-                        decompress(gzip, &compressed, max, &mut held, &wanted).map(|plain| budget::holding(plain, held))
-                    });
-                    inflated.await.map_err(super::status)?
-                }
-                plain => plain.map(|plain| budget::holding(plain, held)),
-            };
-            let plain = match plain {
+            let busy = "too many compressed messages are being decompressed on this server";
+            let inflated = decompress_in_turn(gzip, compressed, max, held, tenant.as_deref(), wait, busy).await;
+            let (plain, held, _place) = inflated.map_err(super::status)?;
+            let plain = match plain.map(|plain| budget::holding(plain, held)) {
                 Ok(plain) => plain,
                 Err(Inflate::TooLarge) => return Err(too_large(max)),
                 Err(Inflate::OverBudget) => return Err(unavailable(BODIES_OVER_BUDGET)),
@@ -169,6 +150,7 @@ fn too_large(max: usize) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::{decompress, Awaited};
     use std::io::Write;
 
     fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {

@@ -137,8 +137,6 @@ async fn read_body(
     let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| fits) else {
         return over_budget(BODIES_OVER_BUDGET);
     };
-    let tenant = acting.share().map(str::to_string);
-    parts.extensions.insert(acting);
     let read = pool::BODIES.read(body, max, stated, &mut reserved);
     let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
         Err(_) => {
@@ -161,33 +159,18 @@ async fn read_body(
         None | Some("identity") => Ok(bytes),
         Some(coding @ ("gzip" | "deflate")) => {
             let gzip = coding == "gzip";
-            let here = max.min(INFLATED_HERE);
-            let out = match decompress(gzip, &bytes, here, &mut reserved, &std::sync::atomic::AtomicBool::new(true)) {
-                Err(Inflate::TooLarge) if here < max => {
-                    let tenant = tenant.as_deref();
-                    let Ok(place) = tokio::time::timeout(limits.body_timeout, DECOMPRESSING.take(tenant)).await else {
-                        return over_budget(
-                            "too many compressed bodies are being decompressed on this server; retry shortly",
-                        );
-                    };
-                    let mut held = reserved;
-                    let (_awaited, wanted) = Awaited::new();
-                    let inflated =
-                        off_io(true, tenant, move || (decompress(gzip, &bytes, max, &mut held, &wanted), held, place))
-                            .await;
-                    let (out, held, place) = match inflated {
-                        Ok(inflated) => inflated,
-                        Err(e) => return ApiError::from(e).into_response(),
-                    };
-                    reserved = held;
-                    if out.is_ok() {
-                        // Kept for the handler to read the body under (`Decompressed`).
-                        parts.extensions.insert(Decompressed { _place: Arc::new(place) });
-                    }
-                    out
-                }
-                out => out,
-            };
+            let busy = "too many compressed bodies are being decompressed on this server; retry shortly";
+            let wait = limits.body_timeout;
+            let (out, held, place) =
+                match decompress_in_turn(gzip, bytes, max, reserved, acting.share(), wait, busy).await {
+                    Ok(inflated) => inflated,
+                    Err(e) => return ApiError::from(e).into_response(),
+                };
+            reserved = held;
+            if let (Ok(_), Some(place)) = (&out, place) {
+                // Kept for the handler to read the body under (`Decompressed`).
+                parts.extensions.insert(Decompressed { _place: Arc::new(place) });
+            }
             match out {
                 Ok(out) => Ok(out),
                 Err(Inflate::TooLarge) => {
@@ -216,6 +199,7 @@ async fn read_body(
     if content_length(&parts.headers) != Some(bytes.len()) {
         parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     }
+    parts.extensions.insert(acting);
     let resp = next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await;
     hold_answer(resp, reserved)
 }
@@ -329,14 +313,14 @@ static WORKING: std::sync::LazyLock<Places> =
 /// otherwise wait for the body in progress, whatever it costs (another tenant's gzip body of 64 MiB
 /// of JSON held the one place of two cores for 0.44 s). One that comes to more is decompressed
 /// again, from the start, in its turn.
-pub(crate) const INFLATED_HERE: usize = 64 << 10;
+const INFLATED_HERE: usize = 64 << 10;
 
 /// Bodies decompressed at once: a quarter of the cores, at least one. A few KB of gzip can ask for
 /// `--max-body-bytes` of output (64 MiB: about 0.05 s of a core, release build), so a flood of
 /// them, far cheaper to send than to decompress, must leave the models most of the cores (one of
 /// two): past these, bodies wait their turn (within the body timeout; 503 after), a tenant's
 /// behind its own (`Places`).
-pub(crate) static DECOMPRESSING: std::sync::LazyLock<Places> =
+static DECOMPRESSING: std::sync::LazyLock<Places> =
     std::sync::LazyLock::new(|| Places::new(std::thread::available_parallelism().map_or(1, |n| n.get()) / 4));
 
 /// Why compressed bytes could not be decompressed.
@@ -432,6 +416,36 @@ impl Drop for Awaited {
     fn drop(&mut self) {
         self.0.store(false, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// gzip (else zlib's deflate) `compressed` bytes decompressed (`decompress`), at once if they come to
+/// at most `INFLATED_HERE`, else in their turn among those decompressing (`DECOMPRESSING`, a
+/// tenant's behind its own), on the blocking pool: with `held`, and the place taken, held by the
+/// work until it is done (an HTTP body is read under it). No place within `wait`: unavailable,
+/// saying `busy` (HTTP bodies and gRPC messages).
+pub(crate) async fn decompress_in_turn<B: AsRef<[u8]> + Send + 'static>(
+    gzip: bool,
+    compressed: B,
+    max: usize,
+    mut held: Reserved,
+    tenant: Option<&str>,
+    wait: Duration,
+    busy: &str,
+) -> Result<(Result<Bytes, Inflate>, Reserved, Option<Place>), ferrite_core::Error> {
+    let here = max.min(INFLATED_HERE);
+    match decompress(gzip, compressed.as_ref(), here, &mut held, &std::sync::atomic::AtomicBool::new(true)) {
+        Err(Inflate::TooLarge) if here < max => {}
+        out => return Ok((out, held, None)),
+    }
+    let place = tokio::time::timeout(wait, DECOMPRESSING.take(tenant))
+        .await
+        .map_err(|_| ferrite_core::Error::unavailable(busy, Some(ferrite_core::wire::RETRY_AFTER)))?;
+    let (_awaited, wanted) = Awaited::new();
+    off_io(true, tenant, move || {
+        let out = decompress(gzip, compressed.as_ref(), max, &mut held, &wanted);
+        (out, held, Some(place))
+    })
+    .await
 }
 
 /// gzip (else zlib's deflate) `compressed` bytes decompressed, at most `max` bytes, each buffer it
@@ -1040,7 +1054,9 @@ fn held_beyond(
         None => Ok(None),
         Some(more) => match budget.take(tenant, more) {
             Some(reserved) => Ok(Some(reserved)),
-            None => Err(ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(Duration::from_secs(1))).into()),
+            None => {
+                Err(ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(ferrite_core::wire::RETRY_AFTER)).into())
+            }
         },
     }
 }
