@@ -1142,7 +1142,9 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     was not: a BYTES element of JSON's three bytes (`"",`) holds 32 while queued, so requests
     within the budget could hold ten times it. What the inputs hold beyond the bytes already
     charged is now taken from the budget too, over HTTP and gRPC (calls and streams) alike: a
-    request decoding to more than the budget can spare is refused (503 / UNAVAILABLE, to retry)."""
+    request decoding to more than the budget can spare now is refused to retry (503 / UNAVAILABLE,
+    with a retry hint), and one decoding to more than the whole budget, which no retry would
+    serve, for good (413 / RESOURCE_EXHAUSTED, no hint)."""
     import onnx
     import tritonclient.grpc as grpcclient
     from onnx import TensorProto, helper
@@ -1158,12 +1160,32 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     def body(n):
         return b'{"inputs":[{"name":"text","datatype":"BYTES","shape":[1,%d],"data":[' % n + b'"",' * (n - 1) + b'""]}]}'
 
-    # 0.9 MiB decoding to 10 MB, within the budget; 4.2 MiB decoding to 45 MB, past it.
+    # 0.9 MiB decoding to 10 MB, within the budget; 4.2 MiB decoding to 45 MB, past the whole of it.
     small, large = body(300_000), body(1_400_000)
     ok = send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)
     assert ok[0] == 200, ok[1][:300]
-    status, answer = send(s, "POST", "/v2/models/echo/infer", JSON, large, timeout=120)
-    assert status == 503 and b"too many request bytes in flight" in answer, (status, answer[:200])
+    never = b"more than this server ever holds for all requests at once (33554432 bytes)"
+    conn = http.client.HTTPConnection(s.url, timeout=120)
+    conn.request("POST", "/v2/models/echo/infer", body=large, headers=JSON)
+    answer = conn.getresponse()
+    assert answer.status == 413 and never in answer.read(), answer.status
+    assert answer.getheader("Retry-After") is None, "not to be retried"
+    conn.close()
+    # While another client's 28 MiB body (stated 31) holds most of the budget, the small one does
+    # not fit now: to retry. Once that client has gone, it fits again.
+    holder = socket.create_connection(("127.0.0.1", s.port))
+    holder.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (31 << 20) + b" " * (28 << 20))
+    time.sleep(0.5)
+    conn = http.client.HTTPConnection(s.url, timeout=120)
+    conn.request("POST", "/v2/models/echo/infer", body=small, headers=JSON)
+    answer = conn.getresponse()
+    assert answer.status == 503 and b"too many request bytes in flight" in answer.read(), answer.status
+    assert answer.getheader("Retry-After") == "1"
+    conn.close()
+    holder.close()
+    time.sleep(0.3)
+    assert send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)[0] == 200
     client = grpcclient.InferenceServerClient(s.grpc_url)
 
     def grpc(n):
@@ -1175,7 +1197,7 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     # 5.6 MB on the wire (4 bytes an element), 45 MB decoded.
     with pytest.raises(Exception) as refused:
         grpc(1_400_000)
-    assert "UNAVAILABLE" in str(refused.value) and "too many request bytes in flight" in str(refused.value)
+    assert "RESOURCE_EXHAUSTED" in str(refused.value) and never.decode() in str(refused.value), refused.value
     # A stream's messages alike: the large one answered with the error, the stream going on.
     import queue
     answers = queue.Queue()
@@ -1186,7 +1208,7 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
         client.async_stream_infer("echo", [x])
         result, error = answers.get(timeout=120)
         if n > 300_000:
-            assert error is not None and "too many request bytes in flight" in str(error), (result, error)
+            assert error is not None and never.decode() in str(error), (result, error)
         else:
             assert error is None and result.as_numpy("out").shape == (1, n), error
     client.stop_stream()

@@ -18,6 +18,11 @@ pub enum Error {
     /// Over a concurrency or rate limit: retry later (HTTP 429, gRPC RESOURCE_EXHAUSTED).
     #[error("{message}")]
     Overloaded { message: String, retry_after: Option<Duration> },
+    /// The request holds more than the server ever holds for one (its bytes in flight and what
+    /// they decode to): never to be retried as it is (HTTP 413, gRPC RESOURCE_EXHAUSTED with no
+    /// retry hint).
+    #[error("{0}")]
+    TooLarge(String),
     /// The request's timeout ended before it could run.
     #[error("{0}")]
     DeadlineExceeded(String),

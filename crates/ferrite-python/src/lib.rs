@@ -31,7 +31,7 @@ create_exception!(_native, InternalError, FerriteError, "A fault inside the engi
 /// The one mapping from core errors to Python exceptions.
 fn py_err(e: Error) -> PyErr {
     match e {
-        Error::InvalidInput(m) => InvalidInput::new_err(m),
+        Error::InvalidInput(m) | Error::TooLarge(m) => InvalidInput::new_err(m),
         Error::NotFound(m) => ModelNotFound::new_err(m),
         Error::Unavailable { message, .. } => Unavailable::new_err(message),
         Error::Overloaded { message, .. } => Overloaded::new_err(message),

@@ -11,12 +11,15 @@ use std::{
 };
 
 use bytes::Bytes;
+use ferrite_core::Error;
 use tokio::sync::Semaphore;
 
 /// See the module.
 #[derive(Debug)]
 pub struct Budget {
     all: Semaphore,
+    /// Permits all requests may hold at once.
+    capacity: u32,
     /// Permits one tenant may hold at once.
     share: u32,
     /// Permits each tenant holds now (only those holding any: at most one entry a request).
@@ -34,7 +37,12 @@ impl Budget {
     /// A budget of `bytes`; a tenant holds at most half of it.
     pub fn new(bytes: usize) -> Arc<Budget> {
         let permits = u32::try_from(bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS)).unwrap_or(u32::MAX);
-        Arc::new(Budget { all: Semaphore::new(permits as usize), share: permits / 2, tenants: Mutex::default() })
+        Arc::new(Budget {
+            all: Semaphore::new(permits as usize),
+            capacity: permits,
+            share: permits / 2,
+            tenants: Mutex::default(),
+        })
     }
 
     /// The permits no request holds now.
@@ -52,6 +60,24 @@ impl Budget {
         let Some(tenant) = tenant else { return true };
         let holds = self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).copied().unwrap_or(0);
         holds.saturating_add(want) <= self.share
+    }
+
+    /// Why `bytes` for one request of `tenant` are refused: to retry shortly when others are
+    /// answered, or never to be retried when they are more than the budget (or a tenant's share)
+    /// could ever hold at once.
+    pub fn refusal(&self, tenant: Option<&str>, bytes: usize) -> Error {
+        let (most, whose) = match tenant {
+            Some(_) => (self.share, "one tenant's requests"),
+            None => (self.capacity, "all requests"),
+        };
+        if permits(bytes) <= most {
+            return Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(ferrite_core::wire::RETRY_AFTER));
+        }
+        Error::TooLarge(format!(
+            "this request holds {bytes} bytes while it is served (its bytes and what they decode to), more than \
+             this server ever holds for {whose} at once ({} bytes)",
+            most as usize * 1024
+        ))
     }
 
     /// Takes `permits` more for `tenant`, unless the budget, or the tenant's share, cannot spare
@@ -112,6 +138,14 @@ impl Reserved {
             self.permits = want;
         }
         taken
+    }
+
+    /// [`Reserved::grow`], or why not ([`Budget::refusal`]).
+    pub fn hold(&mut self, bytes: usize) -> Result<(), Error> {
+        match self.grow(bytes) {
+            true => Ok(()),
+            false => Err(self.budget.refusal(self.tenant.as_deref(), bytes)),
+        }
     }
 
     /// Whether nothing is held (an empty body, and an empty answer).
@@ -179,6 +213,25 @@ mod tests {
         assert!(budget.fits(Some("b"), 4 << 10) && !budget.fits(Some("b"), 5 << 10));
         assert!(budget.fits(None, 5 << 10) && !budget.fits(None, 6 << 10), "the whole budget");
         assert_eq!(budget.available(), 5, "nothing taken");
+    }
+
+    #[test]
+    fn a_request_past_all_it_could_ever_hold_is_refused_for_good() {
+        let budget = Budget::new(8 << 10);
+        let _others = budget.take(None, 6 << 10).unwrap();
+        let retry = |e: Error| matches!(e, Error::Unavailable { retry_after: Some(_), .. });
+        assert!(retry(budget.refusal(None, 8 << 10)), "all of it, once the others are answered");
+        assert!(retry(budget.refusal(Some("a"), 4 << 10)), "a tenant's share");
+        let never = budget.refusal(None, (8 << 10) + 1);
+        assert!(matches!(&never, Error::TooLarge(m) if m.contains("all requests at once (8192 bytes)")), "{never:?}");
+        let never = budget.refusal(Some("a"), (4 << 10) + 1);
+        assert!(
+            matches!(&never, Error::TooLarge(m) if m.contains("one tenant's requests at once (4096 bytes)")),
+            "{never:?}"
+        );
+        let mut held = budget.take(Some("b"), 0).unwrap();
+        assert!(retry(held.hold(3 << 10).unwrap_err()) && matches!(held.hold(5 << 10), Err(Error::TooLarge(_))));
+        assert!(held.is_empty(), "nothing taken");
     }
 
     #[test]

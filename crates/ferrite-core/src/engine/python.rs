@@ -893,7 +893,7 @@ impl Drop for Worker {
 fn code_of(e: &Error) -> i64 {
     match e {
         Error::NotFound(_) => 2,
-        Error::InvalidInput(_) => 3,
+        Error::InvalidInput(_) | Error::TooLarge(_) => 3,
         Error::Unavailable { .. } | Error::Overloaded { .. } => 4,
         Error::Unsupported(_) => 5,
         _ => 1,

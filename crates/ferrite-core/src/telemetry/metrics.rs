@@ -264,6 +264,7 @@ pub fn reason(e: &Error) -> &'static str {
         Error::NotFound(_) => "not_found",
         Error::Unavailable { .. } => "rejected",
         Error::Overloaded { .. } => "throttled",
+        Error::TooLarge(_) => "too_large",
         Error::DeadlineExceeded(_) => "timeout",
         Error::Unsupported(_) => "unsupported",
         Error::Internal(_) => "backend",

@@ -26,6 +26,7 @@ use std::{
 };
 
 use bytes::{BufMut, Bytes, BytesMut};
+use ferrite_core::Error;
 use http_body::{Frame, SizeHint};
 use tonic::{
     body::Body,
@@ -168,8 +169,8 @@ impl AnswerCharge {
     /// Holds `bytes` in all for the request its message decoded to (never less than its message's
     /// bytes, held already), unless the budget cannot take them: a message may decode to many
     /// times its bytes (a BYTES element of 2 bytes holds 32 while queued).
-    pub fn decoded(&self, bytes: usize) -> bool {
-        self.0.hold(budget::permits(bytes)).is_ok()
+    pub fn decoded(&self, bytes: usize) -> Result<(), Error> {
+        self.0.hold(budget::permits(bytes))
     }
 }
 
@@ -293,8 +294,9 @@ struct Charge {
 }
 
 impl Charge {
-    /// Holds `want` permits in all (never fewer than held already), or fails if the budget has none.
-    fn hold(&self, want: u32) -> Result<(), Status> {
+    /// Holds `want` permits in all (never fewer than held already), or fails if the budget has none
+    /// ([`Budget::refusal`]).
+    fn hold(&self, want: u32) -> Result<(), Error> {
         let have = self.permits.load(Ordering::Acquire);
         if want <= have {
             return Ok(());
@@ -303,7 +305,7 @@ impl Charge {
             self.permits.fetch_add(want - have, Ordering::AcqRel);
             return Ok(());
         }
-        Err(super::unavailable(crate::http::BODIES_OVER_BUDGET))
+        Err(self.budget.refusal(self.tenant.as_deref(), want as usize * 1024))
     }
 
     fn release(&self) {
@@ -483,7 +485,7 @@ impl Charged {
         match (after, &self.stream) {
             (Some(after), Some(stream)) => {
                 // The messages that ended here hold their bytes until answered (`StreamAnswers`).
-                self.charge.hold(budget::permits(self.since + data.len() - after))?;
+                self.charge.hold(budget::permits(self.since + data.len() - after)).map_err(super::status)?;
                 let ended = std::mem::take(&mut self.frame.ended);
                 stream.received(self.charge.take(), ended);
                 self.since = after;
@@ -496,7 +498,7 @@ impl Charged {
         } else if after.is_some() || self.deadline.is_none() {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.limit)));
         }
-        self.charge.hold(budget::permits(self.since))
+        self.charge.hold(budget::permits(self.since)).map_err(super::status)
     }
 }
 
@@ -822,8 +824,8 @@ mod tests {
         a.hold(3).unwrap();
         a.hold(2).unwrap();
         let b = Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) };
-        let refused = b.hold(2).unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::Unavailable);
+        assert!(matches!(b.hold(2), Err(Error::Unavailable { .. })), "to retry");
+        assert!(matches!(b.hold(5), Err(Error::TooLarge(_))), "more than the whole budget: never");
         drop(a);
         b.hold(4).unwrap();
         assert_eq!(budget.available(), 0);

@@ -188,6 +188,7 @@ pub fn status(e: Error) -> Status {
         Error::Overloaded { message, retry_after: Some(after) } => retry(Code::ResourceExhausted, message, *after),
         Error::Unavailable { message, .. } => Status::unavailable(message),
         Error::Overloaded { message, .. } => Status::resource_exhausted(message),
+        Error::TooLarge(m) => Status::resource_exhausted(m),
         Error::DeadlineExceeded(m) => Status::deadline_exceeded(m),
         Error::Unsupported(m) => Status::unimplemented(m),
         Error::Internal(m) => Status::internal(m),
@@ -258,7 +259,7 @@ impl Service {
         req: pb::ModelInferRequest,
         deadline_us: Option<u64>,
         meta: CallMeta,
-        hold: impl FnOnce(usize) -> bool + Send,
+        hold: impl FnOnce(usize) -> Result<(), Error> + Send,
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let shared = convert::shared_outputs(&req)?;
@@ -272,9 +273,7 @@ impl Service {
         let mut core_req = core_req?;
         // What the message decoded to is held until answered, as its bytes are (`hold`: bytes in
         // all, never less than its message's; those read from shared memory are held already).
-        if !hold(core_req.held_len().saturating_sub(shm.bytes_read())) {
-            return Err(Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(ferrite_core::wire::RETRY_AFTER)));
-        }
+        hold(core_req.held_len().saturating_sub(shm.bytes_read()))?;
         core_req.tenant = meta.tenant.clone();
         core_req.canary = meta.canary;
         if let Some(d) = deadline_us {
@@ -397,7 +396,7 @@ impl GrpcInferenceService for Service {
         };
         let span = telemetry::request_span("grpc", &req.model_name, parent);
         // If the client cancels, this future is dropped and the queued request is skipped.
-        let hold = |bytes| charge.as_ref().is_none_or(|c| c.decoded(bytes));
+        let hold = |bytes| charge.as_ref().map_or(Ok(()), |c| c.decoded(bytes));
         let resp = self.infer(req, deadline, meta, hold).instrument(span).await.map_err(status)?;
         if let Some(charge) = charge {
             charge.add(prost::Message::encoded_len(&resp))?;
@@ -447,7 +446,7 @@ impl GrpcInferenceService for Service {
                             infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
                         };
                         let out = tokio::select! {
-                            r = svc.infer(msg, None, meta, |bytes| request.as_mut().is_none_or(|r| r.grow(bytes))) => {
+                            r = svc.infer(msg, None, meta, |bytes| request.as_mut().map_or(Ok(()), |r| r.hold(bytes))) => {
                                 r.map_err(|e| e.to_string())
                             }
                             // The client went away: dropping the request frees its queue slot.

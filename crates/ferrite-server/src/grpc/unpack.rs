@@ -125,7 +125,7 @@ impl Unpack {
             let plain = match plain.map(|plain| budget::holding(plain, held)) {
                 Ok(plain) => plain,
                 Err(Inflate::TooLarge) => return Err(too_large(max)),
-                Err(Inflate::OverBudget) => return Err(unavailable(BODIES_OVER_BUDGET)),
+                Err(Inflate::OverBudget(e)) => return Err(super::status(e)),
                 Err(Inflate::Corrupt(e)) => return Err(Status::internal(format!("Error decompressing: {e}"))),
                 Err(Inflate::Unwanted) => return Err(Status::cancelled("the call was cancelled")),
             };
@@ -219,11 +219,18 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
         let e = fed(&mut unpack(1 << 20, &budget), &frame(1, b"not gzip at all"), 4096).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
-        // Past the budget of bytes in flight: refused, as an uncompressed message would be.
-        let small = Budget::new(64 << 10);
-        let e = fed(&mut unpack(1 << 20, &small), &frame(1, &gzip(&[1u8; 200 << 10])), 4096).await.unwrap_err();
+        // Past the budget of bytes in flight: refused, as an uncompressed message would be, to
+        // retry while others hold it, for good past what it could ever hold.
+        let small = Budget::new(1 << 20);
+        let others = small.take(None, 900 << 10).unwrap();
+        let e = fed(&mut unpack(4 << 20, &small), &frame(1, &gzip(&[1u8; 200 << 10])), 4096).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
-        assert_eq!(small.available(), 64);
+        drop(others);
+        assert!(fed(&mut unpack(4 << 20, &small), &frame(1, &gzip(&[1u8; 200 << 10])), 4096).await.is_ok());
+        let e = fed(&mut unpack(4 << 20, &small), &frame(1, &gzip(&[1u8; 2 << 20])), 4096).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        assert!(e.message().contains("more than this server ever holds"), "{e:?}");
+        assert_eq!(small.available(), 1024);
         // A compressed message longer than the limit is tonic's to refuse: passed on as it came.
         let long = frame(1, &[1u8; 64]);
         assert_eq!(fed(&mut unpack(32, &budget), &long, 7).await.unwrap(), long);

@@ -31,6 +31,7 @@ impl From<Error> for ApiError {
             Error::NotFound(_) => StatusCode::NOT_FOUND,
             Error::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Error::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             Error::Unsupported(_) => StatusCode::NOT_IMPLEMENTED,
             Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

@@ -133,9 +133,9 @@ async fn read_body(
     // A body stated larger than the budget can spare now is refused before any of it is read
     // (one stated over `max` is read up to it and refused then: clients expect an answer after
     // their body, not a connection closed while they send it).
-    let fits = budget.fits(acting.share(), stated.unwrap_or(0).min(max));
-    let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| fits) else {
-        return over_budget(BODIES_OVER_BUDGET);
+    let stated_held = stated.unwrap_or(0).min(max);
+    let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| budget.fits(acting.share(), stated_held)) else {
+        return ApiError::from(budget.refusal(acting.share(), stated_held)).into_response();
     };
     let read = pool::BODIES.read(body, max, stated, &mut reserved);
     let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
@@ -144,7 +144,7 @@ async fn read_body(
             return ApiError::new(StatusCode::REQUEST_TIMEOUT, msg).into_response();
         }
         Ok(Err(pool::ReadError::TooLarge)) => return body_too_large(max),
-        Ok(Err(pool::ReadError::OverBudget)) => return over_budget(BODIES_OVER_BUDGET),
+        Ok(Err(pool::ReadError::OverBudget(e))) => return ApiError::from(e).into_response(),
         Ok(Err(pool::ReadError::Failed(e))) => {
             return ApiError::bad_request(format!("cannot read the request body: {e}")).into_response()
         }
@@ -177,7 +177,7 @@ async fn read_body(
                     let msg = format!("decompressed body is over {max} bytes");
                     Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, msg).into_response())
                 }
-                Err(Inflate::OverBudget) => Err(over_budget(BODIES_OVER_BUDGET)),
+                Err(Inflate::OverBudget(e)) => Err(ApiError::from(e).into_response()),
                 Err(Inflate::Corrupt(e)) => {
                     Err(ApiError::bad_request(format!("cannot decompress the request body: {e}")).into_response())
                 }
@@ -327,8 +327,8 @@ static DECOMPRESSING: std::sync::LazyLock<Places> =
 pub(crate) enum Inflate {
     /// Past `max` bytes.
     TooLarge,
-    /// Past the bytes in flight all requests (or its tenant's) may hold.
-    OverBudget,
+    /// Past the bytes in flight all requests (or its tenant's) may hold, now or ever.
+    OverBudget(ferrite_core::Error),
     Corrupt(std::io::Error),
     /// Stopped: no one awaits the output any more (its client left).
     Unwanted,
@@ -482,9 +482,7 @@ fn inflate(
         if out.capacity() == at {
             // Doubled, up to what `max` allows (a byte past it tells a body over it).
             out.reserve_exact(at.max(STEP).min(max + 1 - at));
-            if !held.grow(compressed + out.capacity()) {
-                return Err(Inflate::OverBudget);
-            }
+            held.hold(compressed + out.capacity()).map_err(Inflate::OverBudget)?;
         }
         out.resize(out.capacity().min(at + STEP), 0);
         let n = decoder.read(&mut out[at..]).map_err(Inflate::Corrupt)?;
@@ -1043,7 +1041,7 @@ async fn infer_inner(
 /// What a request's inputs hold beyond `charged` (its body's bytes, and those read from shared
 /// memory), taken from the bytes in flight until it is answered: a body may decode to many times
 /// its bytes (a BYTES element of JSON's three bytes holds 32 while queued; an INT64 of two, 8).
-/// 503 when the budget, or the tenant's share, cannot take them.
+/// 503 when the budget, or the tenant's share, cannot take them now; 413 when it never could.
 fn held_beyond(
     budget: &Arc<Budget>,
     tenant: Option<&str>,
@@ -1054,9 +1052,7 @@ fn held_beyond(
         None => Ok(None),
         Some(more) => match budget.take(tenant, more) {
             Some(reserved) => Ok(Some(reserved)),
-            None => {
-                Err(ferrite_core::Error::unavailable(BODIES_OVER_BUDGET, Some(ferrite_core::wire::RETRY_AFTER)).into())
-            }
+            None => Err(budget.refusal(tenant, req.held_len()).into()),
         },
     }
 }

@@ -84,8 +84,7 @@ impl Pool {
         // Past `max`, refused before the bytes are charged.
         let mut hold = |n: usize| match n > max {
             true => Err(ReadError::TooLarge),
-            false if held.grow(n) => Ok(()),
-            false => Err(ReadError::OverBudget),
+            false => held.hold(n).map_err(ReadError::OverBudget),
         };
         let Some(len) = stated.filter(|&n| (POOLED_FROM..=max).contains(&n)) else {
             // Small or unsized: its one frame as it came, or the frames copied into one.
@@ -185,8 +184,8 @@ impl Drop for Pooled {
 pub enum ReadError {
     /// Over `max` bytes.
     TooLarge,
-    /// Past the bytes in flight all requests (or its tenant's) may hold.
-    OverBudget,
+    /// Past the bytes in flight all requests (or its tenant's) may hold, now or ever.
+    OverBudget(ferrite_core::Error),
     /// The connection failed or the framing was broken.
     Failed(String),
 }
@@ -194,6 +193,7 @@ pub enum ReadError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferrite_core::Error;
 
     static POOL: Pool = Pool::new();
 
@@ -205,8 +205,10 @@ mod tests {
     async fn a_body_holds_the_bytes_it_has_sent_as_they_arrive() {
         use std::convert::Infallible;
         static OWN: Pool = Pool::new(); // not `POOL`, whose idle buffers the test below counts
-        for stated in [None, Some(POOLED_FROM)] {
+                                        // Past what the budget has now (another request holds a KiB), or past all of it.
+        for (stated, second) in [(None, 5), (Some(POOLED_FROM), 5), (None, 6), (Some(POOLED_FROM), 6)] {
             let budget = crate::budget::Budget::new(8 << 10);
+            let other = budget.take(None, 1 << 10).unwrap();
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, Infallible>>(1);
             let body = Body::new(http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)));
             let mut held = budget.take(None, 0).unwrap();
@@ -227,14 +229,19 @@ mod tests {
                 }
             };
             // Stated large, sent small: only what was sent is held.
-            assert!(settle(8).await, "nothing held before a byte");
+            assert!(settle(7).await, "nothing held before a byte");
             tx.send(Ok(http_body::Frame::data(Bytes::from(vec![1; 3 << 10])))).await.unwrap();
-            assert!(settle(5).await, "{stated:?}: three KiB sent, three held");
-            tx.send(Ok(http_body::Frame::data(Bytes::from(vec![2; 6 << 10])))).await.unwrap();
+            assert!(settle(4).await, "{stated:?}: three KiB sent, three held");
+            tx.send(Ok(http_body::Frame::data(Bytes::from(vec![2; second << 10])))).await.unwrap();
             let (read, held) = reading.await.unwrap();
-            assert!(matches!(read, Err(ReadError::OverBudget)), "{stated:?}: past the budget");
-            assert_eq!(budget.available(), 5, "what was kept is still held until the request ends");
-            drop(held);
+            match second {
+                5 => {
+                    assert!(matches!(read, Err(ReadError::OverBudget(Error::Unavailable { .. }))), "{stated:?}: retry")
+                }
+                _ => assert!(matches!(read, Err(ReadError::OverBudget(Error::TooLarge(_)))), "{stated:?}: never fits"),
+            }
+            assert_eq!(budget.available(), 4, "what was kept is still held until the request ends");
+            drop((held, other));
             assert_eq!(budget.available(), 8);
         }
         // Within the budget, the frames of a small body come back as one.
