@@ -1214,3 +1214,59 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     client.stop_stream()
     # Given back once answered: the small ones again.
     assert send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)[0] == 200
+
+
+def test_an_answer_past_all_the_budget_could_ever_hold_is_refused_for_good(start_server, tmp_path):
+    """An answer holds its bytes in flight until its client has taken them; one the budget cannot
+    take is refused, 503 / UNAVAILABLE to retry. One larger than the whole budget, which no retry
+    would serve, was told the same for ever; it is now refused for good (413 / RESOURCE_EXHAUSTED,
+    no retry hint), over HTTP, gRPC calls and streams."""
+    import onnx
+    import tritonclient.grpc as grpcclient
+    from onnx import TensorProto, helper
+    repo = tmp_path / "repo"
+    (repo / "zeros" / "1").mkdir(parents=True)
+    graph = helper.make_graph([helper.make_node("ConstantOfShape", ["shape"], ["out"])], "zeros",
+                              [helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["H", "W"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    onnx.save(model, repo / "zeros" / "1" / "model.onnx")
+    s = start_server("--max-inflight-body-bytes", str(4 << 20), repository=repo)
+
+    def body(h, w):
+        return json.dumps({"inputs": [{"name": "shape", "datatype": "INT64", "shape": [2], "data": [h, w]}],
+                          "outputs": [{"name": "out", "parameters": {"binary_data": True}}]}).encode()
+
+    # 1 MiB of zeros is answered; 8 MiB never fits a budget of 4.
+    status, answer = send(s, "POST", "/v2/models/zeros/infer", JSON, body(256, 1024))
+    assert status == 200 and len(answer) > 1 << 20, (status, answer[:200])
+    conn = http.client.HTTPConnection(s.url, timeout=60)
+    conn.request("POST", "/v2/models/zeros/infer", body=body(2048, 1024), headers=JSON)
+    answer = conn.getresponse()
+    text = answer.read()
+    assert answer.status == 413 and b"this request's answer holds 8388" in text, (answer.status, text[:300])
+    assert b"more than this server ever holds for all requests at once (4194304 bytes)" in text, text
+    assert answer.getheader("Retry-After") is None
+    conn.close()
+    client = grpcclient.InferenceServerClient(s.grpc_url)
+
+    def shape(h, w):
+        x = grpcclient.InferInput("shape", [2], "INT64")
+        x.set_data_from_numpy(np.array([h, w], dtype=np.int64))
+        return [x]
+
+    assert client.infer("zeros", shape(256, 1024)).as_numpy("out").shape == (256, 1024)
+    with pytest.raises(Exception) as refused:
+        client.infer("zeros", shape(2048, 1024))
+    assert "RESOURCE_EXHAUSTED" in str(refused.value) and "answer holds" in str(refused.value), refused.value
+    import queue
+    answers = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    for h in (2048, 256):
+        client.async_stream_infer("zeros", shape(h, 1024))
+        result, error = answers.get(timeout=60)
+        if h > 256:
+            assert error is not None and "more than this server ever holds" in str(error), (result, error)
+        else:
+            assert error is None and result.as_numpy("out").shape == (h, 1024), error
+    client.stop_stream()

@@ -26,6 +26,15 @@ pub struct Budget {
     tenants: Mutex<HashMap<String, u32>>,
 }
 
+/// What bytes are held for (`Budget::refusal`).
+#[derive(Clone, Copy, Debug)]
+pub enum HeldFor {
+    /// A request's bytes and what they decode to, until it is answered.
+    Request,
+    /// Its answer's, until its client has taken them.
+    Answer,
+}
+
 /// Permits of a budget taken for one tenant (or none), given back when dropped.
 pub struct Reserved {
     budget: Arc<Budget>,
@@ -62,21 +71,28 @@ impl Budget {
         holds.saturating_add(want) <= self.share
     }
 
-    /// Why `bytes` for one request of `tenant` are refused: to retry shortly when others are
-    /// answered, or never to be retried when they are more than the budget (or a tenant's share)
-    /// could ever hold at once.
-    pub fn refusal(&self, tenant: Option<&str>, bytes: usize) -> Error {
+    /// Why `bytes` for one request of `tenant` (or its answer) are refused: to retry shortly when
+    /// others are answered, or never to be retried when they are more than the budget (or a
+    /// tenant's share) could ever hold at once.
+    pub fn refusal(&self, tenant: Option<&str>, bytes: usize, held: HeldFor) -> Error {
         let (most, whose) = match tenant {
             Some(_) => (self.share, "one tenant's requests"),
             None => (self.capacity, "all requests"),
         };
+        let (retry, what, until) = match held {
+            HeldFor::Request => (
+                crate::http::BODIES_OVER_BUDGET,
+                "this request holds",
+                "while it is served (its bytes and what they decode to)",
+            ),
+            HeldFor::Answer => (crate::http::ANSWERS_OVER_BUDGET, "this request's answer holds", "until it is taken"),
+        };
         if permits(bytes) <= most {
-            return Error::unavailable(crate::http::BODIES_OVER_BUDGET, Some(ferrite_core::wire::RETRY_AFTER));
+            return Error::unavailable(retry, Some(ferrite_core::wire::RETRY_AFTER));
         }
+        let most = most as usize * 1024;
         Error::TooLarge(format!(
-            "this request holds {bytes} bytes while it is served (its bytes and what they decode to), more than \
-             this server ever holds for {whose} at once ({} bytes)",
-            most as usize * 1024
+            "{what} {bytes} bytes {until}, more than this server ever holds for {whose} at once ({most} bytes)"
         ))
     }
 
@@ -141,10 +157,10 @@ impl Reserved {
     }
 
     /// [`Reserved::grow`], or why not ([`Budget::refusal`]).
-    pub fn hold(&mut self, bytes: usize) -> Result<(), Error> {
+    pub fn hold(&mut self, bytes: usize, held: HeldFor) -> Result<(), Error> {
         match self.grow(bytes) {
             true => Ok(()),
-            false => Err(self.budget.refusal(self.tenant.as_deref(), bytes)),
+            false => Err(self.budget.refusal(self.tenant.as_deref(), bytes, held)),
         }
     }
 
@@ -220,17 +236,26 @@ mod tests {
         let budget = Budget::new(8 << 10);
         let _others = budget.take(None, 6 << 10).unwrap();
         let retry = |e: Error| matches!(e, Error::Unavailable { retry_after: Some(_), .. });
-        assert!(retry(budget.refusal(None, 8 << 10)), "all of it, once the others are answered");
-        assert!(retry(budget.refusal(Some("a"), 4 << 10)), "a tenant's share");
-        let never = budget.refusal(None, (8 << 10) + 1);
+        assert!(retry(budget.refusal(None, 8 << 10, HeldFor::Request)), "all of it, once the others are answered");
+        assert!(retry(budget.refusal(Some("a"), 4 << 10, HeldFor::Request)), "a tenant's share");
+        let never = budget.refusal(None, (8 << 10) + 1, HeldFor::Request);
         assert!(matches!(&never, Error::TooLarge(m) if m.contains("all requests at once (8192 bytes)")), "{never:?}");
-        let never = budget.refusal(Some("a"), (4 << 10) + 1);
+        let never = budget.refusal(Some("a"), (4 << 10) + 1, HeldFor::Request);
         assert!(
             matches!(&never, Error::TooLarge(m) if m.contains("one tenant's requests at once (4096 bytes)")),
             "{never:?}"
         );
+        let never = budget.refusal(Some("a"), (4 << 10) + 1, HeldFor::Answer);
+        assert!(
+            matches!(&never, Error::TooLarge(m) if m.starts_with("this request's answer holds 4097 bytes")),
+            "{never:?}"
+        );
+        assert!(retry(budget.refusal(None, 1, HeldFor::Answer)));
         let mut held = budget.take(Some("b"), 0).unwrap();
-        assert!(retry(held.hold(3 << 10).unwrap_err()) && matches!(held.hold(5 << 10), Err(Error::TooLarge(_))));
+        assert!(
+            retry(held.hold(3 << 10, HeldFor::Request).unwrap_err())
+                && matches!(held.hold(5 << 10, HeldFor::Request), Err(Error::TooLarge(_)))
+        );
         assert!(held.is_empty(), "nothing taken");
     }
 

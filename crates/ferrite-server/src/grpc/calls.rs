@@ -36,7 +36,7 @@ use tonic::{
 
 use crate::{
     auth::Acting,
-    budget::{self, Budget, Reserved},
+    budget::{self, Budget, HeldFor, Reserved},
     http::pool::{Pooled, BODIES},
     idle::{Held, InFlight},
 };
@@ -163,14 +163,14 @@ impl AnswerCharge {
     /// Adds an answer of `bytes`, or fails the call when the budget cannot take it (the answer's
     /// memory is then freed at once, not held for a client that may never read it).
     pub fn add(&self, bytes: usize) -> Result<(), Status> {
-        self.0.hold(budget::permits(bytes)).map_err(|_| super::unavailable(crate::http::ANSWERS_OVER_BUDGET))
+        self.0.hold(budget::permits(bytes), HeldFor::Answer).map_err(super::status)
     }
 
     /// Holds `bytes` in all for the request its message decoded to (never less than its message's
     /// bytes, held already), unless the budget cannot take them: a message may decode to many
     /// times its bytes (a BYTES element of 2 bytes holds 32 while queued).
     pub fn decoded(&self, bytes: usize) -> Result<(), Error> {
-        self.0.hold(budget::permits(bytes))
+        self.0.hold(budget::permits(bytes), HeldFor::Request)
     }
 }
 
@@ -233,14 +233,9 @@ impl StreamAnswers {
     /// The bytes of an answer of `bytes` held (what its request's held, and more if the answer is
     /// larger), or why the budget cannot take them.
     pub fn hold(&self, request: Option<Reserved>, bytes: usize) -> Result<Reserved, String> {
-        let over = || crate::http::ANSWERS_OVER_BUDGET.to_string();
-        match request {
-            Some(mut held) => held.grow(bytes).then_some(held).ok_or_else(over),
-            None => {
-                let Charge { budget, tenant, .. } = &*self.0.charge;
-                budget.take(tenant.as_deref(), bytes).ok_or_else(over)
-            }
-        }
+        let Charge { budget, tenant, .. } = &*self.0.charge;
+        let mut held = request.unwrap_or_else(|| budget.taken(tenant.as_deref(), 0));
+        held.hold(bytes, HeldFor::Answer).map(|()| held).map_err(|e| e.to_string())
     }
 
     /// An answer is ready for the client.
@@ -296,7 +291,7 @@ struct Charge {
 impl Charge {
     /// Holds `want` permits in all (never fewer than held already), or fails if the budget has none
     /// ([`Budget::refusal`]).
-    fn hold(&self, want: u32) -> Result<(), Error> {
+    fn hold(&self, want: u32, held: HeldFor) -> Result<(), Error> {
         let have = self.permits.load(Ordering::Acquire);
         if want <= have {
             return Ok(());
@@ -305,7 +300,7 @@ impl Charge {
             self.permits.fetch_add(want - have, Ordering::AcqRel);
             return Ok(());
         }
-        Err(self.budget.refusal(self.tenant.as_deref(), want as usize * 1024))
+        Err(self.budget.refusal(self.tenant.as_deref(), want as usize * 1024, held))
     }
 
     fn release(&self) {
@@ -485,7 +480,9 @@ impl Charged {
         match (after, &self.stream) {
             (Some(after), Some(stream)) => {
                 // The messages that ended here hold their bytes until answered (`StreamAnswers`).
-                self.charge.hold(budget::permits(self.since + data.len() - after)).map_err(super::status)?;
+                self.charge
+                    .hold(budget::permits(self.since + data.len() - after), HeldFor::Request)
+                    .map_err(super::status)?;
                 let ended = std::mem::take(&mut self.frame.ended);
                 stream.received(self.charge.take(), ended);
                 self.since = after;
@@ -498,7 +495,7 @@ impl Charged {
         } else if after.is_some() || self.deadline.is_none() {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.limit)));
         }
-        self.charge.hold(budget::permits(self.since)).map_err(super::status)
+        self.charge.hold(budget::permits(self.since), HeldFor::Request).map_err(super::status)
     }
 }
 
@@ -821,13 +818,13 @@ mod tests {
     fn charge_is_refused_past_the_budget_and_given_back() {
         let budget = Budget::new(4 << 10);
         let a = Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) };
-        a.hold(3).unwrap();
-        a.hold(2).unwrap();
+        a.hold(3, HeldFor::Request).unwrap();
+        a.hold(2, HeldFor::Request).unwrap();
         let b = Charge { budget: budget.clone(), tenant: None, permits: AtomicU32::new(0) };
-        assert!(matches!(b.hold(2), Err(Error::Unavailable { .. })), "to retry");
-        assert!(matches!(b.hold(5), Err(Error::TooLarge(_))), "more than the whole budget: never");
+        assert!(matches!(b.hold(2, HeldFor::Request), Err(Error::Unavailable { .. })), "to retry");
+        assert!(matches!(b.hold(5, HeldFor::Request), Err(Error::TooLarge(_))), "more than the whole budget: never");
         drop(a);
-        b.hold(4).unwrap();
+        b.hold(4, HeldFor::Request).unwrap();
         assert_eq!(budget.available(), 0);
         b.release();
         assert_eq!(budget.available(), 4);

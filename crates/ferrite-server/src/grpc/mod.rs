@@ -18,7 +18,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{metadata::MetadataMap, Code, Request, Response, Status, Streaming};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::{auth::Acting, telemetry};
+use crate::{auth::Acting, budget::HeldFor, telemetry};
 
 pub mod pb {
     tonic::include_proto!("inference");
@@ -446,7 +446,7 @@ impl GrpcInferenceService for Service {
                             infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
                         };
                         let out = tokio::select! {
-                            r = svc.infer(msg, None, meta, |bytes| request.as_mut().map_or(Ok(()), |r| r.hold(bytes))) => {
+                            r = svc.infer(msg, None, meta, |bytes| request.as_mut().map_or(Ok(()), |r| r.hold(bytes, HeldFor::Request))) => {
                                 r.map_err(|e| e.to_string())
                             }
                             // The client went away: dropping the request frees its queue slot.

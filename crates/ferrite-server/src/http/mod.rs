@@ -21,7 +21,7 @@ use ferrite_core::{Core, Model};
 
 use crate::{
     auth::{Acting, Auth, Denied, Scope},
-    budget::{Budget, Reserved},
+    budget::{Budget, HeldFor, Reserved},
     places::{Place, Places},
 };
 use serde::Deserialize;
@@ -135,7 +135,7 @@ async fn read_body(
     // their body, not a connection closed while they send it).
     let stated_held = stated.unwrap_or(0).min(max);
     let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| budget.fits(acting.share(), stated_held)) else {
-        return ApiError::from(budget.refusal(acting.share(), stated_held)).into_response();
+        return ApiError::from(budget.refusal(acting.share(), stated_held, HeldFor::Request)).into_response();
     };
     let read = pool::BODIES.read(body, max, stated, &mut reserved);
     let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
@@ -208,12 +208,13 @@ async fn read_body(
 /// larger: the request's bytes are gone by now; at least a KiB) until written or its connection
 /// closed: answers a client does not read (or, over HTTP/2, opens no window for) count against
 /// what all requests (and its tenant's) may hold, so many of them, large or small, cannot exhaust
-/// memory. One the budget cannot take is not kept: 503, its memory freed at once.
+/// memory. One the budget cannot take is not kept: 503, its memory freed at once (413 when it is
+/// more than the budget could ever hold).
 fn hold_answer(resp: Response, mut held: Reserved) -> Response {
     let bytes =
         axum::body::HttpBody::size_hint(resp.body()).exact().map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
-    if !held.grow(bytes) {
-        return over_budget(ANSWERS_OVER_BUDGET);
+    if let Err(e) = held.hold(bytes, HeldFor::Answer) {
+        return ApiError::from(e).into_response();
     }
     if held.is_empty() {
         return resp;
@@ -224,11 +225,6 @@ fn hold_answer(resp: Response, mut held: Reserved) -> Response {
 /// Why an answer was refused (HTTP and gRPC).
 pub(crate) const ANSWERS_OVER_BUDGET: &str =
     "too many answer bytes in flight on this server, held for clients that have not taken them; retry shortly";
-
-/// 503 with a retry hint: the bytes in flight are over `--max-inflight-body-bytes`.
-fn over_budget(message: &str) -> Response {
-    ApiError::from(ferrite_core::Error::unavailable(message, Some(Duration::from_secs(1)))).into_response()
-}
 
 /// A body whose bytes hold its bytes of the budget until the last of them has been written (or
 /// its connection is gone): hyper drops a body once it has its last bytes, before they are sent.
@@ -482,7 +478,7 @@ fn inflate(
         if out.capacity() == at {
             // Doubled, up to what `max` allows (a byte past it tells a body over it).
             out.reserve_exact(at.max(STEP).min(max + 1 - at));
-            held.hold(compressed + out.capacity()).map_err(Inflate::OverBudget)?;
+            held.hold(compressed + out.capacity(), HeldFor::Request).map_err(Inflate::OverBudget)?;
         }
         out.resize(out.capacity().min(at + STEP), 0);
         let n = decoder.read(&mut out[at..]).map_err(Inflate::Corrupt)?;
@@ -1052,7 +1048,7 @@ fn held_beyond(
         None => Ok(None),
         Some(more) => match budget.take(tenant, more) {
             Some(reserved) => Ok(Some(reserved)),
-            None => Err(budget.refusal(tenant, req.held_len()).into()),
+            None => Err(budget.refusal(tenant, req.held_len(), HeldFor::Request).into()),
         },
     }
 }

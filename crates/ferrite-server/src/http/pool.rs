@@ -13,7 +13,7 @@ use std::sync::{
 
 use axum::body::{Body, Bytes};
 
-use crate::budget::Reserved;
+use crate::budget::{HeldFor, Reserved};
 use http_body_util::BodyExt;
 
 /// Bodies stated this large and larger are read into a pooled buffer; smaller ones come from the
@@ -84,7 +84,7 @@ impl Pool {
         // Past `max`, refused before the bytes are charged.
         let mut hold = |n: usize| match n > max {
             true => Err(ReadError::TooLarge),
-            false => held.hold(n).map_err(ReadError::OverBudget),
+            false => held.hold(n, HeldFor::Request).map_err(ReadError::OverBudget),
         };
         let Some(len) = stated.filter(|&n| (POOLED_FROM..=max).contains(&n)) else {
             // Small or unsized: its one frame as it came, or the frames copied into one.
