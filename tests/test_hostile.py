@@ -1137,16 +1137,9 @@ def test_large_bodies_are_decoded_a_core_at_a_time(start_server):
     assert grown < 64 + 100 * cores + 60, f"peak RSS grew {grown} MB ({cores} cores)"
 
 
-def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, tmp_path):
-    """A body's bytes are held in the bytes in flight until it is answered, but what it decoded to
-    was not: a BYTES element of JSON's three bytes (`"",`) holds 32 while queued, so requests
-    within the budget could hold ten times it. What the inputs hold beyond the bytes already
-    charged is now taken from the budget too, over HTTP and gRPC (calls and streams) alike: a
-    request decoding to more than the budget can spare now is refused to retry (503 / UNAVAILABLE,
-    with a retry hint), and one decoding to more than the whole budget, which no retry would
-    serve, for good (413 / RESOURCE_EXHAUSTED, no hint)."""
+def echo_repository(tmp_path):
+    """A repository of `echo`: an Identity model over strings `[N, S]`."""
     import onnx
-    import tritonclient.grpc as grpcclient
     from onnx import TensorProto, helper
     repo = tmp_path / "repo"
     (repo / "echo" / "1").mkdir(parents=True)
@@ -1155,7 +1148,19 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
                               [helper.make_tensor_value_info("out", TensorProto.STRING, ["N", "S"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     onnx.save(model, repo / "echo" / "1" / "model.onnx")
-    s = start_server("--max-inflight-body-bytes", str(32 << 20), repository=repo)
+    return repo
+
+
+def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, tmp_path):
+    """A body's bytes are held in the bytes in flight until it is answered, but what it decoded to
+    was not: a BYTES element of JSON's three bytes (`"",`) holds 32 while queued, so requests
+    within the budget could hold ten times it. What the inputs hold beyond the bytes already
+    charged is now taken from the budget too, over HTTP and gRPC (calls and streams) alike: a
+    request decoding to more than the budget can spare now is refused to retry (503 / UNAVAILABLE,
+    with a retry hint), and one decoding to more than the whole budget, which no retry would
+    serve, for good (413 / RESOURCE_EXHAUSTED, no hint)."""
+    import tritonclient.grpc as grpcclient
+    s = start_server("--max-inflight-body-bytes", str(32 << 20), repository=echo_repository(tmp_path))
 
     def body(n):
         return b'{"inputs":[{"name":"text","datatype":"BYTES","shape":[1,%d],"data":[' % n + b'"",' * (n - 1) + b'""]}]}'
@@ -1270,3 +1275,58 @@ def test_an_answer_past_all_the_budget_could_ever_hold_is_refused_for_good(start
         else:
             assert error is None and result.as_numpy("out").shape == (h, 1024), error
     client.stop_stream()
+
+
+def test_a_stream_message_sharing_its_frame_holds_what_it_decodes_to(start_server, tmp_path):
+    """The messages of a stream that end in one HTTP/2 frame have their bytes held once, by the
+    first; what the others decoded to was held nowhere. Two messages in one 16 KB frame, the second
+    of 7,000 empty strings (224 KB decoded) under a 64 KiB budget: it was answered; now it is
+    refused, as a message of its own would be, and the first is answered."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    from tritonclient.grpc import service_pb2
+    s = start_server("--max-inflight-body-bytes", str(64 << 10), repository=echo_repository(tmp_path))
+
+    def message(n, id):
+        req = service_pb2.ModelInferRequest(model_name="echo", id=id)
+        t = req.inputs.add()
+        t.name, t.datatype = "text", "BYTES"
+        t.shape.extend([1, n])
+        t.contents.bytes_contents.extend([b""] * n)
+        raw = req.SerializeToString()
+        return b"\0" + struct.pack(">I", len(raw)) + raw
+
+    frame = message(1, "small") + message(7000, "large")
+    sock = socket.create_connection(("127.0.0.1", s.grpc_port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    sock.sendall(conn.data_to_send())
+    assert len(frame) <= conn.max_outbound_frame_size, len(frame)
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                            (":path", "/inference.GRPCInferenceService/ModelStreamInfer"), *GRPC_HEADERS])
+    conn.send_data(sid, frame)
+    sock.sendall(conn.data_to_send())
+    data, answers = b"", {}
+    sock.settimeout(1)
+    deadline = time.time() + 60
+    while len(answers) < 2 and time.time() < deadline:
+        try:
+            got = sock.recv(1 << 16)
+        except socket.timeout:
+            continue
+        assert got, "closed"
+        for event in conn.receive_data(got):
+            if isinstance(event, h2.events.DataReceived):
+                data += event.data
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        sock.sendall(conn.data_to_send())
+        while len(data) >= 5 and len(data) >= 5 + struct.unpack(">I", data[1:5])[0]:
+            n = struct.unpack(">I", data[1:5])[0]
+            answer = service_pb2.ModelStreamInferResponse.FromString(data[5:5 + n])
+            answers[answer.infer_response.id] = answer.error_message
+            data = data[5 + n:]
+    sock.close()
+    assert answers.get("small") == "", answers
+    assert "more than this server ever holds" in answers.get("large", "answered"), answers

@@ -435,7 +435,7 @@ impl GrpcInferenceService for Service {
                 };
                 let (tx, svc, meta, answers) = (tx.clone(), svc.clone(), meta.clone(), answers.clone());
                 // What the message's bytes hold, held until it is answered.
-                let mut request = answers.as_ref().and_then(|a| a.next_message());
+                let mut request = answers.as_ref().map(|a| a.next_message());
                 let span = telemetry::request_span("grpc-stream", &msg.model_name, parent.clone());
                 tokio::spawn(tracing::Instrument::instrument(
                     async move {
