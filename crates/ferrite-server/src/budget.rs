@@ -24,6 +24,8 @@ pub struct Budget {
     share: u32,
     /// Permits each tenant holds now (only those holding any: at most one entry a request).
     tenants: Mutex<HashMap<String, u32>>,
+    /// Told when permits are given back (one waiter a time: see `freed`).
+    freed: Arc<tokio::sync::Notify>,
 }
 
 /// What bytes are held for (`Budget::refusal`).
@@ -51,6 +53,7 @@ impl Budget {
             capacity: permits,
             share: permits / 2,
             tenants: Mutex::default(),
+            freed: Arc::default(),
         })
     }
 
@@ -127,6 +130,15 @@ impl Budget {
             }
         }
         self.all.add_permits(permits as usize);
+        self.freed.notify_one();
+    }
+
+    /// Ready once permits are given back after it is enabled (or first polled); whoever waits for
+    /// room enables it before trying once more, so that none given back between is missed. Each
+    /// return wakes one waiter, the longest waiting (a wake for each of thousands of waiters at
+    /// each return would be a client's to multiply), so waiters also try again now and then.
+    pub fn freed(&self) -> tokio::sync::futures::OwnedNotified {
+        self.freed.clone().notified_owned()
     }
 
     /// `bytes` taken for `tenant`, held until dropped; `None` past the budget or its share.

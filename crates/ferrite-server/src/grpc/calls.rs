@@ -312,9 +312,10 @@ impl Charge {
         self.budget.give(self.tenant.as_deref(), n);
     }
 
-    /// What it holds, held from now by the returned reservation instead.
-    fn take(&self) -> Reserved {
-        self.budget.taken(self.tenant.as_deref(), self.permits.swap(0, Ordering::AcqRel))
+    /// `permits` of what it holds, held from now by the returned reservation instead.
+    fn take(&self, permits: u32) -> Reserved {
+        self.permits.fetch_sub(permits, Ordering::AcqRel);
+        self.budget.taken(self.tenant.as_deref(), permits)
     }
 }
 
@@ -326,7 +327,7 @@ impl Drop for Charge {
 
 /// Where a stream of gRPC length-prefixed messages stands: bytes of the 5-byte prefix seen, and
 /// bytes of the message still to come once the prefix is whole.
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Framing {
     prefix: [u8; 5],
     have: usize,
@@ -422,7 +423,16 @@ struct Charged {
     decompressing: Option<super::unpack::Decompressing>,
     rest: Bytes,
     pending: std::collections::VecDeque<Bytes>,
+    /// A stream's frame the budget could not take yet, since when (it waits at most the body
+    /// timeout), and what it waits on: permits given back, or its next try (`STALLED_RETRY`).
+    stalled: Option<Frame<Bytes>>,
+    stalled_since: Option<tokio::time::Instant>,
+    freed: Option<(Pin<Box<tokio::sync::futures::OwnedNotified>>, Pin<Box<tokio::time::Sleep>>)>,
 }
+
+/// How often a stream waiting for room in the budget tries again, beside when woken by permits
+/// given back (which wake one waiter each).
+const STALLED_RETRY: Duration = Duration::from_millis(100);
 
 impl Charged {
     fn new(inner: Body, charge: Arc<Charge>, stream: Option<StreamAnswers>, limit: Duration, big: Big) -> Charged {
@@ -439,6 +449,9 @@ impl Charged {
             decompressing: None,
             rest: Bytes::new(),
             pending: Default::default(),
+            stalled: None,
+            stalled_since: None,
+            freed: None,
         }
     }
 
@@ -479,19 +492,23 @@ impl Charged {
         Step::Emit(out.freeze())
     }
 
-    fn account(&mut self, data: &[u8]) -> Result<(), Status> {
-        let after = self.frame.advance(data);
-        match (after, &self.stream) {
-            (Some(after), Some(stream)) => {
-                // The messages that ended here hold their bytes until answered (`StreamAnswers`).
-                self.charge
-                    .hold(budget::permits(self.since + data.len() - after), HeldFor::Request)
-                    .map_err(super::status)?;
-                let ended = std::mem::take(&mut self.frame.ended);
-                stream.received(self.charge.take(), ended);
+    /// Charges `data`, or nothing at all if the budget cannot take it.
+    fn account(&mut self, data: &[u8]) -> Result<(), Error> {
+        let mut frame = self.frame.clone();
+        let after = frame.advance(data);
+        let total = self.since + data.len();
+        // A stream's messages that ended here hold their bytes until answered (`StreamAnswers`),
+        // apart from those after them.
+        let ended = after.filter(|_| self.stream.is_some()).map(|after| (budget::permits(total - after), after));
+        let want = ended.map_or(budget::permits(total), |(held, after)| held + budget::permits(after));
+        self.charge.hold(want, HeldFor::Request)?;
+        self.frame = frame;
+        match (ended, &self.stream) {
+            (Some((held, after)), Some(stream)) => {
+                stream.received(self.charge.take(held), std::mem::take(&mut self.frame.ended));
                 self.since = after;
             }
-            _ => self.since += data.len(),
+            _ => self.since = total,
         }
         // A message that ended here (and none begun after it) stops the clock; a new one starts it.
         if after.is_some() && !self.frame.partial() {
@@ -499,7 +516,7 @@ impl Charged {
         } else if after.is_some() || self.deadline.is_none() {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.limit)));
         }
-        self.charge.hold(budget::permits(self.since), HeldFor::Request).map_err(super::status)
+        Ok(())
     }
 }
 
@@ -530,7 +547,22 @@ impl http_body::Body for Charged {
                 this.decompressing = unpack.feed(&mut this.rest, &mut this.pending);
                 continue;
             }
-            let polled = Pin::new(&mut this.inner).poll_frame(cx);
+            // A stream waiting for room reads nothing more (its client's window closes meanwhile)
+            // until permits are given back, within the body timeout.
+            if let Some((freed, retry)) = &mut this.freed {
+                if freed.as_mut().poll(cx).is_pending() && retry.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                this.freed = None;
+                if this.stalled_since.is_some_and(|since| since.elapsed() >= this.limit) {
+                    (this.stalled, this.stalled_since) = (None, None);
+                    return Poll::Ready(Some(Err(super::unavailable(crate::http::BODIES_OVER_BUDGET))));
+                }
+            }
+            let polled = match this.stalled.take() {
+                Some(frame) => Poll::Ready(Some(Ok(frame))),
+                None => Pin::new(&mut this.inner).poll_frame(cx),
+            };
             if polled.is_pending() && this.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
                 this.deadline = None;
                 let secs = this.limit.as_secs_f64();
@@ -552,8 +584,22 @@ impl http_body::Body for Charged {
                 }
                 return polled;
             };
-            if let Err(refused) = this.account(data) {
-                return Poll::Ready(Some(Err(refused)));
+            match this.account(data) {
+                Ok(()) => this.stalled_since = None,
+                // A stream carries requests behind this one: it waits for room rather than ending.
+                Err(Error::Unavailable { .. }) if this.stream.is_some() => {
+                    let mut freed = Box::pin(this.charge.budget.freed());
+                    freed.as_mut().enable();
+                    if this.account(data).is_err() {
+                        this.freed = Some((freed, Box::pin(tokio::time::sleep(STALLED_RETRY))));
+                        this.stalled_since.get_or_insert_with(tokio::time::Instant::now);
+                        let Poll::Ready(Some(Ok(frame))) = polled else { unreachable!("a data frame") };
+                        this.stalled = Some(frame);
+                        continue;
+                    }
+                    this.stalled_since = None;
+                }
+                Err(refused) => return Poll::Ready(Some(Err(super::status(refused)))),
             }
             let out = match this.capture(data) {
                 Step::Pass if this.unpack.is_none() => return polled,
@@ -569,7 +615,11 @@ impl http_body::Body for Charged {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream() && self.pending.is_empty() && self.decompressing.is_none() && self.rest.is_empty()
+        self.inner.is_end_stream()
+            && self.pending.is_empty()
+            && self.decompressing.is_none()
+            && self.rest.is_empty()
+            && self.stalled.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -713,6 +763,37 @@ mod tests {
         assert!(body.frame().await.unwrap().is_ok());
         drop(tx);
         assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_past_the_budget_waits_for_room_and_a_unary_call_is_refused() {
+        use http_body_util::BodyExt;
+        let budget = Budget::new(8 << 10);
+        let others = budget.take(None, 6 << 10).unwrap();
+        let (tx, mut unary, _charge) = fed(&budget, false, Big::Off);
+        tx.send(Ok(Frame::data(Bytes::from(message(3 << 10))))).await.unwrap();
+        let refused = unary.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert_eq!(budget.available(), 2, "nothing of it held");
+        // A stream's frame waits, read and held only once the others' bytes are given back.
+        let (tx, mut body, _charge) = fed(&budget, true, Big::Off);
+        let stream = body.stream.clone().unwrap();
+        tx.send(Ok(Frame::data(Bytes::from(message(3 << 10))))).await.unwrap();
+        let waiting = tokio::time::timeout(Duration::from_secs(10), body.frame()).await;
+        assert!(waiting.is_err(), "no room: nothing read");
+        assert_eq!(budget.available(), 2);
+        drop(others);
+        assert!(body.frame().await.unwrap().is_ok());
+        assert_eq!(budget.available(), 4, "held by the message");
+        drop(stream.next_message());
+        // Past the body timeout without room: refused as before.
+        let others = budget.take(None, 6 << 10).unwrap();
+        tx.send(Ok(Frame::data(Bytes::from(message(3 << 10))))).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let refused = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert!(started.elapsed() >= Duration::from_secs(30));
+        drop(others);
     }
 
     #[tokio::test]
