@@ -427,8 +427,10 @@ struct Charged {
     /// timeout), and what it waits on: permits given back, or its next try (`STALLED_RETRY`).
     stalled: Option<Frame<Bytes>>,
     stalled_since: Option<tokio::time::Instant>,
-    freed: Option<(Pin<Box<tokio::sync::futures::OwnedNotified>>, Pin<Box<tokio::time::Sleep>>)>,
+    freed: Option<(Freed, Pin<Box<tokio::time::Sleep>>)>,
 }
+
+type Freed = Pin<Box<tokio::sync::futures::OwnedNotified>>;
 
 /// How often a stream waiting for room in the budget tries again, beside when woken by permits
 /// given back (which wake one waiter each).
