@@ -838,15 +838,40 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
         assert stub.ModelInfer(slow_grpc_request(1), timeout=60).raw_output_contents
         assert held.result().raw_output_contents
     # A stream's messages hold their bytes until answered too (before, each was freed once whole:
-    # a stream could hold 256 messages, 16 GiB at the largest, past any budget). Four 600 KB
-    # messages sent at once: two fit the budget; the rest of the stream is not read until they are
-    # answered (its client's window closes meanwhile), and then it is: all four are answered.
-    # Before, the stream ended refused once the two in flight were answered, the requests behind
-    # them lost...
-    answers = list(stub.ModelStreamInfer(iter([slow_grpc_request(300) for _ in range(4)]), timeout=120))
+    # a stream could hold 256 messages, 16 GiB at the largest, past any budget). Past the budget a
+    # stream is not read further until there is room (its client's window closes meanwhile),
+    # rather than ending: before, it ended UNAVAILABLE, the requests behind those in flight lost.
+    def holding(room):
+        """A client whose body, stated and partly sent, holds all but `room` KiB of the budget."""
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sent = 1_500_000 - (room << 10) - 100
+        sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (sent + 100) + b" " * sent)
+        time.sleep(0.5)
+        return sock
+
+    # While another client's body holds all of it, four messages sent at once wait; once that
+    # client has gone, all four are answered...
+    with ThreadPoolExecutor(1) as pool:
+        holder = holding(0)
+        stream = pool.submit(lambda: list(stub.ModelStreamInfer(iter([slow_grpc_request(10)] * 4), timeout=120)))
+        time.sleep(1.5)
+        assert not stream.done(), stream.exception()
+        holder.close()
+        answers = stream.result()
     assert len(answers) == 4 and all(a.infer_response.raw_output_contents for a in answers), answers
-    # ...and so does a stream sending each after the last one's answer is served, more than the
-    # budget in all.
+    # ...but a stream holding part of a message waits a second at most (streams each holding part
+    # of one would wait for each other), then ends as before: a 600 KB message with 300 KiB free.
+    holder = holding(300)
+    began = time.time()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.ModelStreamInfer(iter([slow_grpc_request(300)]), timeout=60))
+    waited = time.time() - began
+    holder.close()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "in flight" in refused.value.details()
+    assert 1 <= waited < 10, waited
+    # ...and a stream sending each after the last one's answer is served, more than the budget in
+    # all, is answered whole.
     import queue
     answered = queue.Queue()
 

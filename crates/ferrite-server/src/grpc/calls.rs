@@ -423,10 +423,11 @@ struct Charged {
     decompressing: Option<super::unpack::Decompressing>,
     rest: Bytes,
     pending: std::collections::VecDeque<Bytes>,
-    /// A stream's frame the budget could not take yet, since when (it waits at most the body
-    /// timeout), and what it waits on: permits given back, or its next try (`STALLED_RETRY`).
+    /// A stream's frame the budget could not take yet, since when and for how long at most (the
+    /// body timeout, `STALLED_HOLDING` inside a message), and what it waits on: permits given
+    /// back, or its next try (`STALLED_RETRY`).
     stalled: Option<Frame<Bytes>>,
-    stalled_since: Option<tokio::time::Instant>,
+    stalled_since: Option<(tokio::time::Instant, Duration)>,
     freed: Option<(Freed, Pin<Box<tokio::time::Sleep>>)>,
 }
 
@@ -435,6 +436,10 @@ type Freed = Pin<Box<tokio::sync::futures::OwnedNotified>>;
 /// How often a stream waiting for room in the budget tries again, beside when woken by permits
 /// given back (which wake one waiter each).
 const STALLED_RETRY: Duration = Duration::from_millis(100);
+
+/// How long a stream holding part of a message waits for room before it ends, as it did before
+/// streams waited (a unary call's message is refused at once).
+const STALLED_HOLDING: Duration = Duration::from_secs(1);
 
 impl Charged {
     fn new(inner: Body, charge: Arc<Charge>, stream: Option<StreamAnswers>, limit: Duration, big: Big) -> Charged {
@@ -556,7 +561,7 @@ impl http_body::Body for Charged {
                     return Poll::Pending;
                 }
                 this.freed = None;
-                if this.stalled_since.is_some_and(|since| since.elapsed() >= this.limit) {
+                if this.stalled_since.is_some_and(|(since, most)| since.elapsed() >= most) {
                     (this.stalled, this.stalled_since) = (None, None);
                     return Poll::Ready(Some(Err(super::unavailable(crate::http::BODIES_OVER_BUDGET))));
                 }
@@ -594,7 +599,11 @@ impl http_body::Body for Charged {
                     freed.as_mut().enable();
                     if this.account(data).is_err() {
                         this.freed = Some((freed, Box::pin(tokio::time::sleep(STALLED_RETRY))));
-                        this.stalled_since.get_or_insert_with(tokio::time::Instant::now);
+                        // Holding part of a message, it waits a second at most: streams each
+                        // holding part of one would wait for each other, and everyone else for
+                        // them, the whole body timeout.
+                        let most = if this.since > 0 { STALLED_HOLDING } else { this.limit };
+                        this.stalled_since.get_or_insert_with(|| (tokio::time::Instant::now(), most));
                         let Poll::Ready(Some(Ok(frame))) = polled else { unreachable!("a data frame") };
                         this.stalled = Some(frame);
                         continue;
@@ -796,6 +805,19 @@ mod tests {
         assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
         assert!(started.elapsed() >= Duration::from_secs(30));
         drop(others);
+        // A stream holding part of a message it cannot go on with waits a second at most: it
+        // holds that part while it waits.
+        let (tx, mut body, _charge) = fed(&budget, true, Big::Off);
+        let mut begun = message(6 << 10);
+        let rest = begun.split_off(3 << 10);
+        tx.send(Ok(Frame::data(Bytes::from(begun)))).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        let _others = budget.take(None, 4 << 10).unwrap();
+        tx.send(Ok(Frame::data(Bytes::from(rest)))).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let refused = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert!((Duration::from_secs(1)..Duration::from_secs(2)).contains(&started.elapsed()));
     }
 
     #[tokio::test]
