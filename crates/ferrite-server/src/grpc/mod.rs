@@ -445,8 +445,10 @@ impl GrpcInferenceService for Service {
                             error_message,
                             infer_response: Some(pb::ModelInferResponse { id, model_name, ..Default::default() }),
                         };
+                        // What it decodes to is held with its bytes.
+                        let hold = |bytes| request.as_mut().map_or(Ok(()), |r| r.hold(bytes, HeldFor::Request));
                         let out = tokio::select! {
-                            r = svc.infer(msg, None, meta, |bytes| request.as_mut().map_or(Ok(()), |r| r.hold(bytes, HeldFor::Request))) => {
+                            r = svc.infer(msg, None, meta, hold) => {
                                 r.map_err(|e| e.to_string())
                             }
                             // The client went away: dropping the request frees its queue slot.

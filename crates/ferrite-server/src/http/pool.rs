@@ -205,7 +205,8 @@ mod tests {
     async fn a_body_holds_the_bytes_it_has_sent_as_they_arrive() {
         use std::convert::Infallible;
         static OWN: Pool = Pool::new(); // not `POOL`, whose idle buffers the test below counts
-                                        // Past what the budget has now (another request holds a KiB), or past all of it.
+
+        // Past what the budget has now (another request holds a KiB), or past all of it.
         for (stated, second) in [(None, 5), (Some(POOLED_FROM), 5), (None, 6), (Some(POOLED_FROM), 6)] {
             let budget = crate::budget::Budget::new(8 << 10);
             let other = budget.take(None, 1 << 10).unwrap();
