@@ -297,10 +297,25 @@ def test_a_listener_holds_at_most_its_connection_cap(start_server):
     assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
 
 
-def head_of(n, extra=b""):
-    """An MLP request's head stating an `n`-byte body."""
-    return (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
-            b"Content-Length: %d\r\n\r\n" % (extra, n))
+def head_of(n, extra=b"", model=b"mlp"):
+    """A request's head (to `model`, MLP's by default) stating an `n`-byte body."""
+    return (b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\n\r\n" % (model, extra, n))
+
+
+def h2_events(sock, conn, done, timeout=60):
+    """`conn`'s events as they come, until `done()` or for `timeout` s, each batch's replies (acks,
+    window updates the caller made) sent after it."""
+    sock.settimeout(1)
+    deadline = time.time() + timeout
+    while not done() and time.time() < deadline:
+        try:
+            data = sock.recv(1 << 16)
+        except socket.timeout:
+            continue
+        assert data, "the connection closed"
+        yield from conn.receive_data(data)
+        sock.sendall(conn.data_to_send())
 
 
 def test_request_bytes_in_flight_are_bounded_before_buffering(start_server):
@@ -598,20 +613,11 @@ def test_answers_held_for_a_client_count_against_the_bytes_in_flight(start_serve
         h2_send(sock, conn, path, headers, body)
     # Each stream's answer: its HTTP status, and for gRPC, a refusal's grpc-status in headers alone.
     answered, refused = {}, 0
-    sock.settimeout(1)
-    deadline = time.time() + 60
-    while len(answered) < 12 and time.time() < deadline:
-        try:
-            data = sock.recv(1 << 16)
-        except socket.timeout:
-            continue
-        assert data, "the connection closed"
-        for event in conn.receive_data(data):
-            if isinstance(event, h2.events.ResponseReceived):
-                got = dict(event.headers)
-                answered[event.stream_id] = got
-                refused += got[":status"] == "503" or got.get("grpc-status") == "14"
-        sock.sendall(conn.data_to_send())
+    for event in h2_events(sock, conn, lambda: len(answered) >= 12):
+        if isinstance(event, h2.events.ResponseReceived):
+            got = dict(event.headers)
+            answered[event.stream_id] = got
+            refused += got[":status"] == "503" or got.get("grpc-status") == "14"
     sock.close()
     assert len(answered) == 12, f"{len(answered)} of 12 streams answered"
     # 32 MB of budget, 6.75 MB an answer held: at most four kept.
@@ -856,8 +862,7 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
         """A client whose body, stated and partly sent, holds all but `room` KiB of the budget."""
         sock = socket.create_connection(("127.0.0.1", s.port))
         sent = 1_500_000 - (room << 10) - 100
-        sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (sent + 100) + b" " * sent)
+        sock.sendall(head_of(sent + 100, model=b"slow") + b" " * sent)
         time.sleep(0.5)
         return sock
 
@@ -1212,8 +1217,7 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     # While another client's 28 MiB body (stated 31) holds most of the budget, the small one does
     # not fit now: to retry. Once that client has gone, it fits again.
     holder = socket.create_connection(("127.0.0.1", s.port))
-    holder.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n" % (31 << 20) + b" " * (28 << 20))
+    holder.sendall(head_of(31 << 20, model=b"echo") + b" " * (28 << 20))
     time.sleep(0.5)
     conn = http.client.HTTPConnection(s.url, timeout=120)
     conn.request("POST", "/v2/models/echo/infer", body=small, headers=JSON)
@@ -1342,19 +1346,10 @@ def test_a_stream_message_sharing_its_frame_holds_what_it_decodes_to(start_serve
     conn.send_data(sid, frame)
     sock.sendall(conn.data_to_send())
     data, answers = b"", {}
-    sock.settimeout(1)
-    deadline = time.time() + 60
-    while len(answers) < 2 and time.time() < deadline:
-        try:
-            got = sock.recv(1 << 16)
-        except socket.timeout:
-            continue
-        assert got, "closed"
-        for event in conn.receive_data(got):
-            if isinstance(event, h2.events.DataReceived):
-                data += event.data
-                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-        sock.sendall(conn.data_to_send())
+    for event in h2_events(sock, conn, lambda: len(answers) >= 2):
+        if isinstance(event, h2.events.DataReceived):
+            data += event.data
+            conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         while len(data) >= 5 and len(data) >= 5 + struct.unpack(">I", data[1:5])[0]:
             n = struct.unpack(">I", data[1:5])[0]
             answer = service_pb2.ModelStreamInferResponse.FromString(data[5:5 + n])

@@ -236,10 +236,8 @@ impl StreamAnswers {
 
     /// The bytes of an answer of `bytes` held (what its request's held, and more if the answer is
     /// larger), or why the budget cannot take them.
-    pub fn hold(&self, request: Option<Reserved>, bytes: usize) -> Result<Reserved, String> {
-        let Charge { budget, tenant, .. } = &*self.0.charge;
-        let mut held = request.unwrap_or_else(|| budget.taken(tenant.as_deref(), 0));
-        held.hold(bytes, HeldFor::Answer).map(|()| held).map_err(|e| e.to_string())
+    pub fn hold(&self, mut request: Reserved, bytes: usize) -> Result<Reserved, String> {
+        request.hold(bytes, HeldFor::Answer).map(|()| request).map_err(|e| e.to_string())
     }
 
     /// An answer is ready for the client.
@@ -842,7 +840,7 @@ mod tests {
         drop((first, third));
         assert_eq!(budget.available(), 94);
         // An answer larger than its request holds more, then all goes back.
-        let answer = stream.hold(Some(second), 20 << 10).unwrap();
+        let answer = stream.hold(second, 20 << 10).unwrap();
         assert_eq!(budget.available(), 80);
         drop(answer);
         assert_eq!(budget.available(), 100);

@@ -454,8 +454,8 @@ impl GrpcInferenceService for Service {
                             // The client went away: dropping the request frees its queue slot.
                             _ = tx.closed() => return,
                         };
-                        let held = match (&out, &answers) {
-                            (Ok(resp), Some(answers)) => {
+                        let held = match (&out, &answers, request) {
+                            (Ok(resp), Some(answers), Some(request)) => {
                                 answers.hold(request, prost::Message::encoded_len(resp)).map(Some)
                             }
                             _ => Ok(None),

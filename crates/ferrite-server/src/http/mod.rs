@@ -134,9 +134,10 @@ async fn read_body(
     // (one stated over `max` is read up to it and refused then: clients expect an answer after
     // their body, not a connection closed while they send it).
     let stated_held = stated.unwrap_or(0).min(max);
-    let Some(mut reserved) = budget.take(acting.share(), 0).filter(|_| budget.fits(acting.share(), stated_held)) else {
+    if !budget.fits(acting.share(), stated_held) {
         return ApiError::from(budget.refusal(acting.share(), stated_held, HeldFor::Request)).into_response();
-    };
+    }
+    let mut reserved = budget.taken(acting.share(), 0);
     let read = pool::BODIES.read(body, max, stated, &mut reserved);
     let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
         Err(_) => {
