@@ -886,6 +886,24 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
     holder.close()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "in flight" in refused.value.details()
     assert 1 <= waited < 10, waited
+    # A gzip message (1 KB) decompressing to more than the room left waits that second too, and is
+    # answered once the other client has gone (before, its stream ended at once)...
+    zipped = service_pb2_grpc.GRPCInferenceServiceStub(
+        grpc.insecure_channel(s.grpc_url, compression=grpc.Compression.Gzip))
+    with ThreadPoolExecutor(1) as pool:
+        holder = holding(300)
+        stream = pool.submit(lambda: list(zipped.ModelStreamInfer(iter([slow_grpc_request(300)]), timeout=60)))
+        time.sleep(0.3)
+        assert not stream.done(), stream.exception()
+        holder.close()
+        answers = stream.result()
+    assert len(answers) == 1 and answers[0].infer_response.raw_output_contents, answers
+    # ...and ends as the plain one does when no room comes.
+    holder = holding(300)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(zipped.ModelStreamInfer(iter([slow_grpc_request(300)]), timeout=60))
+    holder.close()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "in flight" in refused.value.details()
     # ...and a stream sending each after the last one's answer is served, more than the budget in
     # all, is answered whole.
     import queue

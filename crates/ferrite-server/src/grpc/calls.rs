@@ -132,7 +132,7 @@ where
             .then(|| {
                 let encoding = req.headers().get("grpc-encoding").and_then(|v| v.to_str().ok());
                 let share = (self.layer.budget.clone(), charge.tenant.clone());
-                super::unpack::Unpack::new(encoding, self.layer.max_message, share, limit)
+                super::unpack::Unpack::new(encoding, self.layer.max_message, share, limit, streaming)
             })
             .flatten();
         let req = req.map(|inner| {
@@ -433,11 +433,11 @@ type Freed = Pin<Box<tokio::sync::futures::OwnedNotified>>;
 
 /// How often a stream waiting for room in the budget tries again, beside when woken by permits
 /// given back (which wake one waiter each).
-const STALLED_RETRY: Duration = Duration::from_millis(100);
+pub(super) const STALLED_RETRY: Duration = Duration::from_millis(100);
 
 /// How long a stream holding part of a message waits for room before it ends, as it did before
 /// streams waited (a unary call's message is refused at once).
-const STALLED_HOLDING: Duration = Duration::from_secs(1);
+pub(super) const STALLED_HOLDING: Duration = Duration::from_secs(1);
 
 impl Charged {
     fn new(inner: Body, charge: Arc<Charge>, stream: Option<StreamAnswers>, limit: Duration, big: Big) -> Charged {

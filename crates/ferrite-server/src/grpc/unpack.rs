@@ -12,7 +12,12 @@ use std::{collections::VecDeque, future::Future, pin::Pin, sync::Arc, time::Dura
 use bytes::Bytes;
 use tonic::Status;
 
-use super::unavailable;
+use ferrite_core::Error;
+
+use super::{
+    calls::{STALLED_HOLDING, STALLED_RETRY},
+    unavailable,
+};
 use crate::{
     budget::{self, Budget},
     http::{decompress_in_turn, Inflate, BODIES_OVER_BUDGET},
@@ -27,6 +32,9 @@ pub struct Unpack {
     tenant: Option<String>,
     /// How long a message may wait for a place to be decompressed.
     wait: Duration,
+    /// A stream's: a message decompressing past the budget waits a while for room, as a stream's
+    /// plain bytes do (`calls::Charged`), rather than ending the stream at once.
+    stream: bool,
     at: At,
 }
 
@@ -48,13 +56,14 @@ impl Unpack {
         max: usize,
         (budget, tenant): (Arc<Budget>, Option<String>),
         wait: Duration,
+        stream: bool,
     ) -> Option<Unpack> {
         let gzip = match encoding? {
             "gzip" => true,
             "deflate" => false,
             _ => return None,
         };
-        Some(Unpack { gzip, max, budget, tenant, wait, at: At::Prefix(Vec::new()) })
+        Some(Unpack { gzip, max, budget, tenant, wait, stream, at: At::Prefix(Vec::new()) })
     }
 
     /// Whether the body may end here (between messages).
@@ -113,19 +122,50 @@ impl Unpack {
     /// thread held per waiting message let a flood of them take tokio's blocking pool, and with it
     /// the runtime's hand-over of its I/O threads), on the blocking pool.
     fn unpacked(&self, compressed: Vec<u8>) -> Decompressing {
-        let (gzip, max, wait) = (self.gzip, self.max, self.wait);
+        let (gzip, max, wait, stream) = (self.gzip, self.max, self.wait, self.stream);
         let (budget, tenant) = (self.budget.clone(), self.tenant.clone());
+        let compressed = Bytes::from(compressed);
         Box::pin(async move {
-            let Some(held) = budget.take(tenant.as_deref(), 0) else {
-                return Err(unavailable(BODIES_OVER_BUDGET));
-            };
             let busy = "too many compressed messages are being decompressed on this server";
-            let inflated = decompress_in_turn(gzip, compressed, max, held, tenant.as_deref(), wait, busy).await;
-            let (plain, held, _place) = inflated.map_err(super::status)?;
+            let began = tokio::time::Instant::now();
+            let (plain, held, _place) = loop {
+                let mut freed = std::pin::pin!(budget.freed());
+                freed.as_mut().enable();
+                let Some(held) = budget.take(tenant.as_deref(), 0) else {
+                    return Err(unavailable(BODIES_OVER_BUDGET));
+                };
+                let tried = decompress_in_turn(gzip, compressed.clone(), max, held, tenant.as_deref(), wait, busy);
+                match tried.await.map_err(super::status)? {
+                    // A stream's message past what the budget can take now waits for room (it
+                    // holds its compressed bytes meanwhile, so a second at most, as a stream
+                    // holding part of a message does), and starts again once there is room for
+                    // what it last asked: woken by permits given back (its own, just dropped,
+                    // included) or its next try.
+                    (Err(Inflate::OverBudget(Error::Unavailable { .. }, wanted)), held, _) if stream => {
+                        drop(held);
+                        loop {
+                            let left = STALLED_HOLDING.saturating_sub(began.elapsed());
+                            if left.is_zero() {
+                                return Err(unavailable(BODIES_OVER_BUDGET));
+                            }
+                            tokio::select! {
+                                _ = freed.as_mut() => {}
+                                _ = tokio::time::sleep(STALLED_RETRY.min(left)) => {}
+                            }
+                            if budget.fits(tenant.as_deref(), wanted) {
+                                break;
+                            }
+                            freed.set(budget.freed());
+                            freed.as_mut().enable();
+                        }
+                    }
+                    done => break done,
+                }
+            };
             let plain = match plain.map(|plain| budget::holding(plain, held)) {
                 Ok(plain) => plain,
                 Err(Inflate::TooLarge) => return Err(too_large(max)),
-                Err(Inflate::OverBudget(e)) => return Err(super::status(e)),
+                Err(Inflate::OverBudget(e, _)) => return Err(super::status(e)),
                 Err(Inflate::Corrupt(e)) => return Err(Status::internal(format!("Error decompressing: {e}"))),
                 Err(Inflate::Unwanted) => return Err(Status::cancelled("the call was cancelled")),
             };
@@ -167,7 +207,7 @@ mod tests {
     }
 
     fn unpack(max: usize, budget: &Arc<Budget>) -> Unpack {
-        Unpack::new(Some("gzip"), max, (budget.clone(), None), Duration::from_secs(1)).unwrap()
+        Unpack::new(Some("gzip"), max, (budget.clone(), None), Duration::from_secs(1), false).unwrap()
     }
 
     async fn fed(u: &mut Unpack, body: &[u8], chunk: usize) -> Result<Vec<u8>, Status> {
@@ -234,7 +274,35 @@ mod tests {
         // A compressed message longer than the limit is tonic's to refuse: passed on as it came.
         let long = frame(1, &[1u8; 64]);
         assert_eq!(fed(&mut unpack(32, &budget), &long, 7).await.unwrap(), long);
-        assert!(Unpack::new(Some("identity"), 1, (budget.clone(), None), Duration::ZERO).is_none());
-        assert!(Unpack::new(None, 1, (budget, None), Duration::ZERO).is_none());
+        assert!(Unpack::new(Some("identity"), 1, (budget.clone(), None), Duration::ZERO, false).is_none());
+        assert!(Unpack::new(None, 1, (budget, None), Duration::ZERO, false).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_streams_message_decompressing_past_the_budget_waits_a_second_for_room() {
+        let small = Budget::new(1 << 20);
+        // Decompressed where it is (under `INFLATED_HERE`), so the clock alone says how long.
+        let message = frame(1, &gzip(&[1u8; 40 << 10]));
+        let stream =
+            || Unpack::new(Some("gzip"), 4 << 20, (small.clone(), None), Duration::from_secs(1), true).unwrap();
+        // Room comes within the second: the message is decompressed then, from the start.
+        let others = small.take(None, 1000 << 10).unwrap();
+        let (mut u, m) = (stream(), message.clone());
+        let waiting = tokio::spawn(async move { fed(&mut u, &m, 4096).await });
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!waiting.is_finished());
+        drop(others);
+        assert_eq!(waiting.await.unwrap().unwrap(), frame(0, &[1u8; 40 << 10]));
+        // None comes: the stream ends as it did before it waited, a second later.
+        let _others = small.take(None, 1000 << 10).unwrap();
+        let began = tokio::time::Instant::now();
+        let e = fed(&mut stream(), &message, 4096).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert!((STALLED_HOLDING..STALLED_HOLDING * 2).contains(&began.elapsed()), "{:?}", began.elapsed());
+        // A unary call's is refused at once.
+        let began = tokio::time::Instant::now();
+        let e = fed(&mut unpack(4 << 20, &small), &message, 4096).await.unwrap_err();
+        assert_eq!((e.code(), began.elapsed()), (tonic::Code::Unavailable, Duration::ZERO), "{e:?}");
+        assert_eq!(small.available(), 24, "nothing of theirs is left held");
     }
 }

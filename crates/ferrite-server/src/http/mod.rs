@@ -178,7 +178,7 @@ async fn read_body(
                     let msg = format!("decompressed body is over {max} bytes");
                     Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, msg).into_response())
                 }
-                Err(Inflate::OverBudget(e)) => Err(ApiError::from(e).into_response()),
+                Err(Inflate::OverBudget(e, _)) => Err(ApiError::from(e).into_response()),
                 Err(Inflate::Corrupt(e)) => {
                     Err(ApiError::bad_request(format!("cannot decompress the request body: {e}")).into_response())
                 }
@@ -324,8 +324,9 @@ static DECOMPRESSING: std::sync::LazyLock<Places> =
 pub(crate) enum Inflate {
     /// Past `max` bytes.
     TooLarge,
-    /// Past the bytes in flight all requests (or its tenant's) may hold, now or ever.
-    OverBudget(ferrite_core::Error),
+    /// Past the bytes in flight all requests (or its tenant's) may hold, now or ever: why, and
+    /// the bytes it asked to hold.
+    OverBudget(ferrite_core::Error, usize),
     Corrupt(std::io::Error),
     /// Stopped: no one awaits the output any more (its client left).
     Unwanted,
@@ -479,7 +480,8 @@ fn inflate(
         if out.capacity() == at {
             // Doubled, up to what `max` allows (a byte past it tells a body over it).
             out.reserve_exact(at.max(STEP).min(max + 1 - at));
-            held.hold(compressed + out.capacity(), HeldFor::Request).map_err(Inflate::OverBudget)?;
+            let want = compressed + out.capacity();
+            held.hold(want, HeldFor::Request).map_err(|e| Inflate::OverBudget(e, want))?;
         }
         out.resize(out.capacity().min(at + STEP), 0);
         let n = decoder.read(&mut out[at..]).map_err(Inflate::Corrupt)?;
