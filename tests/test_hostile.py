@@ -1276,6 +1276,33 @@ def test_what_a_request_decodes_to_is_held_in_the_bytes_in_flight(start_server, 
     assert send(s, "POST", "/v2/models/echo/infer", JSON, small, timeout=120)[0] == 200
 
 
+def test_a_large_body_the_model_would_refuse_is_refused_before_its_data_is_decoded(start_server):
+    """A large body's inputs (past the 256 KiB decoded off the I/O threads) are checked against the
+    model, name, datatype and shape, before their data is decoded: before, 4.2 MiB of JSON empty
+    strings sent as BYTES to the MLP (FP32) were decoded to 45 MB first, and refused for what they
+    decoded to (413 under a 32 MiB budget), or, within it, after paying for it."""
+    s = start_server("--max-inflight-body-bytes", str(32 << 20), models=("mlp",))
+    n = 1_400_000
+    strings = {"name": "input", "datatype": "BYTES", "shape": [1, n]}
+    body = json.dumps({"inputs": [{**strings, "data": [""] * n}]}).encode()
+    wrong = b"input 'input': expected datatype FP32, got BYTES"
+    for headers, sent in ((JSON, body), ({**JSON, "Content-Encoding": "gzip"}, gzip.compress(body)),
+                          ({"Content-Type": "application/msgpack"}, msgpack.packb({"inputs": [{**strings, "data": [""] * n}]}))):
+        status, text = send(s, "POST", "/v2/models/mlp/infer", headers, sent, timeout=120)
+        assert status == 400 and wrong in text, (headers, status, text[:300])
+    # A shape the model does not take likewise (the numbers would fit the budget and the limits).
+    status, text = send(s, "POST", "/v2/models/mlp/infer", JSON,
+                        json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [n],
+                                                "data": [0] * n}]}).encode(), timeout=120)
+    assert status == 400 and b"expected shape [-1, 512], got [1400000]" in text, (status, text[:300])
+    # What the model takes is served as before (430 KB of JSON).
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [64, 512],
+                                   "data": [0.123456789] * (64 * 512)}]}).encode()
+    assert len(body) > 256 << 10
+    status, text = send(s, "POST", "/v2/models/mlp/infer", JSON, body, timeout=120)
+    assert status == 200 and json.loads(text)["outputs"][0]["shape"][0] == 64, (status, text[:300])
+
+
 def test_an_answer_past_all_the_budget_could_ever_hold_is_refused_for_good(start_server, tmp_path):
     """An answer holds its bytes in flight until its client has taken them; one the budget cannot
     take is refused, 503 / UNAVAILABLE to retry. One larger than the whole budget, which no retry

@@ -296,6 +296,38 @@ def test_a_slow_canary_is_withdrawn(start_server, tmp_path):
     assert "canary withdrawn: p99" in rows[0]["reason"], rows
 
 
+def test_a_large_body_is_checked_against_either_side_of_a_canary(start_server, tmp_path):
+    """A large body's inputs are checked against the model before their data is decoded. While a
+    canary runs, which side serves a request is chosen once it is whole (by its id), so an input
+    that either side takes is decoded: here the candidate takes FP64 where the stable version
+    takes FP32, and each is refused only by the side that serves it."""
+    import onnx
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "k"], ["y"])], "double",
+                              [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, ["N", 4])],
+                              [helper.make_tensor("k", TensorProto.DOUBLE, [], [3.0])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8),
+              tmp_path / "double.onnx")
+    config = "max_batch_size = 8192\n[canary]\nversion = 2\nweight = 0.5\nmin_samples = 20\n"
+    repo = scale_repo(tmp_path / "repo", {1: SCALE / "1" / "model.onnx", 2: tmp_path / "double.onnx"}, config)
+    s = start_server("--model-control-mode", "explicit", "--load-model", "*", repository=repo)
+
+    def send(datatype, side):
+        body = json.dumps({"inputs": [{"name": "x", "shape": [8000, 4], "datatype": datatype,
+                                       "data": [0.123456789] * 32000}]})
+        assert len(body) > 256 << 10, "decoded off the I/O threads, and checked first"
+        headers = {"Content-Type": "application/json", "x-ferrite-canary": side}
+        return call(s.url, "POST", "/v2/models/scale/infer", body, headers)
+
+    for datatype, side, version in (("FP64", "always", "2"), ("FP32", "never", "1")):
+        status, out = send(datatype, side)
+        assert status == 200 and out["model_version"] == version and out["outputs"][0]["shape"] == [8000, 4], out
+    for datatype, side, wanted in (("FP32", "always", "FP64"), ("FP64", "never", "FP32"), ("FP16", "auto", "FP32")):
+        status, out = send(datatype, side)
+        assert status == 400 and out["error"] == f"input 'x': expected datatype {wanted}, got {datatype}", out
+
+
 def test_a_good_canary_stays_routes_sticky_and_is_promoted(start_server, tmp_path):
     s = canary_server(start_server, tmp_path, SCALE / "2" / "model.onnx")
     seen = [infer(s.url, x=-1.0, request_id=f"r{i}") for i in range(300)]

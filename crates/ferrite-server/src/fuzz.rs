@@ -151,8 +151,8 @@ fn json(data: &[u8]) {
     let said = |r: Result<(ferrite_core::InferRequest, crate::http::json::BinaryOutputs), ferrite_core::Error>| {
         r.map(|(req, bin)| format!("{req:?} {bin:?}")).map_err(|e| e.to_string())
     };
-    let apart = said(crate::http::json::parse("m", None, data, None, MAX_ELEMENTS, None));
-    assert_eq!(apart, said(crate::http::json::read_whole("m", None, data, None, MAX_ELEMENTS, None)));
+    let apart = said(crate::http::json::parse("m", None, data, None, MAX_ELEMENTS, None, None));
+    assert_eq!(apart, said(crate::http::json::read_whole("m", None, data, None, MAX_ELEMENTS, None, None)));
 }
 
 fn binary(data: &[u8]) {
@@ -169,12 +169,13 @@ fn binary(data: &[u8]) {
             Some(Bytes::copy_from_slice(&body[n..])),
             MAX_ELEMENTS,
             None,
+            None,
         );
     }
 }
 
 fn msgpack(data: &[u8]) {
-    let _ = crate::http::msgpack::parse("m", None, data, MAX_ELEMENTS, None);
+    let _ = crate::http::msgpack::parse("m", None, data, MAX_ELEMENTS, None, None);
 }
 
 fn grpc(data: &[u8]) {

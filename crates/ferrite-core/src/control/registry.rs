@@ -134,6 +134,21 @@ impl Registry {
         }
     }
 
+    /// Every model a request for `name` at `version` may go to, whatever its id and canary wish:
+    /// the version it names, else the default and, while a canary runs, its candidate.
+    pub fn candidates(&self, name: &str, version: Option<&str>) -> Result<Vec<Arc<Model>>> {
+        let (first, _) = self.route(name, version, None, CanaryRoute::Never)?;
+        let mut all = vec![first];
+        if version.is_none_or(str::is_empty) {
+            if let Ok((other, _)) = self.route(name, None, None, CanaryRoute::Always) {
+                if !Arc::ptr_eq(&other, &all[0]) {
+                    all.push(other);
+                }
+            }
+        }
+        Ok(all)
+    }
+
     /// Models that are not served, with the reason.
     pub fn failed(&self) -> BTreeMap<String, String> {
         self.notes

@@ -209,6 +209,31 @@ impl Core {
         self.infer_on(route, req, None).await
     }
 
+    /// Whether a version that a request for `model` (at `version`) may go to takes an input
+    /// `name` of `datatype` and `shape` ([`Model::check_input`]), its data aside; else why the
+    /// one it would most often go to does not. Front-ends ask before decoding a large body's data,
+    /// so that data the model would refuse is refused unread. Both sides of a canary are asked:
+    /// which one serves a request is chosen once it is whole (by its id).
+    pub fn check_input(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        name: &str,
+        datatype: crate::DataType,
+        shape: &[usize],
+    ) -> Result<()> {
+        let mut first = None;
+        for m in self.inner.registry.load().candidates(model, version)? {
+            match m.check_input(name, datatype, shape, self.inner.limits.max_elements) {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        Err(first.unwrap_or_else(|| Error::internal("a model has no version to ask")))
+    }
+
     /// The model version `req` goes to (its canary's choice included), chosen once: a caller that
     /// checks or converts inputs against [`Route::model`] runs them on that version.
     pub fn route(&self, req: &InferRequest) -> Result<Route> {

@@ -324,6 +324,49 @@ impl Model {
         InferResponse { model_name: self.spec.name.clone(), model_version: self.spec.version.to_string(), id, outputs }
     }
 
+    /// Where the model takes an input `name` of `datatype` and `shape`, and its element count,
+    /// or why it does not (its name, datatype, shape, batch size and element count; not its
+    /// data): each input is checked so before it is queued, and a front-end may check a large
+    /// body's inputs so before it decodes their data.
+    pub fn check_input(
+        &self,
+        name: &str,
+        datatype: crate::DataType,
+        shape: &[usize],
+        max_elements: usize,
+    ) -> Result<(usize, usize)> {
+        let spec = &self.spec;
+        let Some(i) = spec.inputs.iter().position(|s| s.name == name) else {
+            let names: Vec<&str> = spec.inputs.iter().map(|s| s.name.as_str()).collect();
+            return Err(Error::invalid(format!(
+                "unexpected input '{name}' for model '{}'; it takes {names:?}",
+                spec.name
+            )));
+        };
+        let s = &spec.inputs[i];
+        if datatype != s.datatype {
+            return Err(Error::invalid(format!("input '{name}': expected datatype {}, got {datatype}", s.datatype)));
+        }
+        let expected = spec.wire_shape(s);
+        let fits = shape.len() == expected.len() && shape.iter().zip(&expected).all(|(&d, &e)| e < 0 || d as i64 == e);
+        if !fits {
+            return Err(Error::invalid(format!("input '{name}': expected shape {expected:?}, got {shape:?}")));
+        }
+        // A shape the model's reshape cannot take is refused here, before it joins a batch.
+        let batched = spec.batched();
+        if let Some(to) = spec.reshape.get(name) {
+            crate::engine::spec::reshaped(shape, batched, to)
+                .map_err(|e| Error::invalid(format!("input '{name}': {e}")))?;
+        }
+        if batched && !(1..=spec.batch.max_batch_size).contains(&shape[0]) {
+            return Err(Error::invalid(format!(
+                "input '{name}': batch size {} is outside 1..={} (max_batch_size)",
+                shape[0], spec.batch.max_batch_size
+            )));
+        }
+        Ok((i, element_count(shape, max_elements)?))
+    }
+
     /// Puts inputs in model order and checks each against the spec before anything is queued.
     fn check_inputs(&self, given: Vec<Tensor>, max_elements: usize) -> Result<(Vec<Tensor>, usize)> {
         let spec = &self.spec;
@@ -331,44 +374,10 @@ impl Model {
         let mut slots: Vec<Option<Tensor>> = vec![None; spec.inputs.len()];
         let mut elements = 0usize;
         for t in given {
-            let Some(i) = spec.inputs.iter().position(|s| s.name == t.name) else {
-                let names: Vec<&str> = spec.inputs.iter().map(|s| s.name.as_str()).collect();
-                return Err(Error::invalid(format!(
-                    "unexpected input '{}' for model '{}'; it takes {names:?}",
-                    t.name, spec.name
-                )));
-            };
-            let s = &spec.inputs[i];
+            let (i, n) = self.check_input(&t.name, t.datatype, &t.shape, max_elements)?;
             if slots[i].is_some() {
                 return Err(Error::invalid(format!("input '{}' is given more than once", t.name)));
             }
-            if t.datatype != s.datatype {
-                return Err(Error::invalid(format!(
-                    "input '{}': expected datatype {}, got {}",
-                    t.name, s.datatype, t.datatype
-                )));
-            }
-            let expected = spec.wire_shape(s);
-            let fits =
-                t.shape.len() == expected.len() && t.shape.iter().zip(&expected).all(|(&d, &e)| e < 0 || d as i64 == e);
-            if !fits {
-                return Err(Error::invalid(format!(
-                    "input '{}': expected shape {expected:?}, got {:?}",
-                    t.name, t.shape
-                )));
-            }
-            // A shape the model's reshape cannot take is refused here, before it joins a batch.
-            if let Some(to) = spec.reshape.get(&t.name) {
-                crate::engine::spec::reshaped(&t.shape, batched, to)
-                    .map_err(|e| Error::invalid(format!("input '{}': {e}", t.name)))?;
-            }
-            if batched && !(1..=spec.batch.max_batch_size).contains(&t.shape[0]) {
-                return Err(Error::invalid(format!(
-                    "input '{}': batch size {} is outside 1..={} (max_batch_size)",
-                    t.name, t.shape[0], spec.batch.max_batch_size
-                )));
-            }
-            let n = element_count(&t.shape, max_elements)?;
             t.check_size(n)?;
             elements = elements
                 .checked_add(n)

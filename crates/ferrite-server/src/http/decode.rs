@@ -213,6 +213,10 @@ pub fn classification(params: &Params) -> Result<Option<usize>, Error> {
     ferrite_core::wire::classification(|key| wire(params, key))
 }
 
+/// Asked of each input's name, datatype and shape before its data is decoded
+/// (`Core::check_input`): a large body's data that the model would refuse is refused unread.
+pub type Check<'a> = dyn Fn(&str, DataType, &[usize]) -> Result<(), Error> + Send + 'a;
+
 /// Collects the scalars (or raw bytes) of one input into its datatype's little-endian layout.
 pub struct Sink {
     name: String,

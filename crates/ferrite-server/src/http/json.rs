@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
-use super::decode::{at_most, param_bool, param_u64, request_params, some_at_most, Dims, Params, Sink, Tensors};
+use super::decode::{at_most, param_bool, param_u64, request_params, some_at_most, Check, Dims, Params, Sink, Tensors};
 use crate::shm::{Access, Regions};
 use ferrite_core::wire::{check_tensor_counts, parse_header};
 
@@ -100,6 +100,7 @@ pub fn parse(
     binary: Option<Bytes>,
     max_elements: usize,
     shm: Option<&Access>,
+    check: Option<&Check>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     // A binary extension's header has no `data` to read apart: not worth the pass. The finder
     // is built once: building one a request cost half as much as searching the MLP's 4 KB body.
@@ -117,12 +118,12 @@ pub fn parse(
         rest.extend_from_slice(&json[from..]);
         if let Ok(req) = serde_json::from_slice::<JsonRequest<'_>>(&rest) {
             let data = DataText::Spans(json, &spans);
-            if let Ok(parsed) = build(model, version.clone(), req, data, binary.clone(), max_elements, shm) {
+            if let Ok(parsed) = build(model, version.clone(), req, data, binary.clone(), max_elements, shm, check) {
                 return Ok(parsed);
             }
         }
     }
-    read_whole(model, version, json, binary, max_elements, shm)
+    read_whole(model, version, json, binary, max_elements, shm, check)
 }
 
 /// The bytes a V2 JSON request's inputs ask to be read from shared memory, as their parameters
@@ -151,17 +152,18 @@ pub(crate) fn read_whole(
     binary: Option<Bytes>,
     max_elements: usize,
     shm: Option<&Access>,
+    check: Option<&Check>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     let req: JsonRequest<'_> = match serde_json::from_slice(json) {
         Ok(req) => req,
         // Python's `json` (and so tritonclient) writes non-finite floats as bare NaN/Infinity
         // tokens, as our responses do; accept them by quoting them, off the hot path.
         Err(e) => match quote_non_finite(json) {
-            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements, shm),
+            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements, shm, check),
             None => return Err(Error::invalid(format!("invalid JSON request: {e}"))),
         },
     };
-    build(model, version, req, DataText::Read, binary, max_elements, shm)
+    build(model, version, req, DataText::Read, binary, max_elements, shm, check)
 }
 
 /// Where each input's `data` value lies in a V2 JSON body (`{"inputs": [{"data": ...}]}`), found
@@ -311,6 +313,7 @@ impl<'j> DataText<'j> {
 }
 
 /// A request from what serde read of its body; `data` gives an input's `data` text.
+#[allow(clippy::too_many_arguments)]
 fn build(
     model: &str,
     version: Option<String>,
@@ -319,13 +322,14 @@ fn build(
     binary: Option<Bytes>,
     max_elements: usize,
     shm: Option<&Access>,
+    check: Option<&Check>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     check_tensor_counts(req.inputs.len(), req.outputs.as_ref().map_or(0, Vec::len))?;
     let mut rest = binary.unwrap_or_default();
     let inputs = req
         .inputs
         .into_iter()
-        .map(|i| decode_input(i, data, &mut rest, max_elements, shm))
+        .map(|i| decode_input(i, data, &mut rest, max_elements, shm, check))
         .collect::<Result<Vec<_>, _>>()?;
     if !rest.is_empty() {
         return Err(Error::invalid(format!("{} bytes of binary data follow the last input", rest.len())));
@@ -378,9 +382,13 @@ fn decode_input(
     binary: &mut Bytes,
     max_elements: usize,
     shm: Option<&Access>,
+    check: Option<&Check>,
 ) -> Result<Tensor, Error> {
     let name = input.name;
     let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
+    if let Some(check) = check {
+        check(&name, datatype, &shape)?;
+    }
     if let Some(place) = super::decode::place(&name, &input.parameters)? {
         if input.data.is_some() || input.parameters.get("binary_data_size").is_some() {
             return Err(Error::invalid(format!("input '{name}' is in shared memory and in the body")));
@@ -530,7 +538,7 @@ mod tests {
     /// is wrong.
     fn decode(json: &str, max: usize) -> Result<Tensor, Error> {
         let request = format!(r#"{{"inputs":[{json}]}}"#);
-        let read = parse("m", None, request.as_bytes(), None, max, None).map(|(mut r, _)| r.inputs.remove(0));
+        let read = parse("m", None, request.as_bytes(), None, max, None, None).map(|(mut r, _)| r.inputs.remove(0));
         let input: JsonInput<'_> = serde_json::from_str(json).unwrap();
         if let (Ok((datatype, _, count)), Some(raw)) =
             (parse_header(&input.name, &input.datatype, &input.shape, max), input.data)
@@ -605,15 +613,15 @@ mod tests {
             {"name":"s","shape":[1],"datatype":"BYTES","parameters":{"binary_data_size":6}}],
             "outputs":[{"name":"y","parameters":{"binary_data":true}}],"parameters":{"binary_data_output":false}}"#;
         let body = Bytes::from_static(b"\x01\x00\x02\x00\x02\x00\x00\x00hi");
-        let (req, bin) = parse("m", None, json, Some(body.clone()), 100, None).unwrap();
+        let (req, bin) = parse("m", None, json, Some(body.clone()), 100, None, None).unwrap();
         assert_eq!(req.inputs[0], Tensor::from_le("a", DataType::Int16, vec![2], &[1i16, 2]));
         assert_eq!(req.inputs[1].data, TensorData::Strings(vec![Bytes::from_static(b"hi")]));
         assert!(bin.is_binary("y") && !bin.is_binary("z"));
-        let err = parse("m", None, json, Some(body.slice(..9)), 100, None).unwrap_err().to_string();
+        let err = parse("m", None, json, Some(body.slice(..9)), 100, None, None).unwrap_err().to_string();
         assert!(err.contains("'s'") && err.contains("exceeds"), "{err}");
         let mut long = body.to_vec();
         long.push(0);
-        let err = parse("m", None, json, Some(long.into()), 100, None).unwrap_err().to_string();
+        let err = parse("m", None, json, Some(long.into()), 100, None, None).unwrap_err().to_string();
         assert!(err.contains("1 bytes of binary data follow"), "{err}");
     }
 
@@ -707,7 +715,8 @@ mod tests {
         let last = r#"{"data":[1,2],"datatype":"FP32","shape":[2],"name":"x"}"#;
         let expected = Tensor::from_le("x", DataType::Fp32, vec![2], &[1f32, 2.0]);
         for json in [first, last] {
-            let (req, _) = parse("m", None, format!(r#"{{"inputs":[{json}]}}"#).as_bytes(), None, 100, None).unwrap();
+            let (req, _) =
+                parse("m", None, format!(r#"{{"inputs":[{json}]}}"#).as_bytes(), None, 100, None, None).unwrap();
             assert_eq!(req.inputs, std::slice::from_ref(&expected), "{json}");
         }
         // Bare non-finite tokens go through the quoting fallback.
@@ -717,6 +726,7 @@ mod tests {
             br#"{"inputs":[{"name":"x","shape":[3],"datatype":"FP32","data":[NaN,-Infinity,1]}]}"#,
             None,
             100,
+            None,
             None,
         )
         .unwrap();
@@ -736,7 +746,7 @@ mod tests {
             (r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,]}]}"#, "invalid JSON request"),
             (r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[01]}]}"#, "invalid JSON request"),
         ] {
-            let err = parse("m", None, json.as_bytes(), Some(Bytes::from_static(&[0; 4])), 100, None)
+            let err = parse("m", None, json.as_bytes(), Some(Bytes::from_static(&[0; 4])), 100, None, None)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(needle), "{json}: {err}");
@@ -800,8 +810,8 @@ mod tests {
         };
         let same = |body: &[u8]| {
             let binary = body.windows(16).any(|w| w == b"binary_data_size").then(|| Bytes::from_static(&[0; 4]));
-            let apart = said(parse("m", None, body, binary.clone(), 64, None));
-            let whole = said(read_whole("m", None, body, binary, 64, None));
+            let apart = said(parse("m", None, body, binary.clone(), 64, None, None));
+            let whole = said(read_whole("m", None, body, binary, 64, None, None));
             assert_eq!(apart, whole, "{}", String::from_utf8_lossy(body));
             apart.is_ok()
         };

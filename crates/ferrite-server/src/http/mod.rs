@@ -1004,12 +1004,20 @@ async fn infer_inner(
     // (A MessagePack body naming a region is not sized first: it is moved off in any case.)
     let large = body.len() > OFFLOAD_BYTES
         || (SHARED.find(&body).is_some() && (msgpack_in || json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64));
+    // A large body's inputs are checked against the model before their data is decoded.
+    let core = large.then(|| s.core.clone());
     let parsed = off_io(large, tenant.as_deref(), move || -> Result<_, ApiError> {
         let _place = decompressed;
+        let asked = version.clone();
+        let (name, asked) = (model.as_str(), asked.as_deref());
+        let check = core.as_ref().map(|core| {
+            move |input: &str, datatype, shape: &[usize]| core.check_input(name, asked, input, datatype, shape)
+        });
+        let check = check.as_ref().map(|c| c as &decode::Check);
         let parsed = if msgpack_in {
-            msgpack::parse(&model, version, &body, max, Some(&shm))?
+            msgpack::parse(&model, version, &body, max, Some(&shm), check)?
         } else {
-            json::parse(&model, version, &body, binary_part, max, Some(&shm))?
+            json::parse(&model, version, &body, binary_part, max, Some(&shm), check)?
         };
         Ok((parsed, shm))
     });
@@ -1179,20 +1187,20 @@ mod fuzz {
 
         #[test]
         fn json_and_binary_bodies_never_panic((json, binary) in request()) {
-            let _ = super::json::parse("m", None, json.as_bytes(), Some(Bytes::from(binary)), 1 << 16, None);
+            let _ = super::json::parse("m", None, json.as_bytes(), Some(Bytes::from(binary)), 1 << 16, None, None);
         }
 
         #[test]
         fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = super::json::parse("m", None, &body, None, 1 << 16, None);
-            let _ = super::msgpack::parse("m", None, &body, 1 << 16, None);
+            let _ = super::json::parse("m", None, &body, None, 1 << 16, None, None);
+            let _ = super::msgpack::parse("m", None, &body, 1 << 16, None, None);
         }
 
         #[test]
         fn msgpack_bodies_never_panic((json, _) in request()) {
             let v: serde_json::Value = serde_json::from_str(&json).unwrap();
             let body = rmp_serde::to_vec_named(&v).unwrap();
-            let _ = super::msgpack::parse("m", None, &body, 1 << 16, None);
+            let _ = super::msgpack::parse("m", None, &body, 1 << 16, None, None);
         }
     }
 }

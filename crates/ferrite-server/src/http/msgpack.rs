@@ -20,7 +20,7 @@ use serde::{
 };
 
 use super::{
-    decode::{at_most, place, request_params, some_at_most, Dims, Params, Sink, Tensors},
+    decode::{at_most, place, request_params, some_at_most, Check, Dims, Params, Sink, Tensors},
     json::BinaryOutputs,
 };
 use crate::shm::{Access, Regions};
@@ -80,6 +80,7 @@ pub fn parse(
     body: &[u8],
     max_elements: usize,
     shm: Option<&Access>,
+    check: Option<&Check>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
     ferrite_core::wire::check_tensor_counts(header.inputs.len(), header.outputs.as_ref().map_or(0, Vec::len))?;
@@ -87,6 +88,9 @@ pub fn parse(
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {
         let (dt, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
+        if let Some(check) = check {
+            check(&i.name, dt, &shape)?;
+        }
         let shared = place(&i.name, &i.parameters)?;
         // An input read from shared memory takes no room in the body's pass.
         let sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count });
@@ -327,7 +331,7 @@ mod tests {
         rmp::encode::write_array_len(&mut body, 1).unwrap();
         rmp::encode::write_uint(&mut body, 2).unwrap();
         body.extend(pack(&json!({"name": "y", "shape": [1, 2], "datatype": "FP32", "data": [[1.5, -2]]})));
-        let req = parse("m", None, &body, 100, None).unwrap().0;
+        let req = parse("m", None, &body, 100, None, None).unwrap().0;
         assert_eq!(req.inputs[0], Tensor::from_le("x", DataType::Fp32, vec![2], &[1.5f32, -2.0]));
         assert_eq!(req.inputs[1].data, req.inputs[0].data);
     }
@@ -352,11 +356,11 @@ mod tests {
             rmpv::encode::write_value(&mut out, &v).unwrap();
             out
         };
-        let req = parse("m", None, &body(&[&ints[..1], &ints[1..7], &ints[7..]]), 100, None).unwrap().0;
+        let req = parse("m", None, &body(&[&ints[..1], &ints[1..7], &ints[7..]]), 100, None, None).unwrap().0;
         assert_eq!(req.inputs[0], Tensor::from_le("x", DataType::Int32, vec![3], &[1i32, 2, 3]));
-        let e = parse("m", None, &body(&[&ints[..1], &ints[1..11]]), 100, None).unwrap_err().to_string();
+        let e = parse("m", None, &body(&[&ints[..1], &ints[1..11]]), 100, None, None).unwrap_err().to_string();
         assert!(e.contains("11 raw bytes are not whole INT32 elements"), "{e}");
-        let e = parse("m", None, &body(&[&ints, &ints[..1]]), 100, None).unwrap_err().to_string();
+        let e = parse("m", None, &body(&[&ints, &ints[..1]]), 100, None, None).unwrap_err().to_string();
         assert!(e.contains("more than the 3 elements"), "{e}");
     }
 
@@ -368,10 +372,10 @@ mod tests {
             (json!({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8"}]}), "no 'data'"),
             (json!({"inputs": [{"name": "x", "shape": [-1], "datatype": "INT8", "data": []}]}), "negative"),
         ] {
-            let err = parse("m", None, &pack(&v), 100, None).unwrap_err().to_string();
+            let err = parse("m", None, &pack(&v), 100, None, None).unwrap_err().to_string();
             assert!(err.contains(needle) && err.contains('x'), "{v}: {err}");
         }
-        assert!(parse("m", None, b"\xc1", 100, None).is_err());
+        assert!(parse("m", None, b"\xc1", 100, None, None).is_err());
     }
 
     #[test]
@@ -380,11 +384,11 @@ mod tests {
         let v = json!({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "parameters": shared}],
                        "outputs": [{"name": "y", "parameters": shared}, {"name": "z"}]});
         // Without the extension the input cannot be read (the server passes its regions).
-        let err = parse("m", None, &pack(&v), 100, None).unwrap_err().to_string();
+        let err = parse("m", None, &pack(&v), 100, None, None).unwrap_err().to_string();
         assert!(err.contains("shared memory is off"), "{err}");
         let mut both = v.clone();
         both["inputs"][0]["data"] = json!([1, 2]);
-        let err = parse("m", None, &pack(&both), 100, None).unwrap_err().to_string();
+        let err = parse("m", None, &pack(&both), 100, None, None).unwrap_err().to_string();
         assert!(err.contains("'x' is in shared memory and in the body"), "{err}");
         // The output's data is left out of the response, the other's kept.
         let y = Tensor::from_le("y", DataType::Int32, vec![1], &[7i32]);
