@@ -239,9 +239,12 @@ enum Scalar<'s> {
 }
 
 impl Sink {
-    pub fn new(name: &str, datatype: DataType, expected: usize) -> Self {
-        let raw = Vec::with_capacity(expected * datatype.size().unwrap_or(0));
-        let strings = if datatype == DataType::Bytes { Vec::with_capacity(expected) } else { Vec::new() };
+    /// For `expected` elements, room made for at most `sent` of them: the most the bytes sent
+    /// could hold (a body of a few bytes stating 8 M BYTES elements reserved 256 MiB for them).
+    pub fn new(name: &str, datatype: DataType, expected: usize, sent: usize) -> Self {
+        let room = expected.min(sent);
+        let raw = Vec::with_capacity(room * datatype.size().unwrap_or(0));
+        let strings = if datatype == DataType::Bytes { Vec::with_capacity(room) } else { Vec::new() };
         Sink { name: name.to_string(), datatype, expected, count: 0, raw, strings, error: None }
     }
 
@@ -872,6 +875,23 @@ mod tests {
         }
     }
 
+    /// What a sink reserves is what the bytes sent could hold, not what the shape states: a body
+    /// of a few bytes stating 8 M elements reserved 256 MiB (BYTES) or 64 MiB (FP64) for them.
+    #[test]
+    fn a_sink_reserves_what_the_bytes_sent_could_hold() {
+        for (dt, text) in [(DataType::Bytes, r#"["", ""]"#), (DataType::Fp64, "[1, 2]")] {
+            let mut sink = Sink::new("x", dt, 8 << 20, text.len() / 2 + 1);
+            assert!(sink.raw.capacity() <= 40 && sink.strings.capacity() <= 5, "{dt}");
+            let e = sink.fill_json(text).unwrap_err();
+            assert!(e.to_string().contains("its shape holds 8388608 elements, 'data' has 2"), "{e}");
+        }
+        // Within what was sent, the room made is all the data needs.
+        let mut sink = Sink::new("x", DataType::Fp32, 3, "[1,2,3]".len() / 2 + 1);
+        let room = sink.raw.as_ptr();
+        sink.fill_json("[1,2,3]").unwrap();
+        assert_eq!(sink.raw.as_ptr(), room, "not grown");
+    }
+
     /// Numbers read as the sink's type are what the general reading (`push`, which also says what
     /// is wrong) makes of them, for every datatype and the forms JSON writes a number in.
     #[test]
@@ -881,9 +901,9 @@ mod tests {
         for dt in DataType::ALL.into_iter().filter(|d| *d != DataType::Bytes) {
             for n in numbers {
                 for (data, count) in [(n.to_string(), 1), (format!("[[{n}],[{n}]]"), 2), (format!("[{n},{n}]"), 1)] {
-                    let mut typed = Sink::new("x", dt, count);
+                    let mut typed = Sink::new("x", dt, count, count);
                     let typed = typed.fill(&mut serde_json::Deserializer::from_str(&data)).map(|()| typed.finish());
-                    let mut general = Sink::new("x", dt, count);
+                    let mut general = Sink::new("x", dt, count, count);
                     let Ok(number) = serde_json::from_str::<serde_json::Number>(n) else {
                         // Out of an f64's range (1e400): refused either way.
                         assert!(typed.is_err(), "{dt} {data}");

@@ -412,7 +412,8 @@ fn decode_input(
         }
         (None, Some(raw)) => {
             let text = data.get(raw).ok_or_else(|| Error::invalid(format!("input '{name}': 'data' is not JSON")))?;
-            let mut sink = Sink::new(&name, datatype, count);
+            // An element takes two bytes of JSON at least, its separator included.
+            let mut sink = Sink::new(&name, datatype, count, text.len() / 2 + 1);
             sink.fill_json(text)?;
             sink.finish()
         }
@@ -543,7 +544,7 @@ mod tests {
         if let (Ok((datatype, _, count)), Some(raw)) =
             (parse_header(&input.name, &input.datatype, &input.shape, max), input.data)
         {
-            let mut sink = Sink::new(&input.name, datatype, count);
+            let mut sink = Sink::new(&input.name, datatype, count, count);
             let visited = sink.fill(&mut serde_json::Deserializer::from_str(raw.get())).map(|()| sink.finish());
             let read_data = read.as_ref().map(|t| &t.data).map_err(ToString::to_string);
             assert_eq!(read_data, visited.as_ref().map_err(ToString::to_string), "{json}");

@@ -93,7 +93,8 @@ pub fn parse(
         }
         let shared = place(&i.name, &i.parameters)?;
         // An input read from shared memory takes no room in the body's pass.
-        let sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count });
+        // An element takes a byte of MessagePack at least.
+        let sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count }, body.len());
         slots.push(Slot { sink, error: None, shared });
         shapes.push((dt, shape, count));
     }
