@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use super::decode::BinaryOutputs;
-use super::decode::{at_most, param_bool, param_u64, request_params, some_at_most, Check, Dims, Params, Sink, Tensors};
+use super::decode::{at_most, param_bool, param_u64, request_params, some_at_most, Dims, Params, Sink, Tensors, Watch};
 use crate::shm::{Access, Regions};
 use ferrite_core::wire::{check_tensor_counts, parse_header};
 
@@ -100,7 +100,7 @@ pub fn parse(
     binary: Option<Bytes>,
     max_elements: usize,
     shm: Option<&Access>,
-    check: Option<&Check>,
+    watch: Option<&Watch>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     // A binary extension's header has no `data` to read apart: not worth the pass. The finder
     // is built once: building one a request cost half as much as searching the MLP's 4 KB body.
@@ -118,12 +118,17 @@ pub fn parse(
         rest.extend_from_slice(&json[from..]);
         if let Ok(req) = serde_json::from_slice::<JsonRequest<'_>>(&rest) {
             let data = DataText::Spans(json, &spans);
-            if let Ok(parsed) = build(model, version.clone(), req, data, binary.clone(), max_elements, shm, check) {
-                return Ok(parsed);
+            match build(model, version.clone(), req, data, binary.clone(), max_elements, shm, watch) {
+                Ok(parsed) => return Ok(parsed),
+                // No one to say it to: not read again.
+                Err(left) if watch.is_some_and(|w| !w.wanted.load(std::sync::atomic::Ordering::Relaxed)) => {
+                    return Err(left)
+                }
+                Err(_) => {}
             }
         }
     }
-    read_whole(model, version, json, binary, max_elements, shm, check)
+    read_whole(model, version, json, binary, max_elements, shm, watch)
 }
 
 /// The bytes a V2 JSON request's inputs ask to be read from shared memory, as their parameters
@@ -152,18 +157,18 @@ pub(crate) fn read_whole(
     binary: Option<Bytes>,
     max_elements: usize,
     shm: Option<&Access>,
-    check: Option<&Check>,
+    watch: Option<&Watch>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     let req: JsonRequest<'_> = match serde_json::from_slice(json) {
         Ok(req) => req,
         // Python's `json` (and so tritonclient) writes non-finite floats as bare NaN/Infinity
         // tokens, as our responses do; accept them by quoting them, off the hot path.
         Err(e) => match quote_non_finite(json) {
-            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements, shm, check),
+            Some(quoted) => return read_whole(model, version, &quoted, binary, max_elements, shm, watch),
             None => return Err(Error::invalid(format!("invalid JSON request: {e}"))),
         },
     };
-    build(model, version, req, DataText::Read, binary, max_elements, shm, check)
+    build(model, version, req, DataText::Read, binary, max_elements, shm, watch)
 }
 
 /// Where each input's `data` value lies in a V2 JSON body (`{"inputs": [{"data": ...}]}`), found
@@ -322,14 +327,14 @@ fn build(
     binary: Option<Bytes>,
     max_elements: usize,
     shm: Option<&Access>,
-    check: Option<&Check>,
+    watch: Option<&Watch>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     check_tensor_counts(req.inputs.len(), req.outputs.as_ref().map_or(0, Vec::len))?;
     let mut rest = binary.unwrap_or_default();
     let inputs = req
         .inputs
         .into_iter()
-        .map(|i| decode_input(i, data, &mut rest, max_elements, shm, check))
+        .map(|i| decode_input(i, data, &mut rest, max_elements, shm, watch))
         .collect::<Result<Vec<_>, _>>()?;
     if !rest.is_empty() {
         return Err(Error::invalid(format!("{} bytes of binary data follow the last input", rest.len())));
@@ -382,12 +387,12 @@ fn decode_input(
     binary: &mut Bytes,
     max_elements: usize,
     shm: Option<&Access>,
-    check: Option<&Check>,
+    watch: Option<&Watch>,
 ) -> Result<Tensor, Error> {
     let name = input.name;
     let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
-    if let Some(check) = check {
-        check(&name, datatype, &shape)?;
+    if let Some(watch) = watch {
+        (watch.check)(&name, datatype, &shape)?;
     }
     if let Some(place) = super::decode::place(&name, &input.parameters)? {
         if input.data.is_some() || input.parameters.get("binary_data_size").is_some() {
@@ -414,6 +419,9 @@ fn decode_input(
             let text = data.get(raw).ok_or_else(|| Error::invalid(format!("input '{name}': 'data' is not JSON")))?;
             // An element takes two bytes of JSON at least, its separator included.
             let mut sink = Sink::new(&name, datatype, count, text.len() / 2 + 1);
+            if let Some(watch) = watch {
+                sink.watch(watch.wanted);
+            }
             sink.fill_json(text)?;
             sink.finish()
         }

@@ -1004,20 +1004,24 @@ async fn infer_inner(
     // (A MessagePack body naming a region is not sized first: it is moved off in any case.)
     let large = body.len() > OFFLOAD_BYTES
         || (SHARED.find(&body).is_some() && (msgpack_in || json::shared_input_bytes(&body) > OFFLOAD_BYTES as u64));
-    // A large body's inputs are checked against the model before their data is decoded.
+    // A large body's inputs are checked against the model before their data is decoded, and the
+    // decoding stops if its client leaves (the guard lives in this future, dropped with it).
     let core = large.then(|| s.core.clone());
+    let (_awaited, wanted) = large.then(Awaited::new).unzip();
     let parsed = off_io(large, tenant.as_deref(), move || -> Result<_, ApiError> {
         let _place = decompressed;
         let asked = version.clone();
         let (name, asked) = (model.as_str(), asked.as_deref());
-        let check = core.as_ref().map(|core| {
-            move |input: &str, datatype, shape: &[usize]| core.check_input(name, asked, input, datatype, shape)
-        });
-        let check = check.as_ref().map(|c| c as &decode::Check);
+        let check = |input: &str, datatype, shape: &[usize]| match &core {
+            Some(core) => core.check_input(name, asked, input, datatype, shape),
+            None => Ok(()),
+        };
+        let watch = wanted.as_ref().map(|wanted| decode::Watch { check: &check, wanted });
+        let watch = watch.as_ref();
         let parsed = if msgpack_in {
-            msgpack::parse(&model, version, &body, max, Some(&shm), check)?
+            msgpack::parse(&model, version, &body, max, Some(&shm), watch)?
         } else {
-            json::parse(&model, version, &body, binary_part, max, Some(&shm), check)?
+            json::parse(&model, version, &body, binary_part, max, Some(&shm), watch)?
         };
         Ok((parsed, shm))
     });

@@ -20,7 +20,7 @@ use serde::{
 };
 
 use super::{
-    decode::{at_most, place, request_params, some_at_most, Check, Dims, Params, Sink, Tensors},
+    decode::{at_most, place, request_params, some_at_most, Dims, Params, Sink, Tensors, Watch},
     json::BinaryOutputs,
 };
 use crate::shm::{Access, Regions};
@@ -80,7 +80,7 @@ pub fn parse(
     body: &[u8],
     max_elements: usize,
     shm: Option<&Access>,
-    check: Option<&Check>,
+    watch: Option<&Watch>,
 ) -> Result<(InferRequest, BinaryOutputs), Error> {
     let header: Header = rmp_serde::from_slice(body).map_err(bad)?;
     ferrite_core::wire::check_tensor_counts(header.inputs.len(), header.outputs.as_ref().map_or(0, Vec::len))?;
@@ -88,13 +88,16 @@ pub fn parse(
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {
         let (dt, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
-        if let Some(check) = check {
-            check(&i.name, dt, &shape)?;
+        if let Some(watch) = watch {
+            (watch.check)(&i.name, dt, &shape)?;
         }
         let shared = place(&i.name, &i.parameters)?;
         // An input read from shared memory takes no room in the body's pass.
         // An element takes a byte of MessagePack at least.
-        let sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count }, body.len());
+        let mut sink = Sink::new(&i.name, dt, if shared.is_some() { 0 } else { count }, body.len());
+        if let Some(watch) = watch {
+            sink.watch(watch.wanted);
+        }
         slots.push(Slot { sink, error: None, shared });
         shapes.push((dt, shape, count));
     }
