@@ -141,8 +141,10 @@ impl Unpack {
                     // holding part of a message does), and starts again once there is room for
                     // what it last asked: woken by permits given back (its own, just dropped,
                     // included) or its next try.
-                    (Err(Inflate::OverBudget(Error::Unavailable { .. }, wanted)), held, _) if stream => {
-                        drop(held);
+                    (Err(Inflate::OverBudget(Error::Unavailable { .. }, wanted)), held, place) if stream => {
+                        // Neither its reservation nor its place among those decompressing is kept
+                        // while it waits (unbound, they would live as long as the match).
+                        drop((held, place));
                         loop {
                             let left = STALLED_HOLDING.saturating_sub(began.elapsed());
                             if left.is_zero() {
@@ -190,7 +192,7 @@ fn too_large(max: usize) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::{decompress, Awaited};
+    use crate::http::{decompress, decompress_in_turn, Awaited};
     use std::io::Write;
 
     fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {
@@ -304,5 +306,27 @@ mod tests {
         let e = fed(&mut unpack(4 << 20, &small), &message, 4096).await.unwrap_err();
         assert_eq!((e.code(), began.elapsed()), (tonic::Code::Unavailable, Duration::ZERO), "{e:?}");
         assert_eq!(small.available(), 24, "nothing of theirs is left held");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_waiting_for_room_holds_no_place_among_those_decompressing() {
+        let small = Budget::new(1 << 20);
+        // Past `INFLATED_HERE`: decompressed in one of the places (one on two cores).
+        let big = frame(1, &gzip(&[1u8; 600 << 10]));
+        let _others = small.take(None, 700 << 10).unwrap();
+        let mut u = Unpack::new(Some("gzip"), 4 << 20, (small.clone(), None), Duration::from_secs(1), true).unwrap();
+        let waiting = tokio::spawn(async move { fed(&mut u, &big, 1 << 20).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished());
+        // Meanwhile another body is decompressed at once, not after the stream has given up.
+        let other = Budget::new(64 << 20);
+        let began = std::time::Instant::now();
+        let held = other.take(None, 0).unwrap();
+        let body = gzip(&[2u8; 100 << 10]);
+        let (out, _, _) =
+            decompress_in_turn(true, body, 1 << 20, held, None, Duration::from_secs(5), "busy").await.unwrap();
+        assert_eq!(out.ok().map(|b| b.len()), Some(100 << 10));
+        assert!(began.elapsed() < Duration::from_millis(500), "{:?}", began.elapsed());
+        assert_eq!(waiting.await.unwrap().unwrap_err().code(), tonic::Code::Unavailable);
     }
 }
