@@ -232,6 +232,23 @@ pub struct Watch<'a> {
     /// False once the request's client has left (`http::Awaited`): its data's decoding stops
     /// within `WATCHED` elements.
     pub wanted: &'a Arc<AtomicBool>,
+    /// Set when `check` refused an input: the body is not read again for the words of its error.
+    pub refused: std::cell::Cell<bool>,
+}
+
+impl Watch<'_> {
+    /// `check`, remembering a refusal.
+    pub fn check(&self, name: &str, datatype: DataType, shape: &[usize]) -> Result<(), Error> {
+        let checked = (self.check)(name, datatype, shape);
+        self.refused.set(checked.is_err());
+        checked
+    }
+
+    /// Whether what failed need not be read again (see `json::parse`): an input the model refused
+    /// before its data was read, or a client gone.
+    pub fn settled(&self) -> bool {
+        self.refused.get() || !self.wanted.load(Ordering::Relaxed)
+    }
 }
 
 /// Elements decoded between looks at whether the client still waits (8 M of them, the most a

@@ -120,10 +120,8 @@ pub fn parse(
             let data = DataText::Spans(json, &spans);
             match build(model, version.clone(), req, data, binary.clone(), max_elements, shm, watch) {
                 Ok(parsed) => return Ok(parsed),
-                // No one to say it to: not read again.
-                Err(left) if watch.is_some_and(|w| !w.wanted.load(std::sync::atomic::Ordering::Relaxed)) => {
-                    return Err(left)
-                }
+                // Refused by the model before any data was read, or no one to say it to.
+                Err(e) if watch.is_some_and(Watch::settled) => return Err(e),
                 Err(_) => {}
             }
         }
@@ -392,7 +390,7 @@ fn decode_input(
     let name = input.name;
     let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
     if let Some(watch) = watch {
-        (watch.check)(&name, datatype, &shape)?;
+        watch.check(&name, datatype, &shape)?;
     }
     if let Some(place) = super::decode::place(&name, &input.parameters)? {
         if input.data.is_some() || input.parameters.get("binary_data_size").is_some() {

@@ -1016,7 +1016,7 @@ async fn infer_inner(
             Some(core) => core.check_input(name, asked, input, datatype, shape),
             None => Ok(()),
         };
-        let watch = wanted.as_ref().map(|wanted| decode::Watch { check: &check, wanted });
+        let watch = wanted.as_ref().map(|wanted| decode::Watch { check: &check, wanted, refused: Default::default() });
         let watch = watch.as_ref();
         let parsed = if msgpack_in {
             msgpack::parse(&model, version, &body, max, Some(&shm), watch)?

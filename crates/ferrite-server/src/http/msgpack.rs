@@ -89,7 +89,7 @@ pub fn parse(
     for i in &header.inputs {
         let (dt, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
         if let Some(watch) = watch {
-            (watch.check)(&i.name, dt, &shape)?;
+            watch.check(&i.name, dt, &shape)?;
         }
         let shared = place(&i.name, &i.parameters)?;
         // An input read from shared memory takes no room in the body's pass.
