@@ -614,6 +614,44 @@ mod tests {
         assert_eq!(shared_input_bytes(br#"{"inputs":[{"data":[NaN]}]}"#), u64::MAX);
     }
 
+    /// A large body's inputs are checked before their data is read; one refused so, or whose
+    /// client has gone, is not read a second time (the whole-body read that gives a failed body
+    /// the same words either way), and a gone client's data stops being decoded.
+    #[test]
+    fn a_watched_body_is_checked_first_and_read_once() {
+        use std::sync::{atomic::AtomicBool, Arc};
+        let body = br#"{"inputs":[{"name":"x","shape":[3],"datatype":"FP32","data":[1,2,3]}]}"#;
+        let asked = std::sync::atomic::AtomicUsize::new(0);
+        let check = |_: &str, dt: DataType, _: &[usize]| {
+            asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match dt {
+                DataType::Fp64 => Ok(()),
+                _ => Err(Error::invalid("input 'x': expected datatype FP64, got FP32")),
+            }
+        };
+        let wanted = Arc::new(AtomicBool::new(true));
+        let watch = Watch { check: &check, wanted: &wanted, refused: Default::default() };
+        let e = parse("m", None, body, None, 100, None, Some(&watch)).unwrap_err();
+        assert_eq!(
+            (e.to_string().as_str(), asked.load(std::sync::atomic::Ordering::Relaxed)),
+            ("input 'x': expected datatype FP64, got FP32", 1)
+        );
+        // Taken: read once, as before.
+        let fp64 = br#"{"inputs":[{"name":"x","shape":[3],"datatype":"FP64","data":[1,2,3]}]}"#;
+        assert!(parse("m", None, fp64, None, 100, None, Some(&watch)).is_ok());
+        assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // A client gone: its data is not decoded past the first look.
+        let n = 200_000;
+        let long = format!(
+            r#"{{"inputs":[{{"name":"x","shape":[{n}],"datatype":"FP64","data":[{}1]}}]}}"#,
+            "1,".repeat(n - 1)
+        );
+        wanted.store(false, std::sync::atomic::Ordering::Relaxed);
+        let e = parse("m", None, long.as_bytes(), None, 1 << 20, None, Some(&watch)).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+        assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 3, "read once");
+    }
+
     #[test]
     fn binary_inputs_are_slices_of_the_body_and_lengths_are_checked() {
         let json = br#"{"inputs":[{"name":"a","shape":[2],"datatype":"INT16","parameters":{"binary_data_size":4}},
