@@ -232,20 +232,25 @@ pub struct Watch<'a> {
     /// False once the request's client has left (`http::Awaited`): its data's decoding stops
     /// within `WATCHED` elements.
     pub wanted: &'a Arc<AtomicBool>,
-    /// Set when `check` refused an input: the body is not read again for the words of its error.
+    /// Set when an input was refused by its header: the body is not read again for the words of
+    /// its error.
     pub refused: std::cell::Cell<bool>,
 }
 
+/// An input's datatype, shape and element count, from its header (`wire::parse_header`).
+pub type Header = (DataType, Vec<usize>, usize);
+
 impl Watch<'_> {
-    /// `check`, remembering a refusal.
-    pub fn check(&self, name: &str, datatype: DataType, shape: &[usize]) -> Result<(), Error> {
-        let checked = (self.check)(name, datatype, shape);
+    /// An input's header as read (`wire::parse_header`), then checked against the model
+    /// (`check`); a refusal is remembered.
+    pub fn header(&self, name: &str, read: Result<Header, Error>) -> Result<Header, Error> {
+        let checked = read.and_then(|h| (self.check)(name, h.0, &h.1).map(|()| h));
         self.refused.set(checked.is_err());
         checked
     }
 
-    /// Whether what failed need not be read again (see `json::parse`): an input the model refused
-    /// before its data was read, or a client gone.
+    /// Whether what failed need not be read again (see `json::parse`): an input refused by its
+    /// header, before its data was read, or a client gone.
     pub fn settled(&self) -> bool {
         self.refused.get() || !self.wanted.load(Ordering::Relaxed)
     }

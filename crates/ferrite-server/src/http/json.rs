@@ -388,10 +388,11 @@ fn decode_input(
     watch: Option<&Watch>,
 ) -> Result<Tensor, Error> {
     let name = input.name;
-    let (datatype, shape, count) = parse_header(&name, &input.datatype, &input.shape, max_elements)?;
-    if let Some(watch) = watch {
-        watch.check(&name, datatype, &shape)?;
-    }
+    let header = parse_header(&name, &input.datatype, &input.shape, max_elements);
+    let (datatype, shape, count) = match watch {
+        Some(watch) => watch.header(&name, header)?,
+        None => header?,
+    };
     if let Some(place) = super::decode::place(&name, &input.parameters)? {
         if input.data.is_some() || input.parameters.get("binary_data_size").is_some() {
             return Err(Error::invalid(format!("input '{name}' is in shared memory and in the body")));
@@ -636,6 +637,10 @@ mod tests {
             (e.to_string().as_str(), asked.load(std::sync::atomic::Ordering::Relaxed)),
             ("input 'x': expected datatype FP64, got FP32", 1)
         );
+        // Refused by its header alone (past the elements a request may hold) likewise.
+        let over = br#"{"inputs":[{"name":"x","shape":[300],"datatype":"FP64","data":[1,2,3]}]}"#;
+        let e = parse("m", None, over, None, 100, None, Some(&watch)).unwrap_err();
+        assert!(e.to_string().contains("more than 100") && watch.settled(), "{e}");
         // Taken: read once, as before.
         let fp64 = br#"{"inputs":[{"name":"x","shape":[3],"datatype":"FP64","data":[1,2,3]}]}"#;
         assert!(parse("m", None, fp64, None, 100, None, Some(&watch)).is_ok());

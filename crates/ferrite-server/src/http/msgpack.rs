@@ -87,10 +87,11 @@ pub fn parse(
     let mut slots = Vec::with_capacity(header.inputs.len());
     let mut shapes = Vec::with_capacity(header.inputs.len());
     for i in &header.inputs {
-        let (dt, shape, count) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
-        if let Some(watch) = watch {
-            watch.check(&i.name, dt, &shape)?;
-        }
+        let header = parse_header(&i.name, &i.datatype, &i.shape, max_elements);
+        let (dt, shape, count) = match watch {
+            Some(watch) => watch.header(&i.name, header)?,
+            None => header?,
+        };
         let shared = place(&i.name, &i.parameters)?;
         // An input read from shared memory takes no room in the body's pass.
         // An element takes a byte of MessagePack at least.
