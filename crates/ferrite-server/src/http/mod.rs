@@ -1,7 +1,7 @@
 //! KServe V2 / Open Inference Protocol over HTTP/REST.
 
 mod bodies;
-mod decode;
+pub(crate) mod decode;
 mod error;
 pub(crate) mod json;
 pub(crate) mod msgpack;
