@@ -222,16 +222,14 @@ impl Core {
         datatype: crate::DataType,
         shape: &[usize],
     ) -> Result<()> {
-        let mut first = None;
-        for m in self.inner.registry.load().candidates(model, version)? {
-            match m.check_input(name, datatype, shape, self.inner.limits.max_elements) {
-                Ok(_) => return Ok(()),
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
-            }
+        let candidates = self.inner.registry.load().candidates(model, version)?;
+        let mut checks =
+            candidates.iter().map(|m| m.check_input(name, datatype, shape, self.inner.limits.max_elements));
+        // The default's answer, unless another side takes the input (there is always one).
+        match checks.next() {
+            Some(Err(refused)) if !checks.any(|c| c.is_ok()) => Err(refused),
+            _ => Ok(()),
         }
-        Err(first.unwrap_or_else(|| Error::internal("a model has no version to ask")))
     }
 
     /// The model version `req` goes to (its canary's choice included), chosen once: a caller that

@@ -129,8 +129,11 @@ impl Unpack {
             let busy = "too many compressed messages are being decompressed on this server";
             let began = tokio::time::Instant::now();
             let (plain, held, _place) = loop {
+                // Only a stream's message waits: a unary call's need not be told of permits.
                 let mut freed = std::pin::pin!(budget.freed());
-                freed.as_mut().enable();
+                if stream {
+                    freed.as_mut().enable();
+                }
                 let Some(held) = budget.take(tenant.as_deref(), 0) else {
                     return Err(unavailable(BODIES_OVER_BUDGET));
                 };
