@@ -177,6 +177,39 @@ def test_a_client_cannot_reach_past_a_region_or_into_another_tenants(shm_server,
         c.unregister_system_shared_memory(headers=a)
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_inputs_in_shared_memory_the_model_would_refuse_are_refused_before_they_are_read(start_server, tmp_path,
+                                                                                         regions, protocol):
+    """A large request's inputs are checked against the model (name, datatype, shape) before any is
+    read from shared memory. gRPC read them first: 8 MiB stated as BYTES for the MLP's FP32 input
+    was read, and refused for holding more than a 4 MiB budget has room for, or, within it, after
+    paying for the read. HTTP checked them first already."""
+    from conftest import make_repository
+    repo = make_repository(tmp_path / "repo", ("mlp",))
+    (repo / "mlp" / "config.toml").write_text("max_batch_size = 8192\n")
+    s = start_server("--shared-memory", "system", "--max-inflight-body-bytes", str(4 << 20), repository=repo)
+    c, mod = client(s, protocol), CLIENTS[protocol]
+    size = 8 << 20
+    region = regions("big", size)
+    c.register_system_shared_memory("big", key_of(region), size)
+
+    def infer(datatype, shape, nbytes):
+        i = mod.InferInput("input", shape, datatype)
+        i.set_shared_memory("big", nbytes)
+        return c.infer("mlp", [i])
+
+    for datatype, shape, wrong in (("BYTES", [1, 1 << 20], "expected datatype FP32, got BYTES"),
+                                   ("FP32", [size // 4], f"expected shape [-1, 512], got [{size // 4}]")):
+        with pytest.raises(InferenceServerException) as refused:
+            infer(datatype, shape, size)
+        assert wrong in str(refused.value), (protocol, refused.value)
+    # What the model takes is read and served (400 KB, past the size that is checked first).
+    x = np.random.rand(200, 512).astype(np.float32)
+    shm.set_shared_memory_region(region, [x])
+    assert infer("FP32", [200, 512], x.nbytes).as_numpy("output").shape[0] == 200
+    c.unregister_system_shared_memory()
+
+
 def test_messagepack_bodies_name_regions_as_json_does(shm_server, regions):
     """A MessagePack request's input and output in shared memory (the JSON parameters), each
     region its tenant's: the output lands in its region and the response carries no data for it."""

@@ -127,10 +127,19 @@ fn input(i: InferInputTensor, raw: Option<Bytes>, max_elements: usize) -> Result
     Ok(Tensor::new(name, datatype, shape, data))
 }
 
-/// Typed contents: the repeated field the protocol gives the datatype, range-checked, to
-/// little-endian.
+/// Typed contents: the repeated field the protocol gives the datatype, its length checked against
+/// the shape's before a value is converted, range-checked, to little-endian.
 fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Result<TensorData, Error> {
-    fn pack<U: Copy + Into<Number>>(name: &str, dt: DataType, values: &[U]) -> Result<TensorData, Error> {
+    fn given(name: &str, count: usize, len: usize) -> Result<(), Error> {
+        match len == count {
+            true => Ok(()),
+            false => {
+                Err(Error::invalid(format!("input '{name}': its shape holds {count} elements, contents have {len}")))
+            }
+        }
+    }
+    fn pack<U: Copy + Into<Number>>(name: &str, dt: DataType, count: usize, values: &[U]) -> Result<TensorData, Error> {
+        given(name, count, values.len())?;
         let out = dispatch!(dt, T => {
             let mut out = Vec::with_capacity(values.len() * std::mem::size_of::<T>());
             for &v in values {
@@ -142,25 +151,50 @@ fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Resu
         }, bytes => unreachable!("BYTES have their own field"));
         Ok(TensorData::Fixed(out.into()))
     }
-    let (given, data) = match dt {
-        DataType::Bool => (c.bool_contents.len(), pack(name, dt, &c.bool_contents)?),
-        DataType::Int8 | DataType::Int16 | DataType::Int32 => (c.int_contents.len(), pack(name, dt, &c.int_contents)?),
-        DataType::Int64 => (c.int64_contents.len(), pack(name, dt, &c.int64_contents)?),
-        DataType::Uint8 | DataType::Uint16 | DataType::Uint32 => {
-            (c.uint_contents.len(), pack(name, dt, &c.uint_contents)?)
+    match dt {
+        DataType::Bool => pack(name, dt, count, &c.bool_contents),
+        DataType::Int8 | DataType::Int16 | DataType::Int32 => pack(name, dt, count, &c.int_contents),
+        DataType::Int64 => pack(name, dt, count, &c.int64_contents),
+        DataType::Uint8 | DataType::Uint16 | DataType::Uint32 => pack(name, dt, count, &c.uint_contents),
+        DataType::Uint64 => pack(name, dt, count, &c.uint64_contents),
+        DataType::Fp32 => pack(name, dt, count, &c.fp32_contents),
+        DataType::Fp64 => pack(name, dt, count, &c.fp64_contents),
+        DataType::Bytes => {
+            given(name, count, c.bytes_contents.len())?;
+            Ok(TensorData::Strings(c.bytes_contents))
         }
-        DataType::Uint64 => (c.uint64_contents.len(), pack(name, dt, &c.uint64_contents)?),
-        DataType::Fp32 => (c.fp32_contents.len(), pack(name, dt, &c.fp32_contents)?),
-        DataType::Fp64 => (c.fp64_contents.len(), pack(name, dt, &c.fp64_contents)?),
-        DataType::Bytes => (c.bytes_contents.len(), TensorData::Strings(c.bytes_contents)),
         DataType::Fp16 | DataType::Bf16 => {
-            return Err(Error::invalid(format!("input '{name}': {dt} has no typed contents; send raw_input_contents")))
+            Err(Error::invalid(format!("input '{name}': {dt} has no typed contents; send raw_input_contents")))
         }
-    };
-    if given != count {
-        return Err(Error::invalid(format!("input '{name}': its shape holds {count} elements, contents have {given}")));
     }
-    Ok(data)
+}
+
+/// The bytes a request's inputs carry (raw or typed) or ask to be read from shared memory.
+pub fn input_bytes(req: &pb::ModelInferRequest) -> u64 {
+    let typed = |c: &InferTensorContents| {
+        let narrow = c.int_contents.len() + c.uint_contents.len() + c.fp32_contents.len();
+        let wide = c.int64_contents.len() + c.uint64_contents.len() + c.fp64_contents.len();
+        let strings = c.bytes_contents.iter().map(|b| 4 + b.len()).sum::<usize>();
+        (c.bool_contents.len() + 4 * narrow + 8 * wide + strings) as u64
+    };
+    let raw = req.raw_input_contents.iter().map(|r| r.len() as u64).sum::<u64>();
+    let typed = req.inputs.iter().filter_map(|i| i.contents.as_ref()).map(typed).sum::<u64>();
+    raw.saturating_add(typed).saturating_add(shared_input_bytes(req))
+}
+
+/// Checks each input's name, datatype and shape with `check` (the model's), before any input's
+/// contents are converted or read from shared memory.
+pub fn check_headers(
+    req: &pb::ModelInferRequest,
+    max_elements: usize,
+    check: impl Fn(&str, DataType, &[usize]) -> Result<(), Error>,
+) -> Result<(), Error> {
+    ferrite_core::wire::check_tensor_counts(req.inputs.len(), req.outputs.len())?;
+    for i in &req.inputs {
+        let (datatype, shape, _) = parse_header(&i.name, &i.datatype, &i.shape, max_elements)?;
+        check(&i.name, datatype, &shape)?;
+    }
+    Ok(())
 }
 
 /// The bytes the request's inputs ask to be read from shared memory (as their parameters say).
@@ -314,6 +348,51 @@ mod tests {
     }
 
     #[test]
+    fn a_requests_bytes_and_headers_are_read_without_its_contents() {
+        let shared = |size: u64| {
+            let choice = ParameterChoice::Uint64Param(size);
+            [("shared_memory_byte_size".to_string(), InferParameter { parameter_choice: Some(choice) })].into()
+        };
+        let strings = InferTensorContents { bytes_contents: vec![Bytes::from_static(b"abc"); 2], ..Default::default() };
+        let req = ModelInferRequest {
+            inputs: vec![
+                tensor("a", "BYTES", &[2], Some(strings)),
+                tensor("b", "INT8", &[3], None),
+                InferInputTensor { parameters: shared(1000), ..tensor("c", "FP32", &[250], None) },
+                tensor(
+                    "d",
+                    "FP64",
+                    &[2],
+                    Some(InferTensorContents { fp64_contents: vec![1.0; 2], ..Default::default() }),
+                ),
+            ],
+            raw_input_contents: vec![Bytes::from_static(&[1, 2, 3])],
+            ..Default::default()
+        };
+        assert_eq!(input_bytes(&req), 2 * (4 + 3) + 3 + 1000 + 2 * 8);
+        let seen = std::cell::RefCell::new(Vec::new());
+        let check = |name: &str, dt, shape: &[usize]| {
+            seen.borrow_mut().push((name.to_string(), dt, shape.to_vec()));
+            match name {
+                "c" => Err(Error::invalid("refused")),
+                _ => Ok(()),
+            }
+        };
+        assert_eq!(check_headers(&req, 1000, check).unwrap_err().to_string(), "refused");
+        assert_eq!(
+            *seen.borrow(),
+            [
+                ("a".into(), DataType::Bytes, vec![2]),
+                ("b".into(), DataType::Int8, vec![3]),
+                ("c".into(), DataType::Fp32, vec![250])
+            ]
+        );
+        // A header the protocol refuses is refused as the conversion refuses it.
+        let wide = ModelInferRequest { inputs: vec![tensor("x", "FP32", &[1000], None)], ..Default::default() };
+        assert_eq!(check_headers(&wide, 100, |_, _, _| Ok(())).unwrap_err(), to_core(wide, 100, None).unwrap_err());
+    }
+
+    #[test]
     fn bad_contents_are_invalid_and_name_the_input() {
         let int8 = |v: Vec<i32>| Some(InferTensorContents { int_contents: v, ..Default::default() });
         let cases = [
@@ -323,6 +402,11 @@ mod tests {
             ),
             (
                 ModelInferRequest { inputs: vec![tensor("x", "INT8", &[2], int8(vec![1]))], ..Default::default() },
+                "holds 2",
+            ),
+            // Counted before a value is converted: the count is what is wrong first.
+            (
+                ModelInferRequest { inputs: vec![tensor("x", "INT8", &[2], int8(vec![300]))], ..Default::default() },
                 "holds 2",
             ),
             (
