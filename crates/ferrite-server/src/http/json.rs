@@ -91,8 +91,9 @@ fn quote_non_finite(json: &[u8]) -> Option<Vec<u8>> {
 /// body is passed once to find where each input's `data` lies (`data_spans`), serde reads the body
 /// without it, and each `data` is read from its own text: about 175 instructions a number of the
 /// MLP's 512, where serde's visitor took 370 and a RawValue pass then our reading as many
-/// (`bench/results/instructions-json-data.md`). A body that fails this way is read the whole way
-/// again, so what is refused is refused with the same words.
+/// (`bench/results/instructions-json-data.md`). A body that fails this way is refused with the
+/// words serde's whole reading gives: read the whole way again only where some `data` is not JSON
+/// (or its NaN tokens need quoting), the one failure that reading would find first.
 pub fn parse(
     model: &str,
     version: Option<String>,
@@ -122,11 +123,20 @@ pub fn parse(
                 Ok(parsed) => return Ok(parsed),
                 // Refused by the model before any data was read, or no one to say it to.
                 Err(e) if watch.is_some_and(Watch::settled) => return Err(e),
+                // Every `data` is JSON as serde's whole reading takes it (no recursion limit in a
+                // RawValue): that reading would refuse the body for the same reason, after
+                // decoding it all again.
+                Err(e) if spans.iter().all(|&(start, end)| is_json(&json[start..end])) => return Err(e),
                 Err(_) => {}
             }
         }
     }
     read_whole(model, version, json, binary, max_elements, shm, watch)
+}
+
+/// Whether `text` is one JSON value as a RawValue reads it (checked, not decoded).
+fn is_json(text: &[u8]) -> bool {
+    std::str::from_utf8(text).is_ok_and(|t| serde_json::from_str::<serde::de::IgnoredAny>(t).is_ok())
 }
 
 /// The bytes a V2 JSON request's inputs ask to be read from shared memory, as their parameters
@@ -655,6 +665,46 @@ mod tests {
         let e = parse("m", None, long.as_bytes(), None, 1 << 20, None, Some(&watch)).unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e}");
         assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 3, "read once");
+    }
+
+    /// A body refused for what its data holds, all of it JSON, is refused with the words serde's
+    /// whole reading gives without that reading (which decoded it all again); one whose data is
+    /// not JSON, or needs its NaN tokens quoted, is still read whole.
+    #[test]
+    fn a_body_whose_data_is_json_is_refused_without_a_second_read() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        let asked = AtomicUsize::new(0);
+        let check = |_: &str, _: DataType, _: &[usize]| {
+            asked.fetch_add(1, Relaxed);
+            Ok(())
+        };
+        let wanted = std::sync::Arc::new(AtomicBool::new(true));
+        let watch = Watch { check: &check, wanted: &wanted, refused: Default::default() };
+        for (data, said, reads) in [
+            ("[1,2,3]", Some("more than the 2"), 1),
+            ("[1,1e400]", Some("out of range"), 1),
+            (r#"[1,"a"]"#, Some("not a valid FP32 value"), 1),
+            // Read whole again, which stops at the syntax error before any header is checked.
+            ("[1,,2]", Some("invalid JSON request"), 1),
+            ("[NaN,1]", None, 2),
+        ] {
+            asked.store(0, Relaxed);
+            let body = format!(
+                r#"{{"inputs":[{{"name":"y","shape":[1],"datatype":"FP32","data":[1]}},{{"name":"x","shape":[2],"datatype":"FP32","data":{data}}}]}}"#
+            );
+            let got =
+                parse("m", None, body.as_bytes(), None, 100, None, Some(&watch)).map(|_| ()).map_err(|e| e.to_string());
+            let whole =
+                read_whole("m", None, body.as_bytes(), None, 100, None, None).map(|_| ()).map_err(|e| e.to_string());
+            assert_eq!(got, whole, "{data}");
+            assert_eq!(
+                got.as_ref().err().map(|e| said.is_some_and(|s| e.contains(s))),
+                said.map(|_| true),
+                "{data}: {got:?}"
+            );
+            // Each reading checks both inputs' headers.
+            assert_eq!(asked.load(Relaxed), 2 * reads, "{data}: read {} times", asked.load(Relaxed) / 2);
+        }
     }
 
     #[test]
