@@ -924,19 +924,23 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
 TWO_TENANTS = "[tenants.noisy]\nrate = 1000\nburst = 1000\n[tenants.quiet]\nrate = 1000\nburst = 1000\n"
 
 
-def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, tmp_path):
+@pytest.mark.parametrize("flooder", ["noisy", None])
+def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, tmp_path, flooder):
     """One tenant holding large bodies (all sent but their last bytes) cannot take the whole
     budget of bytes in flight: past half of it its own requests are refused, and another
     tenant's are served (before, four such bodies held all of it and every other request got
-    503)."""
+    503). Where tenants are configured, requests naming none (`flooder` None) hold their bytes
+    within a share of their own as one more tenant would: they took the whole budget, and every
+    tenant's requests got 503."""
     cfg = tmp_path / "tenants.toml"
     cfg.write_text(TWO_TENANTS)
     s = start_server("--max-inflight-body-bytes", str(32 << 20), "--tenant-header", "x-tenant",
                      "--tenant-config", str(cfg), models=("mlp",))
+    named = {"X-Tenant": flooder} if flooder else {}
     slow, refused = [], 0
     for _ in range(4):  # 8 MiB each, all but 100 bytes sent: two fill the tenant's half of 32 MiB
         c = socket.create_connection(("127.0.0.1", s.port))
-        c.sendall(head_of(8 << 20, b"X-Tenant: noisy\r\n"))
+        c.sendall(head_of(8 << 20, b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in named.items())))
         c.settimeout(0.5)
         try:
             answer = c.recv(4096)
@@ -948,14 +952,13 @@ def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, t
             slow.append(c)
             time.sleep(0.3)
     assert (len(slow), refused) == (2, 2)
-    # The other tenant, and requests acting for none, still find room.
-    assert send(s, "POST", MLP, {**JSON, "X-Tenant": "quiet"}, mlp_body())[0] == 200
-    assert send(s, "POST", MLP, JSON, mlp_body())[0] == 200
-    assert send(s, "POST", MLP, {**JSON, "X-Tenant": "noisy"}, mlp_body())[0] == 503
+    # The other tenants, and requests acting for none, still find room; the flooder does not.
+    for other in ({"X-Tenant": "quiet"}, {"X-Tenant": "noisy"}, {}):
+        assert send(s, "POST", MLP, {**JSON, **other}, mlp_body())[0] == (503 if other == named else 200), other
     for c in slow:
         c.close()
     time.sleep(0.3)
-    assert send(s, "POST", MLP, {**JSON, "X-Tenant": "noisy"}, mlp_body())[0] == 200
+    assert send(s, "POST", MLP, {**JSON, **named}, mlp_body())[0] == 200
 
 
 def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_path):

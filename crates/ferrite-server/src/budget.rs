@@ -3,7 +3,8 @@
 //! will send: stating a large body and trickling it holds only the bytes sent), shared-memory inputs while their tensors live,
 //! and large answers until their clients have taken them. A request acting for a tenant holds
 //! them within its tenant's share too (half the budget), so one tenant's bytes (large bodies sent
-//! slowly, large answers it never reads) cannot leave another's requests none.
+//! slowly, large answers it never reads) cannot leave another's requests none; where tenants are
+//! configured, requests acting for none hold theirs in one share of their own.
 
 use std::{
     collections::HashMap,
@@ -26,7 +27,13 @@ pub struct Budget {
     tenants: Mutex<HashMap<String, u32>>,
     /// Told when permits are given back (one waiter a time: see `freed`).
     freed: Arc<tokio::sync::Notify>,
+    /// Whether requests acting for no tenant hold a share of their own (`for_tenants`).
+    anonymous_share: bool,
 }
+
+/// The share requests acting for no tenant hold where tenants are configured (an empty tenant
+/// name, which no configured tenant has, is no name either).
+const NO_TENANT: &str = "";
 
 /// What bytes are held for (`Budget::refusal`).
 #[derive(Clone, Copy, Debug)]
@@ -47,6 +54,17 @@ pub struct Reserved {
 impl Budget {
     /// A budget of `bytes`; a tenant holds at most half of it.
     pub fn new(bytes: usize) -> Arc<Budget> {
+        Budget::with(bytes, false)
+    }
+
+    /// [`Budget::new`] for a server with tenants configured: requests acting for none hold at
+    /// most half of it too, as one more tenant would (they held it all, and left every tenant's
+    /// requests none).
+    pub fn for_tenants(bytes: usize) -> Arc<Budget> {
+        Budget::with(bytes, true)
+    }
+
+    fn with(bytes: usize, anonymous_share: bool) -> Arc<Budget> {
         let permits = u32::try_from(bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS)).unwrap_or(u32::MAX);
         Arc::new(Budget {
             all: Semaphore::new(permits as usize),
@@ -54,7 +72,13 @@ impl Budget {
             share: permits / 2,
             tenants: Mutex::default(),
             freed: Arc::default(),
+            anonymous_share,
         })
+    }
+
+    /// The share `tenant`'s requests hold their bytes in, if any.
+    fn share_of<'t>(&self, tenant: Option<&'t str>) -> Option<&'t str> {
+        tenant.or(self.anonymous_share.then_some(NO_TENANT))
     }
 
     /// The permits no request holds now.
@@ -69,7 +93,7 @@ impl Budget {
         if want as usize > self.available() {
             return false;
         }
-        let Some(tenant) = tenant else { return true };
+        let Some(tenant) = self.share_of(tenant) else { return true };
         let holds = self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).copied().unwrap_or(0);
         holds.saturating_add(want) <= self.share
     }
@@ -78,9 +102,10 @@ impl Budget {
     /// others are answered, or never to be retried when they are more than the budget (or a
     /// tenant's share) could ever hold at once.
     pub fn refusal(&self, tenant: Option<&str>, bytes: usize, held: HeldFor) -> Error {
-        let (most, whose) = match tenant {
-            Some(_) => (self.share, "one tenant's requests"),
-            None => (self.capacity, "all requests"),
+        let (most, whose) = match (tenant, self.share_of(tenant)) {
+            (None, Some(_)) => (self.share, "requests acting for no tenant"),
+            (Some(_), _) => (self.share, "one tenant's requests"),
+            (None, None) => (self.capacity, "all requests"),
         };
         let (retry, what, until) = match held {
             HeldFor::Request => (
@@ -102,7 +127,7 @@ impl Budget {
     /// Takes `permits` more for `tenant`, unless the budget, or the tenant's share, cannot spare
     /// them.
     pub(crate) fn try_take(&self, tenant: Option<&str>, permits: u32) -> bool {
-        let Some(tenant) = tenant else {
+        let Some(tenant) = self.share_of(tenant) else {
             return self.all.try_acquire_many(permits).map(|p| p.forget()).is_ok();
         };
         let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
@@ -120,7 +145,7 @@ impl Budget {
         if permits == 0 {
             return;
         }
-        if let Some(tenant) = tenant {
+        if let Some(tenant) = self.share_of(tenant) {
             let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(holds) = tenants.get_mut(tenant) {
                 *holds = holds.saturating_sub(permits);
@@ -231,6 +256,20 @@ mod tests {
         assert_eq!(budget.tenants.lock().unwrap().get("d"), None);
         drop((c, anonymous));
         assert_eq!(budget.available(), 8);
+    }
+
+    #[test]
+    fn where_tenants_are_configured_requests_for_none_hold_a_share_of_their_own() {
+        let budget = Budget::for_tenants(8 << 10); // 8 permits, 4 a tenant, 4 for none
+        let mut none = budget.take(None, 3 << 10).unwrap();
+        assert!(!none.grow(5 << 10) && budget.take(None, 2 << 10).is_none(), "past their share");
+        assert!(budget.fits(None, 1 << 10) && !budget.fits(None, 2 << 10));
+        let a = budget.take(Some("a"), 4 << 10).unwrap();
+        let refused = budget.refusal(None, 5 << 10, HeldFor::Request).to_string();
+        assert!(refused.contains("for requests acting for no tenant at once (4096 bytes)"), "{refused}");
+        drop((a, none));
+        assert_eq!(budget.available(), 8);
+        assert!(budget.tenants.lock().unwrap().is_empty(), "their share is forgotten when it holds nothing");
     }
 
     #[test]
