@@ -961,9 +961,11 @@ def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, t
     assert send(s, "POST", MLP, {**JSON, **named}, mlp_body())[0] == 200
 
 
-def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_path):
+@pytest.mark.parametrize("flooder", ["noisy", None])
+def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_path, flooder):
     """As over HTTP: a tenant's 1 MB messages held in a slow model take at most half the budget,
-    and another tenant's message of the same size is served beside them."""
+    and another tenant's message of the same size is served beside them; so are requests naming
+    no tenant where tenants are configured."""
     import grpc
     from concurrent.futures import ThreadPoolExecutor
     from tritonclient.grpc import service_pb2_grpc
@@ -975,7 +977,7 @@ def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_
     s = start_server("--max-inflight-body-bytes", "3200000", "--tenant-header", "x-tenant",
                      "--tenant-config", str(cfg), repository=repo)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(s.grpc_url))
-    noisy = [("x-tenant", "noisy")]
+    noisy = [("x-tenant", flooder)] if flooder else []
     with ThreadPoolExecutor(3) as pool:
         calls = []
         for _ in range(3):  # before, all three fit the budget (3 MB of 3.2) and were held
