@@ -6,7 +6,10 @@ at a time, to each binary; reports the server's CPU-seconds per body (median) an
 - elements: 22 M JSON empty strings as BYTES (64 MiB, 63 KB of gzip: the body of
   `bench/hostile.py --only tenants`), more elements than a request may hold;
 - FP64: 3 M numbers as FP64 (24 MB: `bench/large_bodies.py`'s body before it changed);
-- MessagePack: 8 M empty strings as BYTES (8 MB, 8 KB of gzip).
+- MessagePack: 8 M empty strings as BYTES (8 MB, 8 KB of gzip);
+- data: 64 rows of the MLP's FP32 input (its batch limit) in 700-digit numbers, and one number
+  too many (23 MB: `bench/large_bodies.py`'s body and one more number): a body the model takes but
+  for its data, found wrong at its end.
 
 Usage: python3 bench/refused.py --binary [LABEL=]PATH --binary ... [--times 3] [--name refused]
 (writes bench/results/<name>.md)
@@ -41,11 +44,15 @@ def bodies():
                                    "data": [0.123456] * (5859 * 512)}]}).encode()
     packed = msgpack.packb({"inputs": [{"name": "input", "datatype": "BYTES", "shape": [8_000_000],
                                         "data": [""] * 8_000_000}]})
+    number = b"0." + b"1234567" * 100
+    surplus = (b'{"inputs":[{"name":"input","datatype":"FP32","shape":[64,512],"data":['
+               + b",".join([number] * (64 * 512 + 1)) + b"]}]}")
     return [
         ("datatype: 8 M strings as BYTES, JSON", strings(8_000_000), json_h),
         ("elements: 22 M strings as BYTES, JSON", strings((64 << 20) // 3 - 40), json_h),
         ("FP64: 3 M numbers, JSON", fp64, json_h),
         ("MessagePack: 8 M strings as BYTES", packed, {"Content-Type": "application/msgpack", "Content-Encoding": "gzip"}),
+        ("data: 64 rows of 700-digit numbers and one too many, JSON", surplus, json_h),
     ]
 
 
