@@ -4,9 +4,10 @@
 //! join the queue of all. One tenant's flood then queues behind itself: another tenant's request
 //! waits for the work in progress, not for the flood (a body of 64 MiB of JSON in 65 KB of gzip
 //! holds a decompression place for about half a second; sixteen at once kept another tenant's
-//! gzip requests waiting 9 s in one queue of all). Requests acting for no tenant (none where no
-//! tenants are configured) may take every place, as they share the budget, but past those they
-//! wait in a queue of their own too.
+//! gzip requests waiting 9 s in one queue of all). Requests acting for no tenant (all of them
+//! where no tenants are configured) may take every place, but past those they wait in a queue of
+//! their own too: where tenants are configured, a tenant's request then waits for one piece of
+//! work at most (their bytes in flight are one share, `budget`).
 
 use std::{
     collections::HashMap,

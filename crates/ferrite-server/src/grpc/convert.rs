@@ -169,7 +169,7 @@ fn typed(name: &str, dt: DataType, count: usize, c: InferTensorContents) -> Resu
     }
 }
 
-/// The bytes a request's inputs carry (raw or typed) or ask to be read from shared memory.
+/// The bytes a request's inputs carry in the message (raw or typed).
 pub fn input_bytes(req: &pb::ModelInferRequest) -> u64 {
     let typed = |c: &InferTensorContents| {
         let narrow = c.int_contents.len() + c.uint_contents.len() + c.fp32_contents.len();
@@ -179,7 +179,7 @@ pub fn input_bytes(req: &pb::ModelInferRequest) -> u64 {
     };
     let raw = req.raw_input_contents.iter().map(|r| r.len() as u64).sum::<u64>();
     let typed = req.inputs.iter().filter_map(|i| i.contents.as_ref()).map(typed).sum::<u64>();
-    raw.saturating_add(typed).saturating_add(shared_input_bytes(req))
+    raw.saturating_add(typed)
 }
 
 /// Checks each input's name, datatype and shape with `check` (the model's), before any input's
@@ -369,7 +369,7 @@ mod tests {
             raw_input_contents: vec![Bytes::from_static(&[1, 2, 3])],
             ..Default::default()
         };
-        assert_eq!(input_bytes(&req), 2 * (4 + 3) + 3 + 1000 + 2 * 8);
+        assert_eq!((input_bytes(&req), shared_input_bytes(&req)), (2 * (4 + 3) + 3 + 2 * 8, 1000));
         let seen = std::cell::RefCell::new(Vec::new());
         let check = |name: &str, dt, shape: &[usize]| {
             seen.borrow_mut().push((name.to_string(), dt, shape.to_vec()));

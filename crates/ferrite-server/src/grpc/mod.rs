@@ -265,16 +265,17 @@ impl Service {
         let shared = convert::shared_outputs(&req)?;
         let shm = crate::shm::Access::new(self.shm.clone(), meta.tenant.clone());
         let max = self.core.limits().max_elements;
+        let in_shm = convert::shared_input_bytes(&req);
         // A large request's inputs are checked against the model before their contents are
         // converted or read from shared memory, as a large HTTP body's are before it is decoded.
-        if convert::input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64 {
+        if convert::input_bytes(&req).saturating_add(in_shm) > crate::http::OFFLOAD_BYTES as u64 {
             let version = Some(req.model_version.as_str()).filter(|v| !v.is_empty());
             convert::check_headers(&req, max, |input, datatype, shape| {
                 self.core.check_input(&req.model_name, version, input, datatype, shape)
             })?;
         }
         // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
-        let large = convert::shared_input_bytes(&req) > crate::http::OFFLOAD_BYTES as u64;
+        let large = in_shm > crate::http::OFFLOAD_BYTES as u64;
         let tenant = meta.tenant.as_deref();
         let (core_req, shm) =
             crate::http::off_io(large, tenant, move || (convert::to_core(req, max, Some(&shm)), shm)).await?;
