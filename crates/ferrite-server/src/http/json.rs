@@ -113,7 +113,10 @@ pub fn parse(
         let mut from = 0;
         for (k, (start, end)) in spans.iter().enumerate() {
             rest.extend_from_slice(&json[from..*start]);
+            // A space ends the index: what follows a `data` value (digits, where the body is not
+            // JSON) cannot join it into another index.
             rest.extend_from_slice(itoa::Buffer::new().format(k).as_bytes());
+            rest.push(b' ');
             from = *end;
         }
         rest.extend_from_slice(&json[from..]);
