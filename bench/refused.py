@@ -78,11 +78,11 @@ def from_shared_memory(pid, grpc_port, times):
     4-byte length of 0), which the MLP's FP32 input refuses."""
     import tritonclient.grpc as grpcclient
     import tritonclient.utils.shared_memory as shm
-    n = 8_000_000
-    region = shm.create_shared_memory_region("refused", f"/ferrite-refused-{os.getpid()}", 4 * n)
+    n, key = 8_000_000, f"/ferrite-refused-{os.getpid()}"
+    region = shm.create_shared_memory_region("refused", key, 4 * n)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
     try:
-        client.register_system_shared_memory("refused", f"/ferrite-refused-{os.getpid()}", 4 * n)
+        client.register_system_shared_memory("refused", key, 4 * n)
         shm.set_shared_memory_region(region, [np.zeros(4 * n, dtype=np.uint8)])
 
         def infer():
