@@ -313,21 +313,26 @@ def test_decompressed_bodies_are_read_under_their_decompression_place(start_serv
     assert cores < places + 0.5, cores
 
 
-@pytest.mark.parametrize("flooder", ["flood", None])
+@pytest.mark.parametrize("flooder", ["flood", None, "made-up"])
 def test_a_tenants_compressed_bodies_wait_behind_its_own_not_in_front_of_anothers(start_server, tmp_path, flooder):
     """The places bodies are decompressed (and large ones decoded) in were one queue for all: one
     tenant's flood of gzip bodies, a few KB each, put every other tenant's compressed request
     behind all of it (sixteen bodies of 64 MiB of JSON, 65 KB each, kept another tenant's gzip
     requests waiting 9 s, release build). A tenant now waits for its turn behind its own requests:
     another's request waits for the work in progress, not for the flood. So do requests that name
-    no tenant (`flooder` None), which may take every place but queue behind their own past it. And
-    a body that comes to little (64 KiB) waits for no place at all."""
+    no tenant (`flooder` None), which may take every place but queue behind their own past it; and
+    those of a token bound to no tenant naming a new tenant each ("made-up"), which are one share:
+    each name was a queue of its own, and the flood one queue of all again. And a body that comes
+    to little (64 KiB) waits for no place at all."""
     import gzip
 
     tenants = tmp_path / "tenants.toml"
     tenants.write_text("[default]\n")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("quiet-token-0123456789 infer tenant=quiet\nplain-token-0123456789 infer\n")
+    with_tokens = ("--auth-token-file", str(tokens)) if flooder == "made-up" else ()
     s = start_server("--max-body-bytes", str(32 << 20), "--tenant-header", "x-tenant", "--tenant-config", str(tenants),
-                     models=("mlp",))
+                     *with_tokens, models=("mlp",))
     bomb = gzip.compress(bytes(64 << 20), compresslevel=1)  # refused once 32 MiB are decompressed
     request = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
     gz = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
@@ -335,13 +340,17 @@ def test_a_tenants_compressed_bodies_wait_behind_its_own_not_in_front_of_another
 
     def send(tenant, body, want):
         headers = {**gz, "x-tenant": tenant} if tenant else gz
+        if with_tokens:
+            token = "quiet" if tenant == "quiet" else "plain"
+            headers = {**headers, "Authorization": f"Bearer {token}-token-0123456789"}
         status, answer = post(s, "/v2/models/mlp/infer", body, headers, timeout=300)
         assert status == want, answer
         answered.append(tenant)
 
     flood = 12
     with concurrent.futures.ThreadPoolExecutor(flood) as pool:
-        floods = [pool.submit(send, flooder, bomb, 413) for _ in range(flood)]
+        names = [f"guest-{i}" if flooder == "made-up" else flooder for i in range(flood)]
+        floods = [pool.submit(send, name, bomb, 413) for name in names]
         while not answered:  # all twelve arrived, one answered
             time.sleep(0.01)
         waited = []

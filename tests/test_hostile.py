@@ -924,21 +924,51 @@ def test_grpc_message_bytes_in_flight_share_the_body_budget(start_server, tmp_pa
 TWO_TENANTS = "[tenants.noisy]\nrate = 1000\nburst = 1000\n[tenants.quiet]\nrate = 1000\nburst = 1000\n"
 
 
-@pytest.mark.parametrize("flooder", ["noisy", None])
+TENANT_TOKENS = "quiet-token-0123456789 infer tenant=quiet\nnoisy-token-0123456789 infer tenant=noisy\n" \
+                "plain-token-0123456789 infer\n"
+
+
+def acting_as(who, tokens):
+    """The headers of a request acting for `who`: a listed tenant, a name made up ("guest-N"), or
+    none (""); with `tokens` (`TENANT_TOKENS`), the listed tenants' own tokens, else the one bound
+    to no tenant, which may name any tenant the config does not list."""
+    if not tokens:
+        return {"X-Tenant": who} if who else {}
+    if who in ("quiet", "noisy"):
+        return {"Authorization": f"Bearer {who}-token-0123456789"}
+    return {"Authorization": "Bearer plain-token-0123456789", **({"X-Tenant": who} if who else {})}
+
+
+def tenants_server(start_server, tmp_path, flooder, *args, **kwargs):
+    """A server with the tenants noisy and quiet listed; with tokens (`TENANT_TOKENS`) where the
+    `flooder` makes names up, as a token bound to no tenant may."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text(TWO_TENANTS)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TENANT_TOKENS)
+    with_tokens = ("--auth-token-file", str(tokens)) if flooder == "made-up" else ()
+    return start_server(*args, "--tenant-header", "x-tenant", "--tenant-config", str(cfg), *with_tokens, **kwargs)
+
+
+def flood_of(flooder, i):
+    """Who the `i`th request of a flood acts for: a new name each where it makes them up."""
+    return f"guest-{i}" if flooder == "made-up" else flooder
+
+
+@pytest.mark.parametrize("flooder", ["noisy", "", "made-up"])
 def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, tmp_path, flooder):
     """One tenant holding large bodies (all sent but their last bytes) cannot take the whole
     budget of bytes in flight: past half of it its own requests are refused, and another
     tenant's are served (before, four such bodies held all of it and every other request got
-    503). Where tenants are configured, requests naming none (`flooder` None) hold their bytes
+    503). Where tenants are configured, requests naming none (`flooder` "") hold their bytes
     within a share of their own as one more tenant would: they took the whole budget, and every
-    tenant's requests got 503."""
-    cfg = tmp_path / "tenants.toml"
-    cfg.write_text(TWO_TENANTS)
-    s = start_server("--max-inflight-body-bytes", str(32 << 20), "--tenant-header", "x-tenant",
-                     "--tenant-config", str(cfg), models=("mlp",))
-    named = {"X-Tenant": flooder} if flooder else {}
+    tenant's requests got 503. So do those of a token bound to no tenant, naming a new tenant each
+    ("made-up"): each name held a share of its own, and two of them the whole budget."""
+    tokens = flooder == "made-up"
+    s = tenants_server(start_server, tmp_path, flooder, "--max-inflight-body-bytes", str(32 << 20), models=("mlp",))
     slow, refused = [], 0
-    for _ in range(4):  # 8 MiB each, all but 100 bytes sent: two fill the tenant's half of 32 MiB
+    for i in range(4):  # 8 MiB each, all but 100 bytes sent: two fill the tenant's half of 32 MiB
+        named = acting_as(flood_of(flooder, i), tokens)
         c = socket.create_connection(("127.0.0.1", s.port))
         c.sendall(head_of(8 << 20, b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in named.items())))
         c.settimeout(0.5)
@@ -952,38 +982,43 @@ def test_a_tenant_holds_at_most_half_the_request_bytes_in_flight(start_server, t
             slow.append(c)
             time.sleep(0.3)
     assert (len(slow), refused) == (2, 2)
-    # The other tenants, and requests acting for none, still find room; the flooder does not.
-    for other in ({"X-Tenant": "quiet"}, {"X-Tenant": "noisy"}, {}):
-        assert send(s, "POST", MLP, {**JSON, **other}, mlp_body())[0] == (503 if other == named else 200), other
+    # The other tenants still find room; the flooder's share does not. Requests naming none share
+    # one with names made up under a token; without tokens a name is taken on trust, its own.
+    full = {"noisy": ["noisy"], "": [""], "made-up": ["", "guest-9"]}[flooder]
+    for other in ("quiet", "noisy", "", "guest-9"):
+        status = send(s, "POST", MLP, {**JSON, **acting_as(other, tokens)}, mlp_body())[0]
+        assert status == (503 if other in full else 200), other
     for c in slow:
         c.close()
     time.sleep(0.3)
-    assert send(s, "POST", MLP, {**JSON, **named}, mlp_body())[0] == 200
+    assert send(s, "POST", MLP, {**JSON, **acting_as(flood_of(flooder, 9), tokens)}, mlp_body())[0] == 200
 
 
-@pytest.mark.parametrize("flooder", ["noisy", None])
+@pytest.mark.parametrize("flooder", ["noisy", "", "made-up"])
 def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_path, flooder):
     """As over HTTP: a tenant's 1 MB messages held in a slow model take at most half the budget,
     and another tenant's message of the same size is served beside them; so are requests naming
-    no tenant where tenants are configured."""
+    no tenant, or each a made-up one under a token bound to none, where tenants are configured."""
     import grpc
     from concurrent.futures import ThreadPoolExecutor
     from tritonclient.grpc import service_pb2_grpc
     from conftest import make_repository
     repo = make_repository(tmp_path / "repo", ("slow",))
     (repo / "slow" / "config.toml").write_text("max_batch_size = 512\n")
-    cfg = tmp_path / "tenants.toml"
-    cfg.write_text(TWO_TENANTS)
-    s = start_server("--max-inflight-body-bytes", "3200000", "--tenant-header", "x-tenant",
-                     "--tenant-config", str(cfg), repository=repo)
+    tokens = flooder == "made-up"
+    s = tenants_server(start_server, tmp_path, flooder, "--max-inflight-body-bytes", "3200000", repository=repo)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(s.grpc_url))
-    noisy = [("x-tenant", flooder)] if flooder else []
+
+    def metadata(who):
+        return [(k.lower(), v) for k, v in acting_as(who, tokens).items()]
+
     with ThreadPoolExecutor(3) as pool:
         calls = []
-        for _ in range(3):  # before, all three fit the budget (3 MB of 3.2) and were held
-            calls.append(pool.submit(stub.ModelInfer, slow_grpc_request(500), timeout=120, metadata=noisy))
+        for i in range(3):  # before, all three fit the budget (3 MB of 3.2) and were held
+            calls.append(pool.submit(stub.ModelInfer, slow_grpc_request(500), timeout=120,
+                                     metadata=metadata(flood_of(flooder, i))))
             time.sleep(0.5)
-        assert stub.ModelInfer(slow_grpc_request(500), timeout=120, metadata=[("x-tenant", "quiet")]).raw_output_contents
+        assert stub.ModelInfer(slow_grpc_request(500), timeout=120, metadata=metadata("quiet")).raw_output_contents
         codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
     assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE], codes
 

@@ -224,11 +224,37 @@ pub fn tenant<'a>(
     }
 }
 
+/// The share of the bytes in flight (`budget`) and of the places of work (`places`) that a
+/// request acting for `tenant` (as `tenant` resolves it) holds them in: its tenant's, where the
+/// name is one the server gave or takes on trust; else, where tenants are configured, one share
+/// for all others.
+/// - Without a config: its token's tenant's (names the token file sets), else none.
+/// - With one: a listed tenant's, a token's tenant's, or, without tokens, any tenant its header
+///   names (taken on trust, as the limits take it). Where tokens are in use, a tenant named by a
+///   token bound to none (one the config does not list: the only kind it may claim) is a name its
+///   client may make up without end, and has no share of its own: each such name held half the
+///   budget, so two held all of it and every listed tenant's request was refused. Those requests,
+///   and those acting for no tenant, hold one share together.
+pub fn share<'a>(tenants: Option<&Tenants>, principal: Option<&Principal>, tenant: Option<&'a str>) -> Option<&'a str> {
+    let Some(listed) = tenants else { return tenant };
+    let own = |t: &&str| principal.is_none_or(|p| p.tenant.as_deref() == Some(*t)) || listed.is_listed(t);
+    Some(tenant.filter(own).unwrap_or(OTHERS))
+}
+
+/// The share of requests acting for no tenant of their own (`share`): a name no header, token or
+/// config can give.
+pub const OTHERS: &str = "\u{0}others";
+
 /// The tenant a request acts for (`tenant`, or why its claim is refused), resolved once where its
 /// bytes are first charged to a share of the budget (HTTP's body layer, gRPC's call layer) and
 /// carried in its extensions to the handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Acting(pub Result<Option<String>, String>);
+pub struct Acting {
+    /// The tenant it acts for, if any, or why its claim is refused.
+    pub tenant: Result<Option<String>, String>,
+    /// Where its bytes and work are held (`share`); a request to be refused names no tenant.
+    share: Option<String>,
+}
 
 impl Acting {
     /// What `ext` carries, else resolved from its principal and `claimed` (the header).
@@ -237,15 +263,17 @@ impl Acting {
         tenants: Option<&Tenants>,
         claimed: impl FnOnce(&str) -> Option<&'a str>,
     ) -> Acting {
-        match ext.get::<Acting>() {
-            Some(acting) => acting.clone(),
-            None => Acting(tenant(ext.get(), tenants, claimed)),
+        if let Some(acting) = ext.get::<Acting>() {
+            return acting.clone();
         }
+        let tenant = tenant(ext.get(), tenants, claimed);
+        let share = share(tenants, ext.get(), tenant.as_ref().ok().and_then(Option::as_deref)).map(str::to_string);
+        Acting { tenant, share }
     }
 
-    /// The share its bytes are in: its tenant's; a request to be refused is no tenant's.
+    /// The share its bytes and work are held in (`share`).
     pub fn share(&self) -> Option<&str> {
-        self.0.as_ref().ok().and_then(Option::as_deref)
+        self.share.as_deref()
     }
 }
 
@@ -306,16 +334,46 @@ mod tests {
         let never = |_: &str| -> Option<&str> { panic!("resolved again") };
         // Nothing carried: resolved from the principal and the header.
         let named = Acting::of(&ext, Some(&tenants), |_| Some("beta"));
-        assert_eq!((named.0.clone(), named.share()), (Ok(Some("beta".into())), Some("beta")));
+        assert_eq!((named.tenant.clone(), named.share()), (Ok(Some("beta".into())), Some("beta")));
         ext.insert(plain);
         let refused = Acting::of(&ext, Some(&tenants), |_| Some("acme"));
-        assert!(refused.0.is_err());
-        assert_eq!(refused.share(), None, "a claim to be refused is charged as no tenant's");
+        assert!(refused.tenant.is_err());
+        assert_eq!(refused.share(), Some(OTHERS), "a claim to be refused is charged as no tenant's");
         // Carried: the header is not read again, and the refusal stands.
         ext.insert(refused.clone());
         assert_eq!(Acting::of(&ext, Some(&tenants), never), refused);
         ext.insert(named.clone());
         assert_eq!(Acting::of(&ext, None, never), named);
+    }
+
+    #[test]
+    fn names_a_client_may_make_up_hold_no_share_of_their_own() {
+        use ferrite_core::admission::tenant::TenantConfig;
+        let auth = Auth::parse(
+            "acme-token-0123456789 infer tenant=acme\nbob-token-0123456789 tenant=bob\nplain-token-0123456789\n",
+            false,
+        )
+        .unwrap();
+        let token = |t: &str| auth.check(Some(&format!("Bearer {t}-token-0123456789")), Scope::Infer).unwrap();
+        let (acme, bob, plain) = (token("acme"), token("bob"), token("plain"));
+        let tenants = Tenants::new(TenantConfig::parse("[tenants.acme]\nrate = 100\n").unwrap(), "x-tenant");
+        let with = |p: Option<&Principal>, t| share(Some(&tenants), p, t);
+        // Listed, or bound to a token: its own.
+        assert_eq!([with(Some(&acme), Some("acme")), with(Some(&bob), Some("bob"))], [Some("acme"), Some("bob")]);
+        // A token bound to none names made-up tenants: one share for them all, and for none.
+        let made_up =
+            [with(Some(&plain), Some("guest-1")), with(Some(&plain), Some("guest-2")), with(Some(&plain), None)];
+        assert_eq!(made_up, [Some(OTHERS); 3]);
+        // Without tokens the header is taken on trust, unlisted names too; none is the others'.
+        assert_eq!([with(None, Some("guest-1")), with(None, None)], [Some("guest-1"), Some(OTHERS)]);
+        // Without a config: the token's tenant's, else none.
+        assert_eq!((share(None, Some(&bob), Some("bob")), share(None, Some(&plain), None)), (Some("bob"), None));
+        // As a request carries it: a claim refused is no tenant's.
+        let mut ext = http::Extensions::new();
+        ext.insert(plain);
+        assert_eq!(Acting::of(&ext, Some(&tenants), |_| Some("guest-9")).share(), Some(OTHERS));
+        assert_eq!(Acting::of(&ext, Some(&tenants), |_| Some("acme")).share(), Some(OTHERS));
+        assert_eq!(Acting::of(&http::Extensions::new(), Some(&tenants), |_| Some("guest-9")).share(), Some("guest-9"));
     }
 
     #[test]

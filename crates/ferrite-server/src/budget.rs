@@ -1,10 +1,11 @@
 //! The bytes in flight that all listeners share (`--max-inflight-body-bytes`), one permit a KiB:
 //! request bodies and gRPC messages as they arrive (what a client has sent, not what it says it
 //! will send: stating a large body and trickling it holds only the bytes sent), shared-memory inputs while their tensors live,
-//! and large answers until their clients have taken them. A request acting for a tenant holds
-//! them within its tenant's share too (half the budget), so one tenant's bytes (large bodies sent
+//! and large answers until their clients have taken them. A request holds them within its share
+//! too (half the budget; `auth::share`), its tenant's, so one tenant's bytes (large bodies sent
 //! slowly, large answers it never reads) cannot leave another's requests none; where tenants are
-//! configured, requests acting for none hold theirs in one share of their own.
+//! configured, requests acting for none (naming none, or a name their token does not bind them
+//! to) hold theirs in one share of their own.
 
 use std::{
     collections::HashMap,
@@ -14,6 +15,9 @@ use std::{
 use bytes::Bytes;
 use ferrite_core::Error;
 use tokio::sync::Semaphore;
+
+// The share requests acting for no tenant hold where tenants are configured.
+use crate::auth::OTHERS as NO_TENANT;
 
 /// See the module.
 #[derive(Debug)]
@@ -30,10 +34,6 @@ pub struct Budget {
     /// Whether requests acting for no tenant hold a share of their own (`for_tenants`).
     anonymous_share: bool,
 }
-
-/// The share requests acting for no tenant hold where tenants are configured (an empty tenant
-/// name, which no configured tenant has, is no name either).
-const NO_TENANT: &str = "";
 
 /// What bytes are held for (`Budget::refusal`).
 #[derive(Clone, Copy, Debug)]
@@ -103,7 +103,7 @@ impl Budget {
     /// tenant's share) could ever hold at once.
     pub fn refusal(&self, tenant: Option<&str>, bytes: usize, held: HeldFor) -> Error {
         let (most, whose) = match (tenant, self.share_of(tenant)) {
-            (None, Some(_)) => (self.share, "requests acting for no tenant"),
+            (None, Some(_)) | (Some(NO_TENANT), _) => (self.share, "requests acting for no tenant"),
             (Some(_), _) => (self.share, "one tenant's requests"),
             (None, None) => (self.capacity, "all requests"),
         };
@@ -265,8 +265,12 @@ mod tests {
         assert!(!none.grow(5 << 10) && budget.take(None, 2 << 10).is_none(), "past their share");
         assert!(budget.fits(None, 1 << 10) && !budget.fits(None, 2 << 10));
         let a = budget.take(Some("a"), 4 << 10).unwrap();
-        let refused = budget.refusal(None, 5 << 10, HeldFor::Request).to_string();
-        assert!(refused.contains("for requests acting for no tenant at once (4096 bytes)"), "{refused}");
+        // Those given their share by name (`auth::share`) are in it too.
+        assert!(budget.take(Some(NO_TENANT), 2 << 10).is_none() && budget.fits(Some(NO_TENANT), 1 << 10));
+        for share in [None, Some(NO_TENANT)] {
+            let refused = budget.refusal(share, 5 << 10, HeldFor::Request).to_string();
+            assert!(refused.contains("for requests acting for no tenant at once (4096 bytes)"), "{refused}");
+        }
         drop((a, none));
         assert_eq!(budget.available(), 8);
         assert!(budget.tenants.lock().unwrap().is_empty(), "their share is forgotten when it holds nothing");

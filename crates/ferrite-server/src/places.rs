@@ -1,13 +1,14 @@
 //! Places of work that only a few requests may do at once (decoding large bodies, decompressing
-//! them), shared among tenants as the bytes in flight are (`budget`): a tenant holds at most half
-//! of them (at least one), and its requests past that wait in a queue of their own before they
-//! join the queue of all. One tenant's flood then queues behind itself: another tenant's request
-//! waits for the work in progress, not for the flood (a body of 64 MiB of JSON in 65 KB of gzip
-//! holds a decompression place for about half a second; sixteen at once kept another tenant's
-//! gzip requests waiting 9 s in one queue of all). Requests acting for no tenant (all of them
-//! where no tenants are configured) may take every place, but past those they wait in a queue of
-//! their own too: where tenants are configured, a tenant's request then waits for one piece of
-//! work at most (their bytes in flight are one share, `budget`).
+//! them), shared as the bytes in flight are (`budget`, in the same shares: `auth::share`): a share
+//! holds at most half of them (at least one), and its requests past that wait in a queue of their
+//! own before they join the queue of all. One tenant's flood then queues behind itself: another
+//! tenant's request waits for the work in progress, not for the flood (a body of 64 MiB of JSON in
+//! 65 KB of gzip holds a decompression place for about half a second; sixteen at once kept another
+//! tenant's gzip requests waiting 9 s in one queue of all). Where tenants are configured, requests
+//! acting for none of them (naming none, or a made-up name) are one share; they took every place
+//! before, and those with made-up names, each a share of its own, every place and the queue of all.
+//! Without a config, requests acting for no tenant may take every place, but past those they wait
+//! in a queue of their own too.
 
 use std::{
     collections::HashMap,
@@ -55,8 +56,8 @@ impl Places {
         }
     }
 
-    /// A place for a request acting for `tenant`, once its turn comes: first in its own queue,
-    /// then among all.
+    /// A place for a request of `tenant`'s share (`auth::share`), once its turn comes: first in
+    /// its own queue, then among all.
     pub async fn take(&'static self, tenant: Option<&str>) -> Place {
         let queue = match tenant {
             None => self.anonymous.clone(),

@@ -68,6 +68,8 @@ pub struct Region {
     pub offset: u64,
     pub byte_size: u64,
     tenant: Option<String>,
+    /// The share it counts in (`register`).
+    share: Option<String>,
     file: File,
 }
 
@@ -111,11 +113,12 @@ impl Regions {
         Error::invalid(format!("shared memory region '{name}' is already registered"))
     }
 
-    /// Registers `name` for `tenant`: `byte_size` bytes of the shared-memory object `key` from
-    /// `offset`, which must lie within the object now.
+    /// Registers `name` for `tenant`, of `share` (`auth::share`): `byte_size` bytes of the
+    /// shared-memory object `key` from `offset`, which must lie within the object now.
     pub fn register(
         &self,
         tenant: Option<&str>,
+        share: Option<&str>,
         name: &str,
         key: &str,
         offset: u64,
@@ -143,23 +146,30 @@ impl Regions {
                 format!("{} shared memory regions are registered, the most this server holds", self.max_regions);
             return Err(Error::Overloaded { message, retry_after: None });
         }
-        // A tenant holds a quarter of them at most, so no one tenant leaves the others none.
-        let share = self.max_regions / 4;
-        if tenant.is_some() && regions.iter().filter(|r| r.tenant.as_deref() == tenant).count() >= share {
-            let message = format!("this tenant holds {share} shared memory regions, its most");
+        // A share (a tenant's; where tenants are configured, also the one of requests acting for
+        // none, or for names they made up: `auth::share`) holds a quarter of them at most, so no
+        // one tenant leaves the others none.
+        let most = self.max_regions / 4;
+        if share.is_some() && regions.iter().filter(|r| r.share.as_deref() == share).count() >= most {
+            let whose = match share {
+                Some(crate::auth::OTHERS) => "requests acting for no tenant of their own hold",
+                _ => "this tenant holds",
+            };
+            let message = format!("{whose} {most} shared memory regions, the most one share may");
             return Err(Error::Overloaded { message, retry_after: None });
         }
         // Opened unlocked: another call may have registered the name meanwhile.
         if regions.iter().any(|r| r.is(tenant, name)) {
             return Err(Self::taken(name));
         }
-        let tenant = tenant.map(str::to_string);
+        let (tenant, share) = (tenant.map(str::to_string), share.map(str::to_string));
         regions.push(Arc::new(Region {
             name: name.to_string(),
             key: key.to_string(),
             offset,
             byte_size,
             tenant,
+            share,
             file,
         }));
         Ok(())
@@ -213,10 +223,12 @@ fn open(key: &str) -> Result<File, Error> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-/// One request's way to the regions: its tenant's, and at most the body limit read in all.
+/// One request's way to the regions: its tenant's, and at most the body limit read in all (held
+/// in its share of the budget).
 pub struct Access {
     regions: Arc<Regions>,
     tenant: Option<String>,
+    share: Option<String>,
     read: std::sync::atomic::AtomicUsize,
 }
 
@@ -233,8 +245,8 @@ impl<B: AsRef<[u8]>> AsRef<[u8]> for Reading<B> {
 }
 
 impl Access {
-    pub fn new(regions: Arc<Regions>, tenant: Option<String>) -> Access {
-        Access { regions, tenant, read: Default::default() }
+    pub fn new(regions: Arc<Regions>, tenant: Option<String>, share: Option<String>) -> Access {
+        Access { regions, tenant, share, read: Default::default() }
     }
 
     /// Where, within its region's object, `place`'s bytes lie, checked against the region.
@@ -268,7 +280,7 @@ impl Access {
             )));
         }
         let (region, at) = self.locate(input, place)?;
-        let reserved = self.regions.budget.take(self.tenant.as_deref(), size).ok_or_else(|| Error::Unavailable {
+        let reserved = self.regions.budget.take(self.share.as_deref(), size).ok_or_else(|| Error::Unavailable {
             message: "too many request bytes in flight on this server; retry shortly".into(),
             retry_after: Some(std::time::Duration::from_secs(1)),
         })?;
@@ -347,7 +359,7 @@ mod tests {
     }
 
     fn access(regions: &Arc<Regions>, tenant: Option<&str>) -> Access {
-        Access::new(regions.clone(), tenant.map(str::to_string))
+        Access::new(regions.clone(), tenant.map(str::to_string), tenant.map(str::to_string))
     }
 
     fn place(region: &str, offset: u64, byte_size: u64) -> Place {
@@ -359,7 +371,7 @@ mod tests {
         let obj = Object::new(64);
         obj.file().write_all_at(&[1, 0, 0, 0, 2, 0, 0, 0], 16).unwrap();
         let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
-        regions.register(None, "r", &obj.0, 8, 32).unwrap();
+        regions.register(None, None, "r", &obj.0, 8, 32).unwrap();
         let a = access(&regions, None);
         let data = a.read("x", &place("r", 8, 8), DataType::Int32, 2).unwrap();
         assert_eq!(data.to_wire().as_ref(), &[1, 0, 0, 0, 2, 0, 0, 0]);
@@ -376,17 +388,17 @@ mod tests {
         let e = a.write(&out, &place("r", 0, 2)).unwrap_err().to_string();
         assert!(e.contains("do not fit"), "{e}");
         // A region past its object, a name taken, a key that is a path: refused.
-        assert!(regions.register(None, "big", &obj.0, 0, 65).is_err());
-        assert!(regions.register(None, "r", &obj.0, 0, 8).is_err());
-        assert!(regions.register(None, "p", "/../etc/passwd", 0, 8).is_err());
-        assert!(regions.register(None, "p", "/dev/shm/x", 0, 8).is_err());
+        assert!(regions.register(None, None, "big", &obj.0, 0, 65).is_err());
+        assert!(regions.register(None, None, "r", &obj.0, 0, 8).is_err());
+        assert!(regions.register(None, None, "p", "/../etc/passwd", 0, 8).is_err());
+        assert!(regions.register(None, None, "p", "/dev/shm/x", 0, 8).is_err());
     }
 
     #[test]
     fn a_region_shrunk_under_the_server_fails_its_read_and_the_process_goes_on() {
         let obj = Object::new(4096);
         let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
-        regions.register(None, "r", &obj.0, 0, 4096).unwrap();
+        regions.register(None, None, "r", &obj.0, 0, 4096).unwrap();
         obj.file().set_len(0).unwrap();
         let e = access(&regions, None).read("x", &place("r", 0, 4096), DataType::Uint8, 4096).unwrap_err();
         assert!(e.to_string().contains("cannot read"), "{e}");
@@ -396,9 +408,9 @@ mod tests {
     fn a_tenant_sees_uses_and_unregisters_its_own_regions_only() {
         let obj = Object::new(16);
         let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
-        regions.register(Some("a"), "r", &obj.0, 0, 16).unwrap();
+        regions.register(Some("a"), Some("a"), "r", &obj.0, 0, 16).unwrap();
         // The same name is another region for another tenant.
-        regions.register(Some("b"), "r", &obj.0, 0, 8).unwrap();
+        regions.register(Some("b"), Some("b"), "r", &obj.0, 0, 8).unwrap();
         assert!(access(&regions, Some("c")).read("x", &place("r", 0, 4), DataType::Uint8, 4).is_err());
         assert_eq!(regions.status(Some("b"), "").unwrap()[0].byte_size, 8);
         assert!(regions.status(None, "r").is_err());
@@ -417,23 +429,33 @@ mod tests {
         let mut regions = Regions::new(true, 1 << 20, budget());
         regions.max_regions = 8;
         // A tenant holds a quarter at most: the others still register.
-        regions.register(Some("a"), "1", &obj.0, 0, 16).unwrap();
-        regions.register(Some("a"), "2", &obj.0, 0, 16).unwrap();
-        assert!(matches!(regions.register(Some("a"), "3", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        regions.register(Some("a"), Some("a"), "1", &obj.0, 0, 16).unwrap();
+        regions.register(Some("a"), Some("a"), "2", &obj.0, 0, 16).unwrap();
+        assert!(matches!(regions.register(Some("a"), Some("a"), "3", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
         for (t, n) in [("b", "1"), ("b", "2"), ("c", "1"), ("c", "2"), ("d", "1"), ("d", "2")] {
-            regions.register(Some(t), n, &obj.0, 0, 16).unwrap();
+            regions.register(Some(t), Some(t), n, &obj.0, 0, 16).unwrap();
         }
         // The server's bound: full.
-        assert!(matches!(regions.register(Some("e"), "1", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        assert!(matches!(regions.register(Some("e"), Some("e"), "1", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
         regions.unregister(Some("a"), "");
-        regions.register(Some("e"), "1", &obj.0, 0, 16).unwrap();
+        regions.register(Some("e"), Some("e"), "1", &obj.0, 0, 16).unwrap();
         // Without tenants, one client may take them all.
         let mut one = Regions::new(true, 1 << 20, budget());
         one.max_regions = 8;
         for n in 0..8 {
-            one.register(None, &n.to_string(), &obj.0, 0, 16).unwrap();
+            one.register(None, None, &n.to_string(), &obj.0, 0, 16).unwrap();
         }
-        assert!(matches!(one.register(None, "8", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        assert!(matches!(one.register(None, None, "8", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        // Where tenants are configured, names made up and none count in one share (`auth::share`):
+        // each made-up name held a quarter of its own, so four of them held every region.
+        let mut shared = Regions::new(true, 1 << 20, budget());
+        shared.max_regions = 8;
+        let others = Some(crate::auth::OTHERS);
+        shared.register(Some("guest-1"), others, "1", &obj.0, 0, 16).unwrap();
+        shared.register(None, others, "1", &obj.0, 0, 16).unwrap();
+        let refused = shared.register(Some("guest-2"), others, "1", &obj.0, 0, 16).unwrap_err().to_string();
+        assert!(refused.contains("no tenant of their own hold 2 shared memory regions"), "{refused}");
+        shared.register(Some("a"), Some("a"), "1", &obj.0, 0, 16).unwrap();
     }
 
     #[test]
@@ -441,7 +463,7 @@ mod tests {
         let obj = Object::new(8192);
         let budget = Budget::new(4 << 10);
         let regions = Arc::new(Regions::new(true, 6000, budget.clone()));
-        regions.register(None, "r", &obj.0, 0, 8192).unwrap();
+        regions.register(None, None, "r", &obj.0, 0, 8192).unwrap();
         let a = access(&regions, None);
         let first = a.read("x", &place("r", 0, 3000), DataType::Uint8, 3000).unwrap();
         assert_eq!(budget.available(), 1, "3 KiB held while the tensor lives");
@@ -459,7 +481,7 @@ mod tests {
     fn nothing_registers_while_off_and_places_are_read_from_parameters() {
         let obj = Object::new(16);
         assert!(matches!(
-            Regions::new(false, 1 << 20, budget()).register(None, "r", &obj.0, 0, 16),
+            Regions::new(false, 1 << 20, budget()).register(None, None, "r", &obj.0, 0, 16),
             Err(Error::Unsupported(_))
         ));
         let params =

@@ -39,6 +39,8 @@ pub struct GrpcLimits {
 #[derive(Debug, Clone)]
 struct CallMeta {
     tenant: Option<String>,
+    /// Where its work is held (`Acting::share`).
+    share: Option<String>,
     canary: ferrite_core::CanaryRoute,
 }
 
@@ -236,16 +238,16 @@ impl Service {
     /// `--tenant-header` key where tenants are configured and the token allows) and the
     /// `x-ferrite-canary` routing.
     fn call_meta(&self, metadata: &MetadataMap, extensions: &http::Extensions) -> Result<CallMeta, Status> {
-        let tenant = Acting::of(extensions, self.core.tenants(), |h| metadata.get(h).and_then(|v| v.to_str().ok()))
-            .0
-            .map_err(Status::permission_denied)?;
+        let acting = Acting::of(extensions, self.core.tenants(), |h| metadata.get(h).and_then(|v| v.to_str().ok()));
+        let share = acting.share().map(str::to_string);
+        let tenant = acting.tenant.map_err(Status::permission_denied)?;
         let canary = match metadata.get(crate::CANARY_HEADER).map(|v| v.to_str().unwrap_or("?")) {
             None => ferrite_core::CanaryRoute::Auto,
             Some(v) => ferrite_core::CanaryRoute::parse(v).ok_or_else(|| {
                 Status::invalid_argument(format!("{}: expected always, never or auto", crate::CANARY_HEADER))
             })?,
         };
-        Ok(CallMeta { tenant, canary })
+        Ok(CallMeta { tenant, share, canary })
     }
 
     /// The tenant a shared-memory call acts for (as its inferences would).
@@ -263,7 +265,7 @@ impl Service {
     ) -> Result<pb::ModelInferResponse, Error> {
         let final_flag = convert::wants_final_response(&req);
         let shared = convert::shared_outputs(&req)?;
-        let shm = crate::shm::Access::new(self.shm.clone(), meta.tenant.clone());
+        let shm = crate::shm::Access::new(self.shm.clone(), meta.tenant.clone(), meta.share.clone());
         let max = self.core.limits().max_elements;
         let in_shm = convert::shared_input_bytes(&req);
         // A large request's inputs are checked against the model before their contents are
@@ -276,9 +278,9 @@ impl Service {
         }
         // Inputs read from shared memory may be as large as bodies: large reads off the I/O threads.
         let large = in_shm > crate::http::OFFLOAD_BYTES as u64;
-        let tenant = meta.tenant.as_deref();
         let (core_req, shm) =
-            crate::http::off_io(large, tenant, move || (convert::to_core(req, max, Some(&shm)), shm)).await?;
+            crate::http::off_io(large, meta.share.as_deref(), move || (convert::to_core(req, max, Some(&shm)), shm))
+                .await?;
         let mut core_req = core_req?;
         // What the message decoded to is held until answered, as its bytes are (`hold`: bytes in
         // all, never less than its message's; those read from shared memory are held already).
@@ -293,7 +295,7 @@ impl Service {
         // threads too, as HTTP does.
         let written = resp.outputs.iter().filter(|t| shared.iter().any(|(name, _)| t.name == *name));
         let large = written.map(|t| t.data.wire_len()).sum::<usize>() > crate::http::OFFLOAD_BYTES;
-        crate::http::off_io(large, meta.tenant.as_deref(), move || {
+        crate::http::off_io(large, meta.share.as_deref(), move || {
             for (name, place) in &shared {
                 if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
                     shm.write(t, place)?;
@@ -395,7 +397,7 @@ impl GrpcInferenceService for Service {
         // an empty one in its place. It is checked as tonic's are (`bound`), and decoded off the
         // I/O threads as large HTTP bodies are.
         let req = match r.extensions().get::<calls::Captured>().and_then(calls::Captured::take) {
-            Some(bytes) => crate::http::off_io(true, meta.tenant.as_deref(), move || {
+            Some(bytes) => crate::http::off_io(true, meta.share.as_deref(), move || {
                 bound::check::<pb::ModelInferRequest>(&bytes)?;
                 prost::Message::decode(bytes).map_err(|e| Status::internal(e.to_string()))
             })
@@ -575,9 +577,11 @@ impl GrpcInferenceService for Service {
         &self,
         r: Request<pb::SystemSharedMemoryRegisterRequest>,
     ) -> Result<Response<pb::SystemSharedMemoryRegisterResponse>, Status> {
-        let tenant = self.shm_tenant(&r)?;
+        let CallMeta { tenant, share, .. } = self.call_meta(r.metadata(), r.extensions())?;
         let g = r.into_inner();
-        self.shm.register(tenant.as_deref(), &g.name, &g.key, g.offset, g.byte_size).map_err(status)?;
+        self.shm
+            .register(tenant.as_deref(), share.as_deref(), &g.name, &g.key, g.offset, g.byte_size)
+            .map_err(status)?;
         Ok(Response::new(pb::SystemSharedMemoryRegisterResponse {}))
     }
 

@@ -71,7 +71,7 @@ impl Tei {
         let model = req.metadata().get("model").map(|v| v.to_str().unwrap_or_default().to_string());
         let tenant =
             Acting::of(req.extensions(), self.core.tenants(), |h| req.metadata().get(h).and_then(|v| v.to_str().ok()))
-                .0
+                .tenant
                 .map_err(Status::permission_denied)?;
         Ok(Call { model, tenant })
     }

@@ -277,17 +277,17 @@ fn content_length(headers: &axum::http::HeaderMap) -> Option<usize> {
 pub(crate) const OFFLOAD_BYTES: usize = 256 << 10;
 
 /// Runs `work` on the blocking pool when `large`, else here (HTTP's and gRPC's large bodies and
-/// shared-memory tensors alike), at most as many at once as there are cores (`WORKING`), a
-/// `tenant`'s requests at most half of them.
+/// shared-memory tensors alike), at most as many at once as there are cores (`WORKING`), the
+/// requests of one `share` (`Acting::share`) at most half of them.
 pub(crate) async fn off_io<T: Send + 'static>(
     large: bool,
-    tenant: Option<&str>,
+    share: Option<&str>,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ferrite_core::Error> {
     if !large {
         return Ok(work());
     }
-    let place = WORKING.take(tenant).await;
+    let place = WORKING.take(share).await;
     tokio::task::spawn_blocking(move || {
         let _place = place;
         work()
@@ -349,8 +349,8 @@ pub(crate) struct Decompressed {
 pub(crate) struct JsonBody {
     body: Bytes,
     place: Option<Decompressed>,
-    /// The tenant its request acts for (`Acting`): whose place its parse takes.
-    tenant: Option<String>,
+    /// Whose place its parse takes (`Acting::share`).
+    share: Option<String>,
 }
 
 impl<S: Send + Sync> FromRequest<S> for JsonBody {
@@ -358,9 +358,9 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
 
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Response> {
         let place = req.extensions().get::<Decompressed>().cloned();
-        let tenant = req.extensions().get::<Acting>().and_then(|a| a.share().map(str::to_string));
+        let share = req.extensions().get::<Acting>().and_then(|a| a.share().map(str::to_string));
         let body = Bytes::from_request(req, state).await.map_err(IntoResponse::into_response)?;
-        Ok(JsonBody { body, place, tenant })
+        Ok(JsonBody { body, place, share })
     }
 }
 
@@ -384,8 +384,8 @@ impl JsonBody {
         what: &'static str,
         left_out: Option<fn() -> T>,
     ) -> Result<T, ApiError> {
-        let JsonBody { body, place, tenant } = self;
-        off_io(body.len() > OFFLOAD_BYTES, tenant.as_deref(), move || {
+        let JsonBody { body, place, share } = self;
+        off_io(body.len() > OFFLOAD_BYTES, share.as_deref(), move || {
             let _place = place;
             match left_out {
                 Some(default) if body.iter().all(u8::is_ascii_whitespace) => Ok(default()),
@@ -418,7 +418,7 @@ impl Drop for Awaited {
 
 /// gzip (else zlib's deflate) `compressed` bytes decompressed (`decompress`), at once if they come to
 /// at most `INFLATED_HERE`, else in their turn among those decompressing (`DECOMPRESSING`, a
-/// tenant's behind its own), on the blocking pool: with `held`, and the place taken, held by the
+/// `share`'s behind its own), on the blocking pool: with `held`, and the place taken, held by the
 /// work until it is done (an HTTP body is read under it). No place within `wait`: unavailable,
 /// saying `busy` (HTTP bodies and gRPC messages).
 pub(crate) async fn decompress_in_turn<B: AsRef<[u8]> + Send + 'static>(
@@ -426,7 +426,7 @@ pub(crate) async fn decompress_in_turn<B: AsRef<[u8]> + Send + 'static>(
     compressed: B,
     max: usize,
     mut held: Reserved,
-    tenant: Option<&str>,
+    share: Option<&str>,
     wait: Duration,
     busy: &str,
 ) -> Result<(Result<Bytes, Inflate>, Reserved, Option<Place>), ferrite_core::Error> {
@@ -435,11 +435,11 @@ pub(crate) async fn decompress_in_turn<B: AsRef<[u8]> + Send + 'static>(
         Err(Inflate::TooLarge) if here < max => {}
         out => return Ok((out, held, None)),
     }
-    let place = tokio::time::timeout(wait, DECOMPRESSING.take(tenant))
+    let place = tokio::time::timeout(wait, DECOMPRESSING.take(share))
         .await
         .map_err(|_| ferrite_core::Error::unavailable(busy, Some(ferrite_core::wire::RETRY_AFTER)))?;
     let (_awaited, wanted) = Awaited::new();
-    off_io(true, tenant, move || {
+    off_io(true, share, move || {
         let out = decompress(gzip, compressed.as_ref(), max, &mut held, &wanted);
         (out, held, Some(place))
     })
@@ -911,10 +911,11 @@ async fn shm_register(
     acting: Acting,
     body: JsonBody,
 ) -> Result<Json<bodies::Empty>, ApiError> {
+    let share = acting.share().map(str::to_string);
     let tenant = tenant_of(acting)?;
     let r: bodies::RegisterRegion = body.read("invalid shared memory registration", None).await?;
     let name = p.name.unwrap_or_default();
-    s.shm.register(tenant.as_deref(), &name, &r.key, r.offset, r.byte_size)?;
+    s.shm.register(tenant.as_deref(), share.as_deref(), &name, &r.key, r.offset, r.byte_size)?;
     Ok(Json(bodies::Empty {}))
 }
 
@@ -996,8 +997,9 @@ async fn infer_inner(
         }
     };
     let (model, version) = (p.model, p.version);
+    let share = acting.share().map(str::to_string);
     let tenant = tenant_of(acting)?;
-    let shm = crate::shm::Access::new(s.shm.clone(), tenant.clone());
+    let shm = crate::shm::Access::new(s.shm.clone(), tenant.clone(), share.clone());
     // Inputs read from shared memory may be large as bodies are: off the I/O threads too.
     static SHARED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"shared_memory_region"));
@@ -1008,7 +1010,7 @@ async fn infer_inner(
     // decoding stops if its client leaves (the guard lives in this future, dropped with it).
     let core = large.then(|| s.core.clone());
     let (_awaited, wanted) = large.then(Awaited::new).unzip();
-    let parsed = off_io(large, tenant.as_deref(), move || -> Result<_, ApiError> {
+    let parsed = off_io(large, share.as_deref(), move || -> Result<_, ApiError> {
         let _place = decompressed;
         let asked = version.clone();
         let (name, asked) = (model.as_str(), asked.as_deref());
@@ -1026,8 +1028,7 @@ async fn infer_inner(
         Ok((parsed, shm))
     });
     let ((mut req, binary), shm) = parsed.await??;
-    let _decoded = held_beyond(&s.budget, tenant.as_deref(), &req, sent + shm.bytes_read())?;
-    let working = tenant.clone();
+    let _decoded = held_beyond(&s.budget, share.as_deref(), &req, sent + shm.bytes_read())?;
     req.tenant = tenant;
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
         req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
@@ -1038,7 +1039,7 @@ async fn infer_inner(
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
     let msgpack_out = accept.contains("msgpack") || (msgpack_in && !accept.contains("json"));
     let large = resp.outputs.iter().map(|t| t.data.wire_len()).sum::<usize>() > OFFLOAD_BYTES;
-    off_io(large, working.as_deref(), move || -> Result<Response, ApiError> {
+    off_io(large, share.as_deref(), move || -> Result<Response, ApiError> {
         for (name, place) in &binary.shared {
             if let Some(t) = resp.outputs.iter().find(|t| t.name == *name) {
                 shm.write(t, place)?;
@@ -1052,18 +1053,19 @@ async fn infer_inner(
 /// What a request's inputs hold beyond `charged` (its body's bytes, and those read from shared
 /// memory), taken from the bytes in flight until it is answered: a body may decode to many times
 /// its bytes (a BYTES element of JSON's three bytes holds 32 while queued; an INT64 of two, 8).
-/// 503 when the budget, or the tenant's share, cannot take them now; 413 when it never could.
+/// 503 when the budget, or the request's `share` of it, cannot take them now; 413 when it never
+/// could.
 fn held_beyond(
     budget: &Arc<Budget>,
-    tenant: Option<&str>,
+    share: Option<&str>,
     req: &ferrite_core::InferRequest,
     charged: usize,
 ) -> Result<Option<Reserved>, ApiError> {
     match req.held_len().checked_sub(charged).filter(|&more| more > 0) {
         None => Ok(None),
-        Some(more) => match budget.take(tenant, more) {
+        Some(more) => match budget.take(share, more) {
             Some(reserved) => Ok(Some(reserved)),
-            None => Err(budget.refusal(tenant, req.held_len(), HeldFor::Request).into()),
+            None => Err(budget.refusal(share, req.held_len(), HeldFor::Request).into()),
         },
     }
 }
@@ -1071,7 +1073,7 @@ fn held_beyond(
 /// The tenant a request acts for: its token's, or the tenant header's where tenants are
 /// configured and the token allows (`Acting`, resolved by `read_body`); 403 for a claim refused.
 fn tenant_of(acting: Acting) -> Result<Option<String>, ApiError> {
-    acting.0.map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
+    acting.tenant.map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
 }
 
 impl axum::extract::FromRequestParts<AppState> for Acting {
