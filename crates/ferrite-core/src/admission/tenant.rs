@@ -7,6 +7,7 @@
 //! rate = 100         # requests per second
 //! burst = 200
 //! max_concurrent = 32
+//! highest_priority = 2 # the highest priority level its requests may ask for (1 is the highest)
 //! [tenants.acme]
 //! rate = 1000
 //! cache_redis_url = "redis+cluster://10.0.0.7:7000"  # its cache entries in a Redis of its own
@@ -44,11 +45,15 @@ pub struct TenantLimits {
     /// Requests of this tenant in the engine at once; 0: no limit.
     #[serde(default)]
     pub max_concurrent: usize,
+    /// The highest priority level (1 is the highest) this tenant's requests may ask for: one
+    /// asking for a higher level is queued at this one (`Core::infer`); 0: any, as in Triton.
+    #[serde(default)]
+    pub highest_priority: u32,
 }
 
 impl Default for TenantLimits {
     fn default() -> Self {
-        TenantLimits { rate: 0.0, burst: None, max_concurrent: 0 }
+        TenantLimits { rate: 0.0, burst: None, max_concurrent: 0, highest_priority: 0 }
     }
 }
 
@@ -78,6 +83,8 @@ struct TenantTable {
     burst: Option<f64>,
     #[serde(default)]
     max_concurrent: usize,
+    #[serde(default)]
+    highest_priority: u32,
     cache_redis_url: Option<String>,
     cache_key_prefix: Option<String>,
 }
@@ -110,7 +117,12 @@ impl TenantConfig {
                 let pool = CachePool { redis_url: t.cache_redis_url, key_prefix: t.cache_key_prefix };
                 config.cache_pools.insert(name.clone(), pool);
             }
-            let limits = TenantLimits { rate: t.rate, burst: t.burst, max_concurrent: t.max_concurrent };
+            let limits = TenantLimits {
+                rate: t.rate,
+                burst: t.burst,
+                max_concurrent: t.max_concurrent,
+                highest_priority: t.highest_priority,
+            };
             config.tenants.insert(name, limits);
         }
         for (name, l) in
@@ -230,6 +242,11 @@ impl Tenants {
         Ok(Tenants::new(TenantConfig::parse(&text)?, header))
     }
 
+    /// The limits of `tenant`'s requests: its own where the config lists it, else `[default]`'s.
+    pub fn limits(&self, tenant: Option<&str>) -> &TenantLimits {
+        tenant.and_then(|t| self.config.tenants.get(t)).unwrap_or(&self.config.default)
+    }
+
     /// Whether `name` is a tenant the config names (bound to credentials when tokens say so).
     pub fn is_listed(&self, name: &str) -> bool {
         self.config.tenants.contains_key(name)
@@ -297,6 +314,14 @@ mod tests {
         std::fs::write(&file, "[tenants.acme]\nrate = -1\n").unwrap();
         assert!(Tenants::load("x-tenant", &file).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_tenants_highest_priority_is_its_own_else_the_defaults() {
+        let t = tenants("[default]\nhighest_priority = 2\n[tenants.vip]\n[tenants.mid]\nhighest_priority = 3\n");
+        let highest = |name| t.limits(name).highest_priority;
+        assert_eq!([highest(Some("vip")), highest(Some("mid")), highest(Some("guest")), highest(None)], [0, 3, 2, 2]);
+        assert_eq!(tenants("[default]\n").limits(None).highest_priority, 0, "any, as in Triton");
     }
 
     #[test]

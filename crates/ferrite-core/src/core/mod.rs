@@ -287,9 +287,9 @@ impl Core {
         let model = route.model();
         // The places are held until the request's work stops (queued or running), not until its
         // client leaves.
-        let hold = match charged {
-            Some(call) => Hold(vec![Box::new(call)]),
-            None => self.places(model, req.tenant.as_deref())?,
+        let (hold, req) = match charged {
+            Some(call) => (Hold(vec![Box::new(call)]), req),
+            None => (self.places(model, req.tenant.as_deref())?, self.within_tenants_priority(model, req)),
         };
         // NaN answers to NaN questions are not the candidate's fault.
         let nan_inputs = route.canary.is_some() && crate::control::canary::has_nan(&req.inputs);
@@ -299,6 +299,18 @@ impl Core {
             canary.observe(&model.spec.name, *side, nan_inputs, &result, start.elapsed());
         }
         result
+    }
+
+    /// `req` asking for no higher priority level than its tenant may (`highest_priority`): a
+    /// higher one is lowered to it, or to `model`'s lowest where it has fewer levels. Any client
+    /// may ask for the highest level (Triton's `priority`); where tenants are configured, one that
+    /// should not put its requests ahead of everyone else's need not be able to.
+    fn within_tenants_priority(&self, model: &Model, mut req: InferRequest) -> InferRequest {
+        let highest = self.inner.tenants.as_ref().map_or(0, |t| t.limits(req.tenant.as_deref()).highest_priority);
+        if highest > 0 && req.priority != 0 && req.priority < highest {
+            req.priority = highest.min(model.spec.batch.priority_levels.max(1));
+        }
+        req
     }
 
     /// The Prometheus text format, with the gauges read from the engine's state brought up to date.
