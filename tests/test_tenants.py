@@ -138,43 +138,44 @@ def test_a_tenant_asks_for_no_higher_priority_than_its_config_gives(start_server
     everyone's queued before them. A tenant's `highest_priority` now bounds what its requests may
     ask for: a request of `[default]` (at most level 2) asking for level 1 waits behind a level-2
     request queued before it, while the listed tenant `vip` (any level) still runs first. One
-    instance, one request a batch (each 32 rows, about a tenth of a second on one core)."""
+    instance, one request a batch (64 rows each: at least a tenth of a second on one core)."""
+    import tritonclient.http as httpclient
     from conftest import make_repository
     repo = make_repository(tmp_path / "repo", ("slow",))
     (repo / "slow" / "config.toml").write_text(
-        "max_batch_size = 32\ninstance_count = 1\nthreads = 1\ncalibrate = false\nsolo_instance = false\n"
+        "max_batch_size = 64\ninstance_count = 1\nthreads = 1\ncalibrate = false\nsolo_instance = false\n"
         "[dynamic_batching]\npriority_levels = 2\ndefault_priority_level = 2\n")
     cfg = tmp_path / "tenants.toml"
     cfg.write_text("[default]\nhighest_priority = 2\n[tenants.vip]\n")
     s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=repo)
-    x = np.full((32, 512), 0.25, np.float32)
     done, lock = [], threading.Lock()
 
-    def infer(name, tenant, priority):
-        headers = {"x-tenant": tenant} if tenant else {}
+    def client():
         if protocol == "http":
-            import tritonclient.http as httpclient
-            c = httpclient.InferenceServerClient(s.url, network_timeout=120)
-            i, timeout = httpclient.InferInput("x", [32, 512], "FP32"), {}
-        else:
-            c = grpcclient.InferenceServerClient(s.grpc_url)
-            i, timeout = grpcclient.InferInput("x", [32, 512], "FP32"), {"client_timeout": 120}
-        i.set_data_from_numpy(x)
-        c.infer("slow", [i], headers=headers, priority=priority, **timeout)
+            c, i = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput
+            return c, i("x", [64, 512], "FP32"), {}
+        return grpcclient.InferenceServerClient(s.grpc_url), grpcclient.InferInput("x", [64, 512], "FP32"), \
+            {"client_timeout": 120}
+
+    def infer(name, tenant, priority, c, i, timeout):
+        c.infer("slow", [i], headers={"x-tenant": tenant} if tenant else {}, priority=priority, **timeout)
         with lock:
             done.append(name)
 
-    # Two requests keep the instance busy; the rest queue behind them, a few ms apart.
+    # Two requests keep the instance busy; the rest queue behind them, 30 ms apart.
     asked = [("busy-1", None, 0), ("busy-2", None, 0), ("earlier", None, 2), ("jumper", "guest", 1), ("vip", "vip", 1)]
     threads = []
     for name, tenant, priority in asked:
-        threads.append(threading.Thread(target=infer, args=(name, tenant, priority)))
-        threads[-1].start()
+        c, i, timeout = client()
+        i.set_data_from_numpy(np.full((64, 512), 0.25, np.float32))
+        threads.append(threading.Thread(target=infer, args=(name, tenant, priority, c, i, timeout)))
+    for t in threads:
+        t.start()
         time.sleep(0.03)
     for t in threads:
         t.join(timeout=120)
+    assert sorted(done) == sorted(n for n, _, _ in asked), done
     # vip's level 1 runs first of those queued; the guest's ask for level 1 is served at level 2,
     # behind the level-2 request queued before it (before, it ran second: ahead of 'earlier').
-    assert sorted(done) == sorted(n for n, _, _ in asked), done
     queued = [n for n in done if n not in ("busy-1",)]
     assert queued.index("vip") < queued.index("earlier") < queued.index("jumper"), done
