@@ -16,7 +16,7 @@ use bytes::Bytes;
 use ferrite_core::Error;
 use tokio::sync::Semaphore;
 
-// The share requests acting for no tenant hold where tenants are configured.
+// The share of requests acting for no tenant of their own where tenants are configured (`auth::share`).
 use crate::auth::OTHERS as NO_TENANT;
 
 /// See the module.
@@ -103,7 +103,7 @@ impl Budget {
     /// tenant's share) could ever hold at once.
     pub fn refusal(&self, tenant: Option<&str>, bytes: usize, held: HeldFor) -> Error {
         let (most, whose) = match (tenant, self.share_of(tenant)) {
-            (None, Some(_)) | (Some(NO_TENANT), _) => (self.share, "requests acting for no tenant"),
+            (None, Some(_)) | (Some(NO_TENANT), _) => (self.share, "requests acting for no tenant of their own"),
             (Some(_), _) => (self.share, "one tenant's requests"),
             (None, None) => (self.capacity, "all requests"),
         };
@@ -269,7 +269,10 @@ mod tests {
         assert!(budget.take(Some(NO_TENANT), 2 << 10).is_none() && budget.fits(Some(NO_TENANT), 1 << 10));
         for share in [None, Some(NO_TENANT)] {
             let refused = budget.refusal(share, 5 << 10, HeldFor::Request).to_string();
-            assert!(refused.contains("for requests acting for no tenant at once (4096 bytes)"), "{refused}");
+            assert!(
+                refused.contains("for requests acting for no tenant of their own at once (4096 bytes)"),
+                "{refused}"
+            );
         }
         drop((a, none));
         assert_eq!(budget.available(), 8);
