@@ -39,6 +39,18 @@ def free_port():
             return port
 
 
+def http_call(url, call):
+    """`call(client)` on a tritonclient HTTP client made for it and closed after it, on the caller's
+    thread. A client left to the garbage collector may be closed on another thread, which its
+    gevent pool refuses: a warning in the test log, blamed on whichever test is running then."""
+    import tritonclient.http as httpclient
+    client = httpclient.InferenceServerClient(url)
+    try:
+        return call(client)
+    finally:
+        client.close()
+
+
 def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):
     """A repository with copies of bundled (models/) and test (tests/models/) models."""
     for name in models:

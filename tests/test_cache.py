@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import free_port, make_repository
+from conftest import free_port, http_call, make_repository
 
 CACHED = "[cache]\nenabled = true\n"
 
@@ -81,7 +81,7 @@ def mlp_infer(server, x, **kw):
 
 
 def stats(server, model="mlp"):
-    body = httpclient.InferenceServerClient(server.url).get_inference_statistics(model)
+    body = http_call(server.url, lambda c: c.get_inference_statistics(model))
     return body["model_stats"][0], body.get("cache")
 
 
@@ -285,7 +285,7 @@ def test_tokens_bound_to_tenants_keep_their_entries_without_a_tenant_config(star
     as_ = lambda token: {"Authorization": f"Bearer {token}"}  # noqa: E731
 
     def counts():
-        body = httpclient.InferenceServerClient(s.url).get_inference_statistics("mlp", headers=as_("stats-token-0123456789"))
+        body = http_call(s.url, lambda c: c.get_inference_statistics("mlp", headers=as_("stats-token-0123456789")))
         st = body["model_stats"][0]["inference_stats"]
         return st["cache_hit"]["count"], st["cache_miss"]["count"]
 

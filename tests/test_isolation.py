@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import make_repository
+from conftest import http_call, make_repository
 from test_lifecycle import SCALE, VARIANTS, call, canary_server, index, infer, replace, scale_repo, wait_for
 
 # Requests wait up to 300 ms for others, so concurrent ones share a batch.
@@ -72,7 +72,7 @@ def test_one_clients_bad_row_fails_only_its_own_request(start_server, tmp_path, 
         assert re.findall(r"idx=(-?\d+)", str(err)) == ["12"], err
     else:
         assert "UTF-8" in str(err), err
-    stats = httpclient.InferenceServerClient(s.url).get_inference_statistics("lookup")["model_stats"][0]
+    stats = http_call(s.url, lambda c: c.get_inference_statistics("lookup"))["model_stats"][0]
     if poison == "id out of range":
         # They were batched (the UTF-8 poison is refused before it can queue).
         assert any(b["batch_size"] > 1 for b in stats["batch_stats"]), stats["batch_stats"]

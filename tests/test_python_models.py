@@ -25,7 +25,7 @@ import tritonclient.http as httpclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
-from conftest import BIN, ROOT, Server
+from conftest import BIN, ROOT, Server, http_call
 
 CLIENTS = [httpclient, grpcclient]
 
@@ -136,7 +136,7 @@ def test_concurrent_requests_keep_their_own_rows(served):
     for t in threads:
         t.join()
     assert not errors and len(done) == 24
-    stats = httpclient.InferenceServerClient(served.url).get_inference_statistics("add_sub")["model_stats"][0]
+    stats = http_call(served.url, lambda c: c.get_inference_statistics("add_sub"))["model_stats"][0]
     # Requests were merged into fewer executions than requests (dynamic batching).
     assert stats["execution_count"] < stats["inference_count"]
 
@@ -162,7 +162,7 @@ def test_a_request_that_raises_fails_alone(served):
     assert isinstance(results[3], InferenceServerException) and "negative input" in str(results[3])
     for i in (0, 1, 2, 4, 5):
         np.testing.assert_allclose(results[i], np.sqrt(np.full((1, 2), float(i), np.float32)))
-    stats = httpclient.InferenceServerClient(served.url).get_inference_statistics("strict")["model_stats"][0]
+    stats = http_call(served.url, lambda c: c.get_inference_statistics("strict"))["model_stats"][0]
     assert stats["execution_count"] > 1  # the first call held several requests, then its halves ran
 
 
@@ -471,7 +471,7 @@ def test_environment_and_refusals(tmp_path):
     # name the test's through the flag.
     s = Server(repo, "--python", "/nonexistent/python3")
     try:
-        index = {m["name"]: m for m in httpclient.InferenceServerClient(s.url).get_model_repository_index()}
+        index = {m["name"]: m for m in http_call(s.url, lambda c: c.get_model_repository_index())}
         assert index["in_env"]["state"] == "READY"
         assert index["add_sub"]["state"] == "UNAVAILABLE" and "/nonexistent/python3" in index["add_sub"]["reason"]
         assert "packed environments are not unpacked" in index["packed"]["reason"]
@@ -501,7 +501,7 @@ def test_broken_model_py_says_why(tmp_path):
     (repo / "add_sub" / "1" / "model.py").write_text("import no_such_module_here\n")
     s = Server(repo, "--python", sys.executable)
     try:
-        index = httpclient.InferenceServerClient(s.url).get_model_repository_index()
+        index = http_call(s.url, lambda c: c.get_model_repository_index())
         reason = [m for m in index if m["name"] == "add_sub"][0]["reason"]
         assert "initialize failed" in reason and "ModuleNotFoundError" in reason
     finally:

@@ -150,27 +150,35 @@ def test_a_tenant_asks_for_no_higher_priority_than_its_config_gives(start_server
     s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=repo)
     done, lock = [], threading.Lock()
 
-    def client():
+    def infer(name, tenant, priority, ready, go):
+        # Each client is made, used and closed on its own thread (tritonclient's HTTP client is
+        # not to be shared across threads), before its turn comes.
         if protocol == "http":
-            c, i = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput
-            return c, i("x", [64, 512], "FP32"), {}
-        return grpcclient.InferenceServerClient(s.grpc_url), grpcclient.InferInput("x", [64, 512], "FP32"), \
-            {"client_timeout": 120}
-
-    def infer(name, tenant, priority, c, i, timeout):
-        c.infer("slow", [i], headers={"x-tenant": tenant} if tenant else {}, priority=priority, **timeout)
-        with lock:
-            done.append(name)
+            c, i, timeout = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput, {}
+        else:
+            c, i, timeout = grpcclient.InferenceServerClient(s.grpc_url), grpcclient.InferInput, {"client_timeout": 120}
+        x = i("x", [64, 512], "FP32")
+        x.set_data_from_numpy(np.full((64, 512), 0.25, np.float32))
+        ready.set()
+        go.wait(60)
+        try:
+            c.infer("slow", [x], headers={"x-tenant": tenant} if tenant else {}, priority=priority, **timeout)
+            with lock:
+                done.append(name)
+        finally:
+            c.close()
 
     # Two requests keep the instance busy; the rest queue behind them, 30 ms apart.
     asked = [("busy-1", None, 0), ("busy-2", None, 0), ("earlier", None, 2), ("jumper", "guest", 1), ("vip", "vip", 1)]
-    threads = []
+    threads, turns = [], []
     for name, tenant, priority in asked:
-        c, i, timeout = client()
-        i.set_data_from_numpy(np.full((64, 512), 0.25, np.float32))
-        threads.append(threading.Thread(target=infer, args=(name, tenant, priority, c, i, timeout)))
-    for t in threads:
-        t.start()
+        ready, go = threading.Event(), threading.Event()
+        threads.append(threading.Thread(target=infer, args=(name, tenant, priority, ready, go)))
+        threads[-1].start()
+        assert ready.wait(60)
+        turns.append(go)
+    for go in turns:
+        go.set()
         time.sleep(0.03)
     for t in threads:
         t.join(timeout=120)

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from conftest import free_port, make_repository
+from conftest import free_port, http_call, make_repository
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -76,7 +76,7 @@ def test_caller_trace_continues_through_the_request(start_server, tmp_path, rece
     s = start_server("--otlp-endpoint", receiver.endpoint, "--trace-sample-rate", "0", repository=repo)
     traceparent = f"00-{TRACE_ID}-{PARENT_ID}-01"
     if front == "http":
-        httpclient.InferenceServerClient(s.url).infer("mlp", [mlp_input(httpclient)], headers={"traceparent": traceparent})
+        http_call(s.url, lambda c: c.infer("mlp", [mlp_input(httpclient)], headers={"traceparent": traceparent}))
     else:
         grpcclient.InferenceServerClient(s.grpc_url).infer("mlp", [mlp_input(grpcclient)], headers={"traceparent": traceparent})
     spans = collect(receiver, TRACE_ID, {"receive", "validate", "queue", "batch"})
