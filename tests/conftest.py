@@ -40,15 +40,22 @@ def free_port():
 
 
 def http_call(url, call):
-    """`call(client)` on a tritonclient HTTP client made for it and closed after it, on the caller's
-    thread. A client left to the garbage collector may be closed on another thread, which its
-    gevent pool refuses: a warning in the test log, blamed on whichever test is running then."""
+    """`call(client)` on a tritonclient HTTP client made for it and let go of on the caller's
+    thread. The client closes itself again when collected, and its gevent pool refuses that on
+    another thread than its own: a warning in the test log, under whichever test runs then. An
+    error is raised without its traceback, whose frames hold the client: handed to another thread
+    (a pool's future), it was collected there."""
     import tritonclient.http as httpclient
     client = httpclient.InferenceServerClient(url)
     try:
         return call(client)
+    except Exception as e:  # noqa: BLE001 - raised again below, without the client
+        error = e.with_traceback(None)
+        error.__context__ = None
     finally:
         client.close()
+    del client
+    raise error
 
 
 def make_repository(dest: Path, models=("mlp", "mixed", "identity", "fixed")):

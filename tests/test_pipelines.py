@@ -52,7 +52,6 @@ def pipeline(repo, name, steps, outputs=(), extra=""):
 
 
 def infer(url, model, inputs, outputs=None):
-    c = httpclient.InferenceServerClient(url)
     given = []
     for name, value in inputs.items():
         arr = np.array(value, dtype=object) if isinstance(value, list) else value
@@ -61,7 +60,7 @@ def infer(url, model, inputs, outputs=None):
         t.set_data_from_numpy(arr)
         given.append(t)
     asked = [httpclient.InferRequestedOutput(o) for o in outputs] if outputs else None
-    return c.infer(model, given, outputs=asked)
+    return http_call(url, lambda c: c.infer(model, given, outputs=asked))
 
 
 def pixels(url, model, images):
