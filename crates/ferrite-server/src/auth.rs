@@ -253,7 +253,7 @@ pub struct Acting {
     /// The tenant it acts for, if any, or why its claim is refused.
     pub tenant: Result<Option<String>, String>,
     /// Where its bytes and work are held (`share`); a request to be refused names no tenant.
-    share: Option<String>,
+    pub share: Option<String>,
 }
 
 impl Acting {

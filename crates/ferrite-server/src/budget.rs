@@ -5,7 +5,8 @@
 //! too (half the budget; `auth::share`), its tenant's, so one tenant's bytes (large bodies sent
 //! slowly, large answers it never reads) cannot leave another's requests none; where tenants are
 //! configured, requests acting for none (naming none, or a name their token does not bind them
-//! to) hold theirs in one share of their own.
+//! to) hold theirs in one share of their own. The share is the caller's (`Acting::share`): the
+//! budget keys by what it is given.
 
 use std::{
     collections::HashMap,
@@ -17,7 +18,7 @@ use ferrite_core::Error;
 use tokio::sync::Semaphore;
 
 // The share of requests acting for no tenant of their own where tenants are configured (`auth::share`).
-use crate::auth::OTHERS as NO_TENANT;
+use crate::auth::OTHERS;
 
 /// See the module.
 #[derive(Debug)]
@@ -31,8 +32,6 @@ pub struct Budget {
     tenants: Mutex<HashMap<String, u32>>,
     /// Told when permits are given back (one waiter a time: see `freed`).
     freed: Arc<tokio::sync::Notify>,
-    /// Whether requests acting for no tenant hold a share of their own (`for_tenants`).
-    anonymous_share: bool,
 }
 
 /// What bytes are held for (`Budget::refusal`).
@@ -52,19 +51,8 @@ pub struct Reserved {
 }
 
 impl Budget {
-    /// A budget of `bytes`; a tenant holds at most half of it.
+    /// A budget of `bytes`; a share holds at most half of it.
     pub fn new(bytes: usize) -> Arc<Budget> {
-        Budget::with(bytes, false)
-    }
-
-    /// [`Budget::new`] for a server with tenants configured: requests acting for none hold at
-    /// most half of it too, as one more tenant would (they held it all, and left every tenant's
-    /// requests none).
-    pub fn for_tenants(bytes: usize) -> Arc<Budget> {
-        Budget::with(bytes, true)
-    }
-
-    fn with(bytes: usize, anonymous_share: bool) -> Arc<Budget> {
         let permits = u32::try_from(bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS)).unwrap_or(u32::MAX);
         Arc::new(Budget {
             all: Semaphore::new(permits as usize),
@@ -72,13 +60,7 @@ impl Budget {
             share: permits / 2,
             tenants: Mutex::default(),
             freed: Arc::default(),
-            anonymous_share,
         })
-    }
-
-    /// The share `tenant`'s requests hold their bytes in, if any.
-    fn share_of<'t>(&self, tenant: Option<&'t str>) -> Option<&'t str> {
-        tenant.or(self.anonymous_share.then_some(NO_TENANT))
     }
 
     /// The permits no request holds now.
@@ -93,7 +75,7 @@ impl Budget {
         if want as usize > self.available() {
             return false;
         }
-        let Some(tenant) = self.share_of(tenant) else { return true };
+        let Some(tenant) = tenant else { return true };
         let holds = self.tenants.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).copied().unwrap_or(0);
         holds.saturating_add(want) <= self.share
     }
@@ -102,10 +84,10 @@ impl Budget {
     /// others are answered, or never to be retried when they are more than the budget (or a
     /// tenant's share) could ever hold at once.
     pub fn refusal(&self, tenant: Option<&str>, bytes: usize, held: HeldFor) -> Error {
-        let (most, whose) = match (tenant, self.share_of(tenant)) {
-            (None, Some(_)) | (Some(NO_TENANT), _) => (self.share, "requests acting for no tenant of their own"),
-            (Some(_), _) => (self.share, "one tenant's requests"),
-            (None, None) => (self.capacity, "all requests"),
+        let (most, whose) = match tenant {
+            Some(OTHERS) => (self.share, "requests acting for no tenant of their own"),
+            Some(_) => (self.share, "one tenant's requests"),
+            None => (self.capacity, "all requests"),
         };
         let (retry, what, until) = match held {
             HeldFor::Request => (
@@ -127,7 +109,7 @@ impl Budget {
     /// Takes `permits` more for `tenant`, unless the budget, or the tenant's share, cannot spare
     /// them.
     pub(crate) fn try_take(&self, tenant: Option<&str>, permits: u32) -> bool {
-        let Some(tenant) = self.share_of(tenant) else {
+        let Some(tenant) = tenant else {
             return self.all.try_acquire_many(permits).map(|p| p.forget()).is_ok();
         };
         let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
@@ -145,7 +127,7 @@ impl Budget {
         if permits == 0 {
             return;
         }
-        if let Some(tenant) = self.share_of(tenant) {
+        if let Some(tenant) = tenant {
             let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(holds) = tenants.get_mut(tenant) {
                 *holds = holds.saturating_sub(permits);
@@ -260,20 +242,15 @@ mod tests {
 
     #[test]
     fn where_tenants_are_configured_requests_for_none_hold_a_share_of_their_own() {
-        let budget = Budget::for_tenants(8 << 10); // 8 permits, 4 a tenant, 4 for none
-        let mut none = budget.take(None, 3 << 10).unwrap();
-        assert!(!none.grow(5 << 10) && budget.take(None, 2 << 10).is_none(), "past their share");
-        assert!(budget.fits(None, 1 << 10) && !budget.fits(None, 2 << 10));
+        // Where tenants are configured, such requests come with the others' share (`auth::share`).
+        let budget = Budget::new(8 << 10); // 8 permits, 4 a share
+        let others = Some(OTHERS);
+        let mut none = budget.take(others, 3 << 10).unwrap();
+        assert!(!none.grow(5 << 10) && budget.take(others, 2 << 10).is_none(), "past their share");
+        assert!(budget.fits(others, 1 << 10) && !budget.fits(others, 2 << 10));
         let a = budget.take(Some("a"), 4 << 10).unwrap();
-        // Those given their share by name (`auth::share`) are in it too.
-        assert!(budget.take(Some(NO_TENANT), 2 << 10).is_none() && budget.fits(Some(NO_TENANT), 1 << 10));
-        for share in [None, Some(NO_TENANT)] {
-            let refused = budget.refusal(share, 5 << 10, HeldFor::Request).to_string();
-            assert!(
-                refused.contains("for requests acting for no tenant of their own at once (4096 bytes)"),
-                "{refused}"
-            );
-        }
+        let refused = budget.refusal(others, 5 << 10, HeldFor::Request).to_string();
+        assert!(refused.contains("for requests acting for no tenant of their own at once (4096 bytes)"), "{refused}");
         drop((a, none));
         assert_eq!(budget.available(), 8);
         assert!(budget.tenants.lock().unwrap().is_empty(), "their share is forgotten when it holds nothing");

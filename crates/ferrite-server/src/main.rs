@@ -493,10 +493,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(source) = source {
         source.follow(core.clone());
     }
-    let body_budget = match args.tenant_config {
-        Some(_) => ferrite_server::budget::Budget::for_tenants(args.max_inflight_body_bytes),
-        None => ferrite_server::budget::Budget::new(args.max_inflight_body_bytes),
-    };
+    // Its shares are the requests' own (`auth::share`), with tenants configured or not.
+    let body_budget = ferrite_server::budget::Budget::new(args.max_inflight_body_bytes);
     let cfg = ServeConfig {
         host,
         http_port: args.http_port,

@@ -238,9 +238,9 @@ impl Service {
     /// `--tenant-header` key where tenants are configured and the token allows) and the
     /// `x-ferrite-canary` routing.
     fn call_meta(&self, metadata: &MetadataMap, extensions: &http::Extensions) -> Result<CallMeta, Status> {
-        let acting = Acting::of(extensions, self.core.tenants(), |h| metadata.get(h).and_then(|v| v.to_str().ok()));
-        let share = acting.share().map(str::to_string);
-        let tenant = acting.tenant.map_err(Status::permission_denied)?;
+        let Acting { tenant, share } =
+            Acting::of(extensions, self.core.tenants(), |h| metadata.get(h).and_then(|v| v.to_str().ok()));
+        let tenant = tenant.map_err(Status::permission_denied)?;
         let canary = match metadata.get(crate::CANARY_HEADER).map(|v| v.to_str().unwrap_or("?")) {
             None => ferrite_core::CanaryRoute::Auto,
             Some(v) => ferrite_core::CanaryRoute::parse(v).ok_or_else(|| {
