@@ -320,10 +320,10 @@ def test_a_tenants_compressed_bodies_wait_behind_its_own_not_in_front_of_another
     behind all of it (sixteen bodies of 64 MiB of JSON, 65 KB each, kept another tenant's gzip
     requests waiting 9 s, release build). A tenant now waits for its turn behind its own requests:
     another's request waits for the work in progress, not for the flood. So do requests that name
-    no tenant (`flooder` None), which may take every place but queue behind their own past it; and
-    those of a token bound to no tenant naming a new tenant each ("made-up"), which are one share:
-    each name was a queue of its own, and the flood one queue of all again. And a body that comes
-    to little (64 KiB) waits for no place at all."""
+    no tenant (`flooder` None: with tenants configured, one share as a tenant is; they took every
+    place before); and those of a token bound to no tenant naming a new tenant each ("made-up"),
+    in that same share: each name was a queue of its own, and the flood one queue of all again.
+    And a body that comes to little (64 KiB) waits for no place at all."""
     import gzip
 
     tenants = tmp_path / "tenants.toml"
