@@ -132,58 +132,116 @@ def test_tenants_are_bound_to_credentials(start_server, tmp_path):
         c.infer("mlp", [i], headers={"authorization": "Bearer quiet-token-0123456789", "x-tenant": "limited"})
 
 
+def slow_repository(tmp_path, dynamic_batching=""):
+    """The slow model alone: one instance, one 64-row request a batch (at least a tenth of a second
+    on one core)."""
+    from conftest import make_repository
+    repo = make_repository(tmp_path / "repo", ("slow",))
+    (repo / "slow" / "config.toml").write_text(
+        "max_batch_size = 64\ninstance_count = 1\nthreads = 1\ncalibrate = false\nsolo_instance = false\n"
+        "[dynamic_batching]\n" + dynamic_batching)
+    return repo
+
+
+def slow_infer(s, protocol, tenant, priority=0):
+    """One 64-row request to the slow model as `tenant`, by a client made, used and closed on the
+    calling thread (tritonclient's HTTP client is not to be shared across threads): a callable
+    that sends it when called, and raises what the server answers."""
+    import tritonclient.http as httpclient
+    if protocol == "http":
+        c, i, timeout = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput, {}
+    else:
+        c, i, timeout = grpcclient.InferenceServerClient(s.grpc_url), grpcclient.InferInput, {"client_timeout": 120}
+    x = i("x", [64, 512], "FP32")
+    x.set_data_from_numpy(np.full((64, 512), 0.25, np.float32))
+
+    def send():
+        try:
+            c.infer("slow", [x], headers={"x-tenant": tenant} if tenant else {}, priority=priority, **timeout)
+        finally:
+            c.close()
+    return send
+
+
+def served_in_order(s, protocol, asked, apart=0.03):
+    """Sends `asked` ((name, tenant, priority), each from a thread of its own) `apart` seconds
+    apart; the names in the order their answers came, and each refused one's error."""
+    done, refused, lock = [], {}, threading.Lock()
+
+    def run(name, send, go):
+        go.wait(60)
+        try:
+            send()
+            with lock:
+                done.append(name)
+        except Exception as e:  # noqa: BLE001 - what the server answered is the result
+            with lock:
+                refused[name] = str(e)
+
+    threads, turns = [], []
+    for name, tenant, priority in asked:
+        go = threading.Event()
+        threads.append(threading.Thread(target=run, args=(name, slow_infer(s, protocol, tenant, priority), go)))
+        threads[-1].start()
+        turns.append(go)
+    for go in turns:
+        go.set()
+        time.sleep(apart)
+    for t in threads:
+        t.join(timeout=120)
+    return done, refused
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_tenant_asks_for_no_higher_priority_than_its_config_gives(start_server, tmp_path, protocol):
     """Any client could ask for a model's highest priority level and have its requests run ahead of
     everyone's queued before them. A tenant's `highest_priority` now bounds what its requests may
     ask for: a request of `[default]` (at most level 2) asking for level 1 waits behind a level-2
-    request queued before it, while the listed tenant `vip` (any level) still runs first. One
-    instance, one request a batch (64 rows each: at least a tenth of a second on one core)."""
-    import tritonclient.http as httpclient
-    from conftest import make_repository
-    repo = make_repository(tmp_path / "repo", ("slow",))
-    (repo / "slow" / "config.toml").write_text(
-        "max_batch_size = 64\ninstance_count = 1\nthreads = 1\ncalibrate = false\nsolo_instance = false\n"
-        "[dynamic_batching]\npriority_levels = 2\ndefault_priority_level = 2\n")
+    request queued before it, while the listed tenant `vip` (any level) still runs first."""
+    repo = slow_repository(tmp_path, "priority_levels = 2\ndefault_priority_level = 2\n")
     cfg = tmp_path / "tenants.toml"
     cfg.write_text("[default]\nhighest_priority = 2\n[tenants.vip]\n")
     s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=repo)
-    done, lock = [], threading.Lock()
-
-    def infer(name, tenant, priority, ready, go):
-        # Each client is made, used and closed on its own thread (tritonclient's HTTP client is
-        # not to be shared across threads), before its turn comes.
-        if protocol == "http":
-            c, i, timeout = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput, {}
-        else:
-            c, i, timeout = grpcclient.InferenceServerClient(s.grpc_url), grpcclient.InferInput, {"client_timeout": 120}
-        x = i("x", [64, 512], "FP32")
-        x.set_data_from_numpy(np.full((64, 512), 0.25, np.float32))
-        ready.set()
-        go.wait(60)
-        try:
-            c.infer("slow", [x], headers={"x-tenant": tenant} if tenant else {}, priority=priority, **timeout)
-            with lock:
-                done.append(name)
-        finally:
-            c.close()
-
-    # Two requests keep the instance busy; the rest queue behind them, 30 ms apart.
-    asked = [("busy-1", None, 0), ("busy-2", None, 0), ("earlier", None, 2), ("jumper", "guest", 1), ("vip", "vip", 1)]
-    threads, turns = [], []
-    for name, tenant, priority in asked:
-        ready, go = threading.Event(), threading.Event()
-        threads.append(threading.Thread(target=infer, args=(name, tenant, priority, ready, go)))
-        threads[-1].start()
-        assert ready.wait(60)
-        turns.append(go)
-    for go in turns:
-        go.set()
-        time.sleep(0.03)
-    for t in threads:
-        t.join(timeout=120)
-    assert sorted(done) == sorted(n for n, _, _ in asked), done
+    # Two requests keep the instance busy; the rest queue behind them, 30 ms apart. The guest's
+    # requests are one tenant's, so they run in the order of their levels, then of their coming
+    # (another tenant's would take turns with them).
+    asked = [("busy-1", "guest", 0), ("busy-2", "guest", 0), ("earlier", "guest", 2), ("jumper", "guest", 1),
+             ("vip", "vip", 1)]
+    done, refused = served_in_order(s, protocol, asked)
+    assert sorted(done) == sorted(n for n, _, _ in asked), (done, refused)
     # vip's level 1 runs first of those queued; the guest's ask for level 1 is served at level 2,
     # behind the level-2 request queued before it (before, it ran second: ahead of 'earlier').
     queued = [n for n in done if n not in ("busy-1",)]
     assert queued.index("vip") < queued.index("earlier") < queued.index("jumper"), done
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tenants_take_turns_in_a_models_queue(start_server, tmp_path, protocol):
+    """A model's queue was first come, first served: one tenant's flood of queued requests kept
+    another's waiting behind all of it. Tenants' requests now take turns (by rows): the quiet
+    tenant's one request runs after at most one more of the noisy tenant's, not after all six."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text("[default]\n")
+    s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=slow_repository(tmp_path))
+    asked = [(f"noisy-{i}", "noisy", 0) for i in range(7)] + [("quiet", "quiet", 0)]
+    done, refused = served_in_order(s, protocol, asked)
+    assert not refused and len(done) == len(asked), (done, refused)
+    # noisy-0 runs at once; noisy-1 was next in turn when quiet came (before: quiet ran last).
+    assert done.index("quiet") <= 2, done
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_tenant_holds_at_most_half_of_a_models_queue(start_server, tmp_path, protocol):
+    """A model's queue has `max_queue_size` places per priority level, and a tenant's flood could
+    take them all: every other tenant's request was then refused 'queue full'. A tenant's requests
+    now hold at most half of them, so another tenant's still queue."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text("[default]\n")
+    repo = slow_repository(tmp_path, "max_queue_size = 4\n")
+    s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=repo)
+    # noisy-0 runs; noisy-1 and -2 hold two places, half of the four; -3 and -4 are refused.
+    asked = [(f"noisy-{i}", "noisy", 0) for i in range(5)] + [("quiet", "quiet", 0)]
+    done, refused = served_in_order(s, protocol, asked, apart=0.01)
+    assert "quiet" in done, (done, refused)
+    assert sorted(refused) == ["noisy-3", "noisy-4"], (done, refused)
+    assert all("queue full for this tenant" in e for e in refused.values()), refused

@@ -40,7 +40,7 @@ pub use admission::Limits;
 pub use control::{IndexEntry, LoadOptions, Registry, Repository};
 pub use data::{
     dtype::{DataType, Element, Number},
-    request::{CanaryRoute, InferRequest, InferResponse},
+    request::{Caller, CanaryRoute, InferRequest, InferResponse},
     tensor::{Tensor, TensorData},
 };
 pub use engine::{backend::Backend, model::Model};

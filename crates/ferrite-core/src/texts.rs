@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use crate::{
     engine::spec::{ModelSpec, Task, TextSpec},
-    Core, DataType, Error, InferRequest, Result, Route, Tensor, TensorData,
+    Caller, Core, DataType, Error, InferRequest, Result, Route, Tensor, TensorData,
 };
 
 /// Texts one OpenAI call may carry (OpenAI's limit).
@@ -168,12 +168,12 @@ impl TextModel {
         Ok(texts.into_iter().map(|t| Bytes::from([prefix.as_bytes(), &t].concat())).collect())
     }
 
-    /// Runs `rows` in calls of at most the model's max batch size. `tenant` as for
+    /// Runs `rows` in calls of at most the model's max batch size. `caller` as for
     /// `Core::infer`: the whole call is admitted once, as one request of its tenant, and holds
     /// that place until its last batch is done. At most as many batches as the model has
     /// workers are queued at once, so other clients' requests queue behind a few of a long
     /// call's batches, not all of them.
-    pub async fn run(self, core: &Core, rows: Vec<Row>, max_inputs: usize, tenant: Option<String>) -> Result<Answer> {
+    pub async fn run(self, core: &Core, rows: Vec<Row>, max_inputs: usize, caller: Caller) -> Result<Answer> {
         if rows.is_empty() || rows.len() > max_inputs {
             return Err(Error::invalid(format!("give 1 to {max_inputs} texts, not {}", rows.len())));
         }
@@ -185,7 +185,7 @@ impl TextModel {
         let model = spec.name.clone();
         let per_call = spec.batch.max_batch_size.max(1);
         let window = spec.instance_count.max(1);
-        let charged = core.admit(&self.route, tenant.as_deref())?;
+        let charged = core.admit(&self.route, caller.tenant.as_deref())?;
         let chunks: Vec<&[Row]> = rows.chunks(per_call).collect();
         let call = |chunk: &[Row]| {
             let column = |name: &str, of: &dyn Fn(&Row) -> Bytes| {
@@ -200,7 +200,8 @@ impl TextModel {
                 model_name: model.clone(),
                 inputs,
                 outputs: Some(std::iter::once(self.output.clone()).chain(self.count.clone()).collect()),
-                tenant: tenant.clone(),
+                tenant: caller.tenant.clone(),
+                share: caller.share.clone(),
                 ..Default::default()
             };
             let (core, route, charged) = (core.clone(), self.route.clone(), charged.clone());
@@ -291,7 +292,7 @@ impl TextModel {
         texts: Vec<Bytes>,
         o: &EmbedOptions,
         max_inputs: usize,
-        tenant: Option<String>,
+        caller: Caller,
     ) -> Result<Answer> {
         let cut = self.dimensions(o.dimensions)?;
         let normalized = self.text.as_ref().is_some_and(|t| t.normalized);
@@ -306,7 +307,7 @@ impl TextModel {
         if o.truncate == Some(false) {
             self.check_lengths(&rows).await?;
         }
-        let mut a = self.run(core, rows, max_inputs, tenant).await?;
+        let mut a = self.run(core, rows, max_inputs, caller).await?;
         // Unit vectors stay as the pipeline made them unless they are cut.
         let renormalize = o.normalize && (cut.is_some() || !normalized);
         a.rows = a.rows.into_iter().map(|v| shape_vector(v, cut, renormalize)).collect();
@@ -322,7 +323,7 @@ impl TextModel {
         passages: &[String],
         (truncate, raw): (Option<bool>, bool),
         max_inputs: usize,
-        tenant: Option<String>,
+        caller: Caller,
     ) -> Result<(Answer, Vec<(usize, f32)>)> {
         let query = Bytes::copy_from_slice(query.as_bytes());
         let rows: Vec<Row> =
@@ -330,7 +331,7 @@ impl TextModel {
         if truncate == Some(false) {
             self.check_lengths(&rows).await?;
         }
-        let a = self.run(core, rows, max_inputs, tenant).await?;
+        let a = self.run(core, rows, max_inputs, caller).await?;
         let mut scored: Vec<(usize, f32)> = a
             .rows
             .iter()
@@ -352,13 +353,13 @@ impl TextModel {
         rows: Vec<Row>,
         (truncate, raw): (Option<bool>, bool),
         max_inputs: usize,
-        tenant: Option<String>,
+        caller: Caller,
     ) -> Result<Vec<Vec<(String, f32)>>> {
         if truncate == Some(false) {
             self.check_lengths(&rows).await?;
         }
         let text = self.text.clone();
-        let a = self.run(core, rows, max_inputs, tenant).await?;
+        let a = self.run(core, rows, max_inputs, caller).await?;
         Ok(a.rows
             .into_iter()
             .map(|scores| {

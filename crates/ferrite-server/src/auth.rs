@@ -271,6 +271,11 @@ impl Acting {
         Acting { tenant, share }
     }
 
+    /// Whom a call of several requests acts for, or why its claim is refused.
+    pub fn caller(self) -> Result<ferrite_core::Caller, String> {
+        Ok(ferrite_core::Caller { tenant: self.tenant?, share: self.share })
+    }
+
     /// The share its bytes and work are held in (`share`).
     pub fn share(&self) -> Option<&str> {
         self.share.as_deref()

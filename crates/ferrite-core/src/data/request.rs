@@ -22,6 +22,10 @@ pub struct InferRequest {
     pub skip_cache: bool,
     /// Who sent it, for per-tenant limits (from the `--tenant-header` header).
     pub tenant: Option<String>,
+    /// The share of the server it is counted in (the front-end's, `auth::share`; `None`: none):
+    /// in a model's queue, requests of several shares take turns, and one share's requests hold
+    /// at most half of a priority level's places.
+    pub share: Option<String>,
     /// The `x-ferrite-canary` header: how an unversioned request may be routed to a canary.
     pub canary: CanaryRoute,
     /// The request's parameters as a JSON object (a Python model's `parameters()`); `None`: none.
@@ -34,6 +38,14 @@ impl InferRequest {
     pub fn held_len(&self) -> usize {
         self.inputs.iter().map(|t| t.data.held_len()).sum()
     }
+}
+
+/// Whom a call of several requests acts for (an embeddings call's batches): each request's
+/// `tenant` and `share`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: Option<String>,
+    pub share: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

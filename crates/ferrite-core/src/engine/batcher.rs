@@ -1205,6 +1205,7 @@ mod tests {
             warmup: false,
             hold: Hold::default(),
             heavy: false,
+            share: None,
         };
         (p, rx)
     }

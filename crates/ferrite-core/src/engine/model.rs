@@ -16,7 +16,7 @@ use crate::{
         backend::Instance,
         batcher::Batcher,
         classify,
-        queue::{Hold, Pending},
+        queue::{share_key, Hold, Pending},
         spec::{ModelSpec, TimeoutAction},
     },
     telemetry::{metrics, stats::ModelStats},
@@ -155,6 +155,7 @@ impl Model {
             warmup: true,
             hold: Hold::default(),
             heavy: false,
+            share: None,
         };
         self.batcher.submit(p)?;
         block_on(rx).map_err(|_| Error::internal("the warm-up request was dropped"))?.map(|_| ())
@@ -230,6 +231,7 @@ impl Model {
             warmup: false,
             hold,
             heavy,
+            share: req.share.as_deref().map(share_key),
         })?;
         let answer = match wait_limit {
             None => rx.instrument(queued).await,

@@ -3,7 +3,8 @@
 //! Pure logic: the caller passes `now`, so every decision is testable without sleeping.
 
 use std::{
-    collections::VecDeque,
+    collections::{HashMap, VecDeque},
+    hash::{DefaultHasher, Hash, Hasher},
     time::{Duration, Instant},
 };
 
@@ -56,6 +57,17 @@ pub struct Pending {
     /// Costly beyond the model's light work (a pipeline request of many megapixels): such
     /// requests never take every instance at once, and never share a batch with light ones.
     pub heavy: bool,
+    /// The share of the server its turn counts in (`share_key` of the front-end's share, where
+    /// one is given): requests of several shares take turns in a level, by rows, and one share's
+    /// hold at most half of a level's places. `None`: no share (a level of such alone is FIFO).
+    pub share: Option<u64>,
+}
+
+/// The key of a share's name (`InferRequest::share`) in the queue.
+pub fn share_key(share: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    share.hash(&mut h);
+    h.finish()
 }
 
 impl Pending {
@@ -89,8 +101,9 @@ pub enum Decision {
 }
 
 /// One priority level: requests in time, then (`timeout_action = delay`) those past their timeout.
-/// Keeps its row count and a bound on its earliest deadline as requests come and go (as Triton's
-/// scheduler does), so neither admission nor forming a batch rescans the queue.
+/// Keeps its row count, a bound on its earliest deadline and the requests each share holds as
+/// requests come and go (as Triton's scheduler keeps its counts), so neither admission nor forming
+/// a batch rescans the queue while the requests waiting are of one share (or of none).
 #[derive(Debug)]
 struct Level {
     fresh: VecDeque<Pending>,
@@ -99,11 +112,26 @@ struct Level {
     rows: usize,
     /// At or before the earliest deadline of a request in `fresh` (none: no deadline there).
     due: Option<Instant>,
+    /// Requests waiting per share (`Pending::share`), and how many have one.
+    shares: HashMap<u64, usize>,
+    shared: usize,
+    /// Rows run of each share waiting, counted while several shares' requests wait (see `turns`);
+    /// a share that comes starts level with the least served of those waiting.
+    served: HashMap<Option<u64>, u64>,
 }
 
 impl Level {
     fn new(policy: QueuePolicy) -> Level {
-        Level { fresh: VecDeque::new(), delayed: VecDeque::new(), policy, rows: 0, due: None }
+        Level {
+            fresh: VecDeque::new(),
+            delayed: VecDeque::new(),
+            policy,
+            rows: 0,
+            due: None,
+            shares: HashMap::new(),
+            shared: 0,
+            served: HashMap::new(),
+        }
     }
 
     fn len(&self) -> usize {
@@ -114,8 +142,65 @@ impl Level {
         self.fresh.iter().chain(&self.delayed)
     }
 
-    fn push_back(&mut self, p: Pending) {
+    /// The request at `i` in `iter()` order.
+    fn at(&self, i: usize) -> &Pending {
+        self.fresh.get(i).unwrap_or_else(|| &self.delayed[i - self.fresh.len()])
+    }
+
+    /// Whether requests of more than one share (those of none are one more) wait here.
+    fn mixed(&self) -> bool {
+        self.shares.len() + usize::from(self.len() > self.shared) > 1
+    }
+
+    /// Whether requests of `share` wait here.
+    fn waiting(&self, share: &Option<u64>) -> bool {
+        match share {
+            Some(s) => self.shares.contains_key(s),
+            None => self.len() > self.shared,
+        }
+    }
+
+    /// The rows a share that was not waiting starts its turns at: the least run of those waiting.
+    fn start(&self) -> u64 {
+        self.served.iter().filter(|(s, _)| self.waiting(s)).map(|(_, &n)| n).min().unwrap_or(0)
+    }
+
+    /// The places of this level `share`'s requests hold already, against the half they may.
+    fn held_by(&self, share: Option<u64>) -> Option<usize> {
+        share.map(|s| self.shares.get(&s).copied().unwrap_or(0))
+    }
+
+    fn enter(&mut self, p: &Pending) {
+        if !self.waiting(&p.share) {
+            let start = self.start();
+            self.served.insert(p.share, start);
+        }
         self.rows += p.rows;
+        if let Some(s) = p.share {
+            *self.shares.entry(s).or_default() += 1;
+            self.shared += 1;
+        }
+    }
+
+    /// After `p` was removed from the deques.
+    fn leave(&mut self, p: &Pending) {
+        self.rows -= p.rows;
+        if let Some(s) = p.share {
+            self.shared -= 1;
+            if let Some(n) = self.shares.get_mut(&s) {
+                *n -= 1;
+                if *n == 0 {
+                    self.shares.remove(&s);
+                }
+            }
+        }
+        if !self.waiting(&p.share) {
+            self.served.remove(&p.share);
+        }
+    }
+
+    fn push_back(&mut self, p: Pending) {
+        self.enter(&p);
         if let Some(d) = p.deadline {
             self.due = Some(self.due.map_or(d, |due| due.min(d)));
         }
@@ -124,7 +209,7 @@ impl Level {
 
     fn pop_front(&mut self) -> Option<Pending> {
         let p = self.fresh.pop_front().or_else(|| self.delayed.pop_front())?;
-        self.rows -= p.rows;
+        self.leave(&p);
         Some(p)
     }
 
@@ -133,8 +218,66 @@ impl Level {
         let p = [&mut self.fresh, &mut self.delayed]
             .into_iter()
             .find_map(|deque| deque.iter().position(|p| !p.heavy).and_then(|i| deque.remove(i)))?;
-        self.rows -= p.rows;
+        self.leave(&p);
         Some(p)
+    }
+
+    /// The requests at `positions` (`iter()` order, each once), in that order, their rows counted
+    /// as their shares' turns.
+    fn take(&mut self, positions: &[usize]) -> Vec<Pending> {
+        let start = self.start();
+        let mut descending = positions.to_vec();
+        descending.sort_unstable_by(|a, b| b.cmp(a));
+        let n = self.fresh.len();
+        let mut taken: HashMap<usize, Pending> = HashMap::with_capacity(positions.len());
+        for i in descending {
+            let p = if i < n { self.fresh.remove(i) } else { self.delayed.remove(i - n) };
+            taken.insert(i, p.expect("a position of this level"));
+        }
+        let out: Vec<Pending> = positions.iter().filter_map(|i| taken.remove(i)).collect();
+        for p in &out {
+            *self.served.entry(p.share).or_insert(start) += p.rows as u64;
+            // A share that waits no more starts level with the others when it comes back.
+            self.leave(p);
+        }
+        out
+    }
+
+    /// The positions (`iter()` order) of the requests `keep` passes, in the order of their turns:
+    /// while requests of several shares wait, the next is the one whose share has been run the
+    /// fewest rows, counting its own requests queued ahead of it (then the earliest), so each
+    /// share's requests take turns with the others' by rows, whatever one share queued before;
+    /// those past their timeout go last.
+    fn turns(&self, keep: impl Fn(&Pending) -> bool) -> Vec<usize> {
+        let start = self.start();
+        let mut ahead: HashMap<Option<u64>, u64> = HashMap::new();
+        let mut fresh: Vec<(u64, usize)> = Vec::with_capacity(self.fresh.len());
+        for (i, p) in self.fresh.iter().enumerate().filter(|(_, p)| keep(p)) {
+            let rows = ahead.entry(p.share).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
+            fresh.push((*rows, i));
+            *rows += p.rows as u64;
+        }
+        fresh.sort_unstable();
+        let n = self.fresh.len();
+        let late = self.delayed.iter().enumerate().filter(|(_, p)| keep(p)).map(|(i, _)| n + i);
+        fresh.into_iter().map(|(_, i)| i).chain(late).collect()
+    }
+
+    /// Counts rows and shares again (after requests were removed in place).
+    fn recount(&mut self) {
+        let (mut rows, mut shared, mut shares) = (0, 0, HashMap::new());
+        for p in self.fresh.iter().chain(&self.delayed) {
+            rows += p.rows;
+            if let Some(s) = p.share {
+                *shares.entry(s).or_default() += 1;
+                shared += 1;
+            }
+        }
+        (self.rows, self.shared, self.shares) = (rows, shared, shares);
+        let gone: Vec<Option<u64>> = self.served.keys().filter(|s| !self.waiting(s)).copied().collect();
+        for s in gone {
+            self.served.remove(&s);
+        }
     }
 }
 
@@ -188,11 +331,17 @@ impl Queue {
         self.levels.iter().take(level + 1).map(Level::len).sum()
     }
 
-    /// Admits `p`, or refuses it when its level's queue is full.
+    /// Admits `p`, or refuses it when its level's queue is full, or holds half of it for `p`'s
+    /// share already (a share's requests hold at most half of a level's places, at least one, so
+    /// one tenant's flood leaves another's requests places to queue in).
     pub fn push(&mut self, p: Pending) -> Result<()> {
         let last = self.levels.len() - 1;
         let index = p.level.min(last);
-        if self.levels[index].len() >= self.levels[index].policy.max_queue_size {
+        let half = |level: &Level| (level.policy.max_queue_size / 2).max(1);
+        let full = |level: &Level| {
+            level.len() >= level.policy.max_queue_size || level.held_by(p.share).is_some_and(|n| n >= half(level))
+        };
+        if full(&self.levels[index]) {
             // Requests whose clients left, or that expired, free their places before a refusal.
             self.prune(p.enqueued);
         }
@@ -200,6 +349,16 @@ impl Queue {
         if level.len() >= level.policy.max_queue_size {
             return Err(Error::unavailable(
                 format!("queue full: {} requests waiting at this priority (max_queue_size)", level.len()),
+                Some(RETRY_AFTER),
+            ));
+        }
+        if let Some(n) = level.held_by(p.share).filter(|&n| n >= half(level)) {
+            return Err(Error::unavailable(
+                format!(
+                    "queue full for this tenant: its {n} requests waiting at this priority hold half of the \
+                     queue (max_queue_size {})",
+                    level.policy.max_queue_size
+                ),
                 Some(RETRY_AFTER),
             ));
         }
@@ -214,7 +373,9 @@ impl Queue {
         let mut out = Vec::new();
         for l in &mut self.levels {
             out.extend(l.fresh.drain(..).chain(l.delayed.drain(..)));
-            (l.rows, l.due) = (0, None);
+            (l.rows, l.due, l.shared) = (0, None, 0);
+            l.shares.clear();
+            l.served.clear();
         }
         out
     }
@@ -271,7 +432,7 @@ impl Queue {
         let delayed = level.delayed.len();
         level.delayed.retain(|p| !p.reply.is_closed());
         self.cancelled += (delayed - level.delayed.len()) as u64;
-        level.rows = level.iter().map(|p| p.rows).sum();
+        level.recount();
         level.due = level.fresh.iter().filter_map(|p| p.deadline).min();
         self.len -= before - level.len();
     }
@@ -305,40 +466,48 @@ impl Queue {
             // Only heavy work is queued: look again when an instance running it is done.
             return Decision::WaitUntil(now + Duration::from_millis(20));
         }
-        let light = |p: &&Pending| !(light_only && p.heavy);
-        if !policy.dynamic {
-            return Decision::Run(self.pop(1, light_only));
-        }
-        let mut order = self.levels.iter().flat_map(Level::iter).filter(light);
-        let Some(first) = order.next() else {
-            return Decision::Idle;
-        };
-        // The longest run of compatible requests, in priority then arrival order, that fits.
-        let mut total = first.rows;
-        let mut sums = vec![total];
-        let mut oldest = first.enqueued;
-        for p in order {
-            if total + p.rows > limit || !first.compatible(p) {
-                break;
+        let light = |p: &Pending| !(light_only && p.heavy);
+        // While requests of several shares wait at a level, they take turns there
+        // (`Level::turns`); else the order is priority then arrival, read in place.
+        let turns: Option<Vec<(usize, usize)>> = self.levels.iter().any(Level::mixed).then(|| {
+            let mut turns = Vec::new();
+            for (l, level) in self.levels.iter().enumerate() {
+                turns.extend(level.turns(light).into_iter().map(|i| (l, i)));
             }
-            total += p.rows;
-            sums.push(total);
-            oldest = oldest.min(p.enqueued);
-        }
-        if let Some((rows, until)) = hold {
-            if !flush && !first.warmup && total < rows.min(limit) && now < until {
-                return Decision::WaitUntil(until);
+            turns
+        });
+        let n = match &turns {
+            Some(t) => batch_size(t.iter().map(|&(l, i)| self.levels[l].at(i)), now, policy, limit, flush, hold),
+            None => batch_size(
+                self.levels.iter().flat_map(Level::iter).filter(|p| light(p)),
+                now,
+                policy,
+                limit,
+                flush,
+                hold,
+            ),
+        };
+        let n = match n {
+            Ok(n) => n,
+            Err(wait) => return wait,
+        };
+        Decision::Run(match turns {
+            Some(t) => self.take_turns(&t[..n]),
+            None => self.pop(n, light_only),
+        })
+    }
+
+    /// The requests at `turns` (level, position), in that order.
+    fn take_turns(&mut self, turns: &[(usize, usize)]) -> Vec<Pending> {
+        let mut out = Vec::with_capacity(turns.len());
+        for (l, level) in self.levels.iter_mut().enumerate() {
+            let positions: Vec<usize> = turns.iter().filter(|t| t.0 == l).map(|t| t.1).collect();
+            if !positions.is_empty() {
+                out.extend(level.take(&positions));
             }
         }
-        let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
-        let n = if flush || first.warmup || total >= limit || policy.max_queue_delay_us == 0 || now >= due {
-            sums.len()
-        } else if let Some(j) = sums.iter().rposition(|s| policy.preferred_batch_sizes.contains(s)) {
-            j + 1
-        } else {
-            return Decision::WaitUntil(due);
-        };
-        Decision::Run(self.pop(n, light_only))
+        self.len -= out.len();
+        out
     }
 
     /// The first `n` requests in priority then arrival order (light ones only, with `light_only`).
@@ -354,6 +523,50 @@ impl Queue {
         }
         self.len -= out.len();
         out
+    }
+}
+
+/// How many of the requests in `order` (the queue's, first the batch's first) the next batch
+/// takes at `now`, or what to do instead: the longest run of requests compatible with the first
+/// that fits `limit`, or fewer (a preferred size) or none yet (`WaitUntil`) within the policy's
+/// queue delay and the batcher's `hold` (see `Queue::next_batch_of`).
+fn batch_size<'a>(
+    mut order: impl Iterator<Item = &'a Pending>,
+    now: Instant,
+    policy: &BatchPolicy,
+    limit: usize,
+    flush: bool,
+    hold: Option<(usize, Instant)>,
+) -> std::result::Result<usize, Decision> {
+    let Some(first) = order.next() else {
+        return Err(Decision::Idle);
+    };
+    if !policy.dynamic {
+        return Ok(1);
+    }
+    let mut total = first.rows;
+    let mut sums = vec![total];
+    let mut oldest = first.enqueued;
+    for p in order {
+        if total + p.rows > limit || !first.compatible(p) {
+            break;
+        }
+        total += p.rows;
+        sums.push(total);
+        oldest = oldest.min(p.enqueued);
+    }
+    if let Some((rows, until)) = hold {
+        if !flush && !first.warmup && total < rows.min(limit) && now < until {
+            return Err(Decision::WaitUntil(until));
+        }
+    }
+    let due = oldest + Duration::from_micros(policy.max_queue_delay_us);
+    if flush || first.warmup || total >= limit || policy.max_queue_delay_us == 0 || now >= due {
+        Ok(sums.len())
+    } else if let Some(j) = sums.iter().rposition(|s| policy.preferred_batch_sizes.contains(s)) {
+        Ok(j + 1)
+    } else {
+        Err(Decision::WaitUntil(due))
     }
 }
 
@@ -393,6 +606,15 @@ mod tests {
     }
 
     fn push(q: &mut Queue, at: Instant, rows: usize, width: usize, level: usize) -> Req {
+        push_as(q, at, rows, width, level, None).unwrap()
+    }
+
+    /// As `push`, a request of `share` (level 0, 4 wide), or its refusal.
+    fn push_of(q: &mut Queue, rows: usize, share: Option<u64>) -> Result<Req> {
+        push_as(q, Instant::now(), rows, 4, 0, share)
+    }
+
+    fn push_as(q: &mut Queue, at: Instant, rows: usize, width: usize, level: usize, share: Option<u64>) -> Result<Req> {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
         q.push(Pending {
@@ -410,9 +632,9 @@ mod tests {
             warmup: false,
             hold: Hold::default(),
             heavy: false,
-        })
-        .unwrap();
-        Req { rx }
+            share,
+        })?;
+        Ok(Req { rx })
     }
 
     fn rows(d: Decision) -> Vec<usize> {
@@ -525,6 +747,71 @@ mod tests {
         assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), usize::MAX, false)), vec![1]);
     }
 
+    /// The ids (the shares, as rows of 1) of what a decision runs.
+    fn shares_of(d: Decision) -> Vec<(Option<u64>, usize)> {
+        match d {
+            Decision::Run(b) => b.iter().map(|p| (p.share, p.rows)).collect(),
+            other => panic!("expected a batch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn shares_take_turns_by_rows_whatever_one_queued_first() {
+        let mut q = queue(1, 100);
+        let (a, b) = (Some(share_key("a")), Some(share_key("b")));
+        let _a: Vec<Req> = (0..4).map(|_| push_of(&mut q, 2, a).unwrap()).collect();
+        let _b = push_of(&mut q, 1, b).unwrap();
+        let _none = push_of(&mut q, 1, None).unwrap();
+        let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 2, false));
+        // a's first came first; then b's and the one of no share, ahead of a's three queued before them.
+        assert_eq!(next(&mut q), vec![(a, 2)]);
+        assert_eq!(next(&mut q), vec![(b, 1), (None, 1)]);
+        assert_eq!(next(&mut q), vec![(a, 2)]);
+        // One share alone: arrival order, as without shares.
+        let _b2 = push_of(&mut q, 2, b).unwrap();
+        let _b3 = push_of(&mut q, 2, b).unwrap();
+        assert_eq!(next(&mut q), vec![(a, 2)]);
+        assert_eq!(next(&mut q), vec![(b, 2)]);
+        assert_eq!(next(&mut q), vec![(a, 2)]);
+        assert_eq!(next(&mut q), vec![(b, 2)]);
+        assert!(q.is_empty() && q.rows() == 0);
+        assert!(q.levels[0].shares.is_empty() && q.levels[0].shared == 0);
+    }
+
+    #[test]
+    fn a_share_that_comes_later_takes_its_turns_from_then_not_from_the_start() {
+        let mut q = queue(1, 100);
+        let (a, b, c) = (Some(share_key("a")), Some(share_key("b")), Some(share_key("c")));
+        let _ab: Vec<Req> =
+            (0..6).flat_map(|_| [push_of(&mut q, 1, a).unwrap(), push_of(&mut q, 1, b).unwrap()]).collect();
+        let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 1, false))[0].0;
+        let first: Vec<_> = (0..4).map(|_| next(&mut q)).collect();
+        assert_eq!(first, vec![a, b, a, b]);
+        let _c: Vec<Req> = (0..3).map(|_| push_of(&mut q, 1, c).unwrap()).collect();
+        let then: Vec<_> = (0..6).map(|_| next(&mut q)).collect();
+        assert_eq!(then, vec![a, b, c, a, b, c], "c runs as many rows as the others from when it came");
+    }
+
+    #[test]
+    fn a_share_holds_at_most_half_of_a_levels_places() {
+        let mut q = queue(1, 4);
+        let (a, b) = (Some(share_key("a")), Some(share_key("b")));
+        let _held: Vec<Req> = (0..2).map(|_| push_of(&mut q, 1, a).unwrap()).collect();
+        let e = push_of(&mut q, 1, a).err().expect("a third of a's is refused");
+        assert!(e.to_string().contains("hold half of the queue"), "{e}");
+        let _b: Vec<Req> = (0..2).map(|_| push_of(&mut q, 1, b).unwrap()).collect();
+        assert!(push_of(&mut q, 1, None).err().expect("the level is full").to_string().contains("4 requests waiting"));
+        // A request of a's whose client left frees its place.
+        let mut q = queue(1, 4);
+        let gone = push_of(&mut q, 1, a).unwrap();
+        let _kept = push_of(&mut q, 1, a).unwrap();
+        drop(gone);
+        assert!(push_of(&mut q, 1, a).is_ok());
+        // Requests of no share are bounded by the level alone.
+        let mut q = queue(1, 4);
+        let _none: Vec<Req> = (0..4).map(|_| push_of(&mut q, 1, None).unwrap()).collect();
+    }
+
     #[test]
     fn full_queue_refuses_with_retry_after() {
         let t = Instant::now();
@@ -546,6 +833,7 @@ mod tests {
             warmup: false,
             hold: Hold::default(),
             heavy: false,
+            share: None,
         };
         let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
@@ -571,6 +859,7 @@ mod tests {
             warmup: false,
             hold: Hold::default(),
             heavy: false,
+            share: None,
         })
         .unwrap();
         assert!(matches!(
@@ -618,6 +907,7 @@ mod tests {
             warmup: false,
             hold: Hold::default(),
             heavy: false,
+            share: None,
         })
         .unwrap();
         rx
@@ -667,6 +957,7 @@ mod tests {
             warmup: false,
             hold: Hold::default(),
             heavy: false,
+            share: None,
         };
         assert!(matches!(q.push(extra), Err(Error::Unavailable { .. })));
         // The other level still takes work.

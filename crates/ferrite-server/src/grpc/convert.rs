@@ -111,6 +111,7 @@ pub fn to_core(req: pb::ModelInferRequest, max_elements: usize, shm: Option<&Acc
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,
         tenant: None,
+        share: None,
         canary: Default::default(),
         parameters,
     })

@@ -286,6 +286,7 @@ impl Service {
         // all, never less than its message's; those read from shared memory are held already).
         hold(core_req.held_len().saturating_sub(shm.bytes_read()))?;
         core_req.tenant = meta.tenant.clone();
+        core_req.share = meta.share.clone();
         core_req.canary = meta.canary;
         if let Some(d) = deadline_us {
             core_req.timeout_us = Some(core_req.timeout_us.filter(|&t| t > 0 && t < d).unwrap_or(d));

@@ -60,20 +60,20 @@ pub fn services(core: Core, limits: &super::GrpcLimits, stopping: super::Stoppin
     }
 }
 
-/// What every call reads of its metadata: the model it names and its tenant.
+/// What every call reads of its metadata: the model it names and whom it acts for.
 struct Call {
     model: Option<String>,
-    tenant: Option<String>,
+    caller: ferrite_core::Caller,
 }
 
 impl Tei {
     fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
         let model = req.metadata().get("model").map(|v| v.to_str().unwrap_or_default().to_string());
-        let tenant =
+        let caller =
             Acting::of(req.extensions(), self.core.tenants(), |h| req.metadata().get(h).and_then(|v| v.to_str().ok()))
-                .tenant
+                .caller()
                 .map_err(Status::permission_denied)?;
-        Ok(Call { model, tenant })
+        Ok(Call { model, caller })
     }
 
     fn model(&self, call: &Call, task: Option<Task>) -> Result<TextModel, Status> {
@@ -87,14 +87,14 @@ impl Tei {
         let m = self.model(call, Some(Task::Embed))?;
         // Proto3 cannot leave a bool unset: `truncate: false` is TEI's default here, and cuts.
         let o = EmbedOptions { normalize: r.normalize, truncate: None, prompt_name: r.prompt_name, dimensions: None };
-        let a = m.embed(&self.core, vec![Bytes::from(r.inputs)], &o, 1, call.tenant.clone()).await.map_err(status)?;
+        let a = m.embed(&self.core, vec![Bytes::from(r.inputs)], &o, 1, call.caller.clone()).await.map_err(status)?;
         let embeddings = a.rows.into_iter().next().unwrap_or_default();
         Ok(pb::EmbedResponse { embeddings, metadata: Some(metadata(a.tokens)) })
     }
 
     async fn predict_one(&self, call: &Call, row: texts::Row, raw: bool) -> Result<pb::PredictResponse, Status> {
         let m = self.model(call, Some(Task::Classify))?;
-        let classes = m.predict(&self.core, vec![row], (None, raw), 1, call.tenant.clone()).await.map_err(status)?;
+        let classes = m.predict(&self.core, vec![row], (None, raw), 1, call.caller.clone()).await.map_err(status)?;
         let predictions = classes
             .into_iter()
             .next()
@@ -119,7 +119,7 @@ impl Tei {
         }
         let m = self.model(call, Some(Task::Rerank))?;
         let (a, scored) = m
-            .rerank(&self.core, query, &texts, (None, raw), TEI_MAX_INPUTS, call.tenant.clone())
+            .rerank(&self.core, query, &texts, (None, raw), TEI_MAX_INPUTS, call.caller.clone())
             .await
             .map_err(status)?;
         let ranks = scored
@@ -132,7 +132,7 @@ impl Tei {
     async fn tokenize_one(&self, call: &Call, r: pb::EncodeRequest) -> Result<pb::EncodeResponse, Status> {
         text_given(&r.inputs)?;
         let m = self.model(call, None)?;
-        let held = m.admit(&self.core, call.tenant.as_deref()).map_err(status)?;
+        let held = m.admit(&self.core, call.caller.tenant.as_deref()).map_err(status)?;
         let rows = m
             .tokenize(vec![Bytes::from(r.inputs)], r.add_special_tokens, r.prompt_name.as_deref(), held)
             .await
@@ -156,7 +156,7 @@ impl Tei {
             return Err(Status::invalid_argument("`ids` cannot be empty"));
         }
         let m = self.model(call, None)?;
-        let _held = m.admit(&self.core, call.tenant.as_deref()).map_err(status)?;
+        let _held = m.admit(&self.core, call.caller.tenant.as_deref()).map_err(status)?;
         let text = m.decode(&[r.ids], r.skip_special_tokens).map_err(status)?.pop().unwrap_or_default();
         Ok(pb::DecodeResponse { text })
     }

@@ -386,6 +386,7 @@ fn build(
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,
         tenant: None,
+        share: None,
         canary: Default::default(),
         parameters: super::decode::parameters_json(&req.parameters),
     };

@@ -1030,6 +1030,7 @@ async fn infer_inner(
     let ((mut req, binary), shm) = parsed.await??;
     let _decoded = held_beyond(&s.budget, share.as_deref(), &req, sent + shm.bytes_read())?;
     req.tenant = tenant;
+    req.share = share.clone();
     if let Some(v) = headers.get(crate::CANARY_HEADER) {
         req.canary = v.to_str().ok().and_then(ferrite_core::CanaryRoute::parse).ok_or_else(|| {
             ApiError::bad_request(format!("{}: expected always, never or auto", crate::CANARY_HEADER))
@@ -1074,6 +1075,11 @@ fn held_beyond(
 /// configured and the token allows (`Acting`, resolved by `read_body`); 403 for a claim refused.
 fn tenant_of(acting: Acting) -> Result<Option<String>, ApiError> {
     acting.tenant.map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
+}
+
+/// Whom a call acts for (`Acting::caller`): 403 where its claim to a tenant is refused.
+fn caller_of(acting: Acting) -> Result<ferrite_core::Caller, ApiError> {
+    acting.caller().map_err(|e| ApiError::new(StatusCode::FORBIDDEN, e))
 }
 
 impl axum::extract::FromRequestParts<AppState> for Acting {

@@ -134,6 +134,7 @@ pub fn parse(
         timeout_us: params.timeout_us,
         skip_cache: params.skip_cache,
         tenant: None,
+        share: None,
         canary: Default::default(),
         parameters: super::decode::parameters_json(&header.parameters),
     };

@@ -31,6 +31,7 @@ use super::{
         TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse, TeiSimilarityResponse, TeiToken,
         TeiTokenizeResponse,
     },
+    caller_of,
     decode::{at_most, Most},
     tenant_of, ApiError, AppState, JsonBody,
 };
@@ -158,11 +159,11 @@ pub(super) async fn openai(State(s): State<AppState>, acting: Acting, body: Json
                 return Err(ApiError::bad_request(format!("encoding_format '{}': float or base64", shown(other))))
             }
         };
-        let tenant = tenant_of(acting)?;
+        let caller = caller_of(acting)?;
         let m = TextModel::new(&s.core, &req.model, Some(Task::Embed)).map_err(invalid_as_400)?;
         // OpenAI's vectors are unit vectors.
         let o = EmbedOptions { normalize: true, dimensions: req.dimensions, ..Default::default() };
-        let e = m.embed(&s.core, bytes(req.input.into_vec()), &o, texts::MAX_INPUTS, tenant).await?;
+        let e = m.embed(&s.core, bytes(req.input.into_vec()), &o, texts::MAX_INPUTS, caller).await?;
         let data = e
             .rows
             .into_iter()
@@ -328,7 +329,7 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
     let texts = req.inputs.into_vec();
     tei_texts(&texts)?;
     right(&req.truncation_direction)?;
-    let tenant = tenant_of(acting)?;
+    let caller = caller_of(acting)?;
     let m = tei_model(s, req.model.as_deref(), Some(Task::Embed))?;
     let o = EmbedOptions {
         normalize: req.normalize,
@@ -336,7 +337,7 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
         prompt_name: req.prompt_name,
         dimensions: req.dimensions,
     };
-    Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, tenant).await?.rows)
+    Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, caller).await?.rows)
 }
 
 pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
@@ -411,13 +412,13 @@ pub(super) struct TeiRerankRequest {
 /// core's error as it is: each API answers it with its own status.
 async fn ranked(
     s: &AppState,
-    tenant: Option<String>,
+    caller: ferrite_core::Caller,
     (model, query, passages): (Option<&str>, &str, &[String]),
     options: (Option<bool>, bool),
     max_inputs: usize,
 ) -> ferrite_core::Result<(String, Vec<(usize, f32)>, u64)> {
     let m = TextModel::new(&s.core, &texts::pick(&s.core, model, Some(Task::Rerank))?, Some(Task::Rerank))?;
-    let (a, scored) = m.rerank(&s.core, query, passages, options, max_inputs, tenant).await?;
+    let (a, scored) = m.rerank(&s.core, query, passages, options, max_inputs, caller).await?;
     Ok((a.model, scored, a.tokens))
 }
 
@@ -428,9 +429,9 @@ pub(super) async fn rerank(State(s): State<AppState>, acting: Acting, body: Json
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`texts` cannot be empty"));
     }
     right(&req.truncation_direction)?;
-    let tenant = tenant_of(acting)?;
+    let caller = caller_of(acting)?;
     let query = (req.model.as_deref(), req.query.as_str(), req.texts.as_slice());
-    let (_, scored, _) = ranked(&s, tenant, query, (req.truncate, req.raw_scores), TEI_MAX_INPUTS).await?;
+    let (_, scored, _) = ranked(&s, caller, query, (req.truncate, req.raw_scores), TEI_MAX_INPUTS).await?;
     let ranks = scored
         .into_iter()
         .map(|(index, score)| TeiRank { index, score, text: req.return_text.then(|| req.texts[index].clone()) })
@@ -547,10 +548,10 @@ pub(super) async fn predict(State(s): State<AppState>, acting: Acting, body: Jso
         )));
     }
     right(&req.truncation_direction)?;
-    let tenant = tenant_of(acting)?;
+    let caller = caller_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), Some(Task::Classify))?;
     let rows: Vec<_> = rows.into_iter().map(|(a, b)| (Bytes::from(a), b.map(Bytes::from))).collect();
-    let classes = m.predict(&s.core, rows, (req.truncate, req.raw_scores), TEI_MAX_INPUTS, tenant).await?;
+    let classes = m.predict(&s.core, rows, (req.truncate, req.raw_scores), TEI_MAX_INPUTS, caller).await?;
     let mut answers: Vec<Vec<TeiPrediction>> = classes
         .into_iter()
         .map(|row| row.into_iter().map(|(label, score)| TeiPrediction { score, label }).collect())
@@ -788,10 +789,10 @@ pub(super) async fn cohere_rerank(State(s): State<AppState>, acting: Acting, bod
                 docs.len()
             )));
         }
-        let tenant = tenant_of(acting)?;
+        let caller = caller_of(acting)?;
         let query = (req.model.as_deref(), req.query.as_str(), docs.as_slice());
         let (model, mut scored, tokens) =
-            ranked(&s, tenant, query, (None, false), RERANK_MAX_DOCUMENTS).await.map_err(invalid_as_400)?;
+            ranked(&s, caller, query, (None, false), RERANK_MAX_DOCUMENTS).await.map_err(invalid_as_400)?;
         scored.truncate(req.top_n.unwrap_or(usize::MAX));
         let results = scored
             .into_iter()
