@@ -14,12 +14,17 @@ do to another's latency, on the bundled repository, with the release binary.
   alone, then while 16 clients of another tenant each send gzip bodies of 64 MiB of JSON empty
   strings (65 KB on the wire; decompressed, parsed, then refused by the model's datatype): whether
   one tenant's flood queues in front of another's requests for the decompression places.
+- turns (`--only turns`, with a tenant config): one tenant sends short texts to /embed, then
+  single-row MLP requests, alone and while another tenant's clients send 2048-text embeddings
+  calls (2 clients), then 64-row MLP requests (16 clients): whether one tenant's queued flood
+  keeps another's requests waiting behind it in the models' queues.
 
 Reports the steady client's p50, p99 and max, its requests completed, and the server's CPU, and
 writes bench/results/hostile.md. Guards the cost rule: the steady client's p99 beside the floods
 stays within a small multiple of its idle p99.
 
-Usage: python3 bench/hostile.py [--duration 10] [--binary PATH] [--only compressed|tenants] [--name hostile]
+Usage: python3 bench/hostile.py [--duration 10] [--binary PATH ...] [--rounds 1] [--only compressed|tenants|turns]
+                                [--name hostile]
 """
 
 import argparse
@@ -138,20 +143,36 @@ def scenario(name, pid, steady_req, flood_req, flooders, duration):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=10)
-    ap.add_argument("--binary", help="a ferrite binary to measure (default: this tree's, built)")
-    ap.add_argument("--only", choices=["compressed", "tenants"], help="that scenario alone")
+    ap.add_argument("--binary", action="append",
+                    help="a ferrite binary to measure (default: this tree's, built); give several to compare them")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over the binaries, alternating")
+    ap.add_argument("--only", choices=["compressed", "tenants", "turns"], help="that scenario alone")
     ap.add_argument("--name", default="hostile")
     args = ap.parse_args()
-    binary = Path(args.binary) if args.binary else ROOT / "target" / "release" / "ferrite"
+    binaries = [Path(b) for b in args.binary or [ROOT / "target" / "release" / "ferrite"]]
     if not args.binary:
         subprocess.run(["cargo", "build", "--release", "--locked", "--bin", "ferrite"], check=True, cwd=ROOT)
+    rows, rss = [], (None, None, None)
+    try:
+        for r in range(args.rounds):
+            for binary in binaries:
+                label = f"{binary.name}, round {r + 1}: " if len(binaries) > 1 or args.rounds > 1 else ""
+                got, rss = measure(args, binary)
+                rows += [(label + name, *rest) for name, *rest in got]
+    finally:
+        if rows:
+            write(args, binaries, rows, rss)
+
+
+def measure(args, binary):
+    """The scenarios' rows for one server of `binary`, and its resident memory around the text flood."""
     repo = WORK / "hostile"
     shutil.rmtree(repo, ignore_errors=True)
     shutil.copytree(ROOT / "models", repo)
     port, grpc, metrics = free_port(), free_port(), free_port()
     log = open(WORK / "hostile.log", "w")
     tenants = []
-    if args.only == "tenants":
+    if args.only in ("tenants", "turns"):
         (WORK / "tenants.toml").write_text("[default]\n")
         tenants = ["--tenant-header", "x-tenant", "--tenant-config", str(WORK / "tenants.toml")]
     proc = subprocess.Popen([str(binary), "serve", "--model-repository", str(repo), "--http-port", str(port),
@@ -165,13 +186,20 @@ def main():
             time.sleep(0.1)
     rss_before = rss_after = rss_later = None
     rows = []
+    json_h = {"Content-Type": "application/json"}
+    one = json.dumps({"inputs": "a short text to embed"}).encode()
+    words = " ".join(["word"] * 200)
+    many = json.dumps({"model": "text_embedder", "input": [f"{i} {words}" for i in range(2048)]}).encode()
     try:
         if args.only == "compressed":
             rows = [compressed(base, f"127.0.0.1:{grpc}", proc.pid, args.duration)]
-            return
+            return rows, (None, None, None)
         if args.only == "tenants":
             rows = [tenants_apart(base, proc.pid, args.duration)]
-            return
+            return rows, (None, None, None)
+        if args.only == "turns":
+            rows = turns(base, proc.pid, args.duration, (one, many, json_h))
+            return rows, (None, None, None)
         small = encode(Image.new("RGB", (64, 48), (120, 30, 200)), "JPEG")
         bomb = encode(Image.new("RGB", (6320, 6320), (10, 20, 30)), "WEBP", lossless=True)
         h, b = binary_body([small])
@@ -181,10 +209,6 @@ def main():
         rows = [scenario("images: 4 clients of 16 WebP bombs", proc.pid, (url, b, h), (url, fb, fh), 4, args.duration),
                 scenario("images: 4 clients of 1 WebP bomb (within the limits)", proc.pid, (url, b, h),
                          (url, one_b, one_h), 4, args.duration)]
-        json_h = {"Content-Type": "application/json"}
-        one = json.dumps({"inputs": "a short text to embed"}).encode()
-        words = " ".join(["word"] * 200)
-        many = json.dumps({"model": "text_embedder", "input": [f"{i} {words}" for i in range(2048)]}).encode()
         rss_before = rss_mib(proc.pid)
         rows.append(scenario("text: 2 clients of 2048-text embeddings", proc.pid, (f"{base}/embed", one, json_h),
                              (f"{base}/v1/embeddings", many, json_h), 2, args.duration))
@@ -192,11 +216,10 @@ def main():
         rows.append(compressed(base, f"127.0.0.1:{grpc}", proc.pid, args.duration))
         time.sleep(30)
         rss_later = rss_mib(proc.pid)
+        return rows, (rss_before, rss_after, rss_later)
     finally:
         proc.terminate()
         proc.wait()
-        if rows:
-            write(args, binary, rows, (rss_before, rss_after, rss_later))
 
 
 def compressed(base, grpc_target, pid, duration):
@@ -231,11 +254,29 @@ def tenants_apart(base, pid, duration):
                     pid, (url, gzip.compress(body), {**gz_h, "x-tenant": "quiet"}), senders, 16, duration)
 
 
-def write(args, binary, rows, rss):
+def turns(base, pid, duration, text):
+    """Another tenant's flood in a model's queue: the quiet tenant's one request at a time beside
+    the flood tenant's 2048-text embeddings calls (2 clients), then beside its 64-row MLP requests
+    (16 clients)."""
+    one, many, json_h = text
+    quiet, flood = {**json_h, "x-tenant": "quiet"}, {**json_h, "x-tenant": "flood"}
+    url = f"{base}/v2/models/mlp/infer"
+    row = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]})
+    rows64 = json.dumps({"inputs": [{"name": "input", "shape": [64, 512], "datatype": "FP32",
+                                     "data": [0.5] * (64 * 512)}]})
+    return [scenario("turns: another tenant's 2 clients of 2048-text embeddings", pid,
+                     (f"{base}/embed", one, quiet), (f"{base}/v1/embeddings", many, flood), 2, duration),
+            scenario("turns: another tenant's 16 clients of 64-row MLP requests", pid,
+                     (url, row.encode(), quiet), (url, rows64.encode(), flood), 16, duration)]
+
+
+def write(args, binaries, rows, rss):
     rss_before, rss_after, rss_later = rss
     command = f"python3 bench/hostile.py --duration {args.duration:g}" + (f" --only {args.only}" if args.only else "")
+    command += f" --rounds {args.rounds}" if args.rounds > 1 else ""
+    names = ", ".join(f"`{b.name}`" for b in binaries)
     lines = ["# A steady client beside hostile floods", "",
-             f"`{command}` (`{binary.name}`), {time.strftime('%Y-%m-%d')}, "
+             f"`{command}` ({names}), {time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()} CPUs, release binary on the bundled repository; the steady client sends one "
              "request at a time, alone and then beside the floods.", "",
              "| load | steady p50 / p99 / max idle (ms) | beside the flood (ms) | p99 multiple | steady requests idle / beside | flood answers | server CPU-s beside |",

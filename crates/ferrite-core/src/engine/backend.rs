@@ -66,6 +66,8 @@ pub struct Live<'a> {
     /// Whether the client of request `i` (in batch order) still waits.
     awaited: &'a dyn Fn(usize) -> bool,
     ids: Vec<(&'a str, &'a str)>,
+    /// Each request's share (`Pending::share`), in batch order; empty: none has one.
+    shares: Vec<Option<Arc<str>>>,
     /// The model's submit count and its value when the batch was taken (see `alone`).
     quiet: Option<(&'a AtomicU64, u64)>,
     /// Told when every client of the batch has left (see `on_abandoned`).
@@ -120,7 +122,7 @@ impl Wake for Abandon {
 impl<'a> Live<'a> {
     /// A batch of one request whose caller always waits (warm-ups, calibration, tests).
     pub fn everyone() -> Live<'static> {
-        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new(), quiet: None, abandon: None }
+        Live { starts: Vec::new(), awaited: &|_| true, ids: Vec::new(), shares: Vec::new(), quiet: None, abandon: None }
     }
 
     /// Requests of `rows` rows each, in batch order; `awaited(i)` tells whether request i's
@@ -135,7 +137,7 @@ impl<'a> Live<'a> {
                 first
             })
             .collect();
-        Live { starts, awaited, ids: Vec::new(), quiet: None, abandon: None }
+        Live { starts, awaited, ids: Vec::new(), shares: Vec::new(), quiet: None, abandon: None }
     }
 
     /// The index of the request row `row` belongs to.
@@ -148,6 +150,18 @@ impl<'a> Live<'a> {
     pub fn with_ids(mut self, ids: Vec<(&'a str, &'a str)>) -> Live<'a> {
         self.ids = ids;
         self
+    }
+
+    /// The requests' shares (in batch order), for a backend whose work goes on through other
+    /// models' queues (a pipeline's model steps), where the requests take their turns as theirs.
+    pub fn with_shares(mut self, shares: Vec<Option<Arc<str>>>) -> Live<'a> {
+        self.shares = shares;
+        self
+    }
+
+    /// The share of the request row `row` belongs to.
+    pub fn share(&self, row: usize) -> Option<&Arc<str>> {
+        self.shares.get(self.request_of(row)).and_then(Option::as_ref)
     }
 
     /// The batch is a lone request that left its model's queue empty; `submitted` is the model's

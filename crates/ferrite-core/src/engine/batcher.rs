@@ -940,6 +940,9 @@ fn run(
     if let Some(abandon) = &abandon {
         live = live.with_abandon(abandon);
     }
+    if group.iter().any(|p| p.share.is_some()) {
+        live = live.with_shares(group.iter().map(|p| p.share.clone()).collect());
+    }
     if shared.each {
         live = live.with_ids(
             group

@@ -16,7 +16,7 @@ use crate::{
         backend::Instance,
         batcher::Batcher,
         classify,
-        queue::{share_key, Hold, Pending},
+        queue::{Hold, Pending},
         spec::{ModelSpec, TimeoutAction},
     },
     telemetry::{metrics, stats::ModelStats},
@@ -231,7 +231,7 @@ impl Model {
             warmup: false,
             hold,
             heavy,
-            share: req.share.as_deref().map(share_key),
+            share: req.share.as_deref().map(Arc::from),
         })?;
         let answer = match wait_limit {
             None => rx.instrument(queued).await,

@@ -4,7 +4,7 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    hash::{DefaultHasher, Hash, Hasher},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -57,17 +57,10 @@ pub struct Pending {
     /// Costly beyond the model's light work (a pipeline request of many megapixels): such
     /// requests never take every instance at once, and never share a batch with light ones.
     pub heavy: bool,
-    /// The share of the server its turn counts in (`share_key` of the front-end's share, where
-    /// one is given): requests of several shares take turns in a level, by rows, and one share's
-    /// hold at most half of a level's places. `None`: no share (a level of such alone is FIFO).
-    pub share: Option<u64>,
-}
-
-/// The key of a share's name (`InferRequest::share`) in the queue.
-pub fn share_key(share: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    share.hash(&mut h);
-    h.finish()
+    /// The share of the server its turn counts in (`InferRequest::share`): requests of several
+    /// shares take turns in a level, by rows, and one share's hold at most half of a level's
+    /// places. `None`: no share (requests of none, waiting alone, go first come, first served).
+    pub share: Option<Arc<str>>,
 }
 
 impl Pending {
@@ -113,11 +106,11 @@ struct Level {
     /// At or before the earliest deadline of a request in `fresh` (none: no deadline there).
     due: Option<Instant>,
     /// Requests waiting per share (`Pending::share`), and how many have one.
-    shares: HashMap<u64, usize>,
+    shares: HashMap<Arc<str>, usize>,
     shared: usize,
     /// Rows run of each share waiting, counted while several shares' requests wait (see `turns`);
     /// a share that comes starts level with the least served of those waiting.
-    served: HashMap<Option<u64>, u64>,
+    served: HashMap<Option<Arc<str>>, u64>,
 }
 
 impl Level {
@@ -153,7 +146,7 @@ impl Level {
     }
 
     /// Whether requests of `share` wait here.
-    fn waiting(&self, share: &Option<u64>) -> bool {
+    fn waiting(&self, share: &Option<Arc<str>>) -> bool {
         match share {
             Some(s) => self.shares.contains_key(s),
             None => self.len() > self.shared,
@@ -166,18 +159,18 @@ impl Level {
     }
 
     /// The places of this level `share`'s requests hold already, against the half they may.
-    fn held_by(&self, share: Option<u64>) -> Option<usize> {
-        share.map(|s| self.shares.get(&s).copied().unwrap_or(0))
+    fn held_by(&self, share: &Option<Arc<str>>) -> Option<usize> {
+        share.as_ref().map(|s| self.shares.get(s).copied().unwrap_or(0))
     }
 
     fn enter(&mut self, p: &Pending) {
         if !self.waiting(&p.share) {
             let start = self.start();
-            self.served.insert(p.share, start);
+            self.served.insert(p.share.clone(), start);
         }
         self.rows += p.rows;
-        if let Some(s) = p.share {
-            *self.shares.entry(s).or_default() += 1;
+        if let Some(s) = &p.share {
+            *self.shares.entry(s.clone()).or_default() += 1;
             self.shared += 1;
         }
     }
@@ -185,12 +178,12 @@ impl Level {
     /// After `p` was removed from the deques.
     fn leave(&mut self, p: &Pending) {
         self.rows -= p.rows;
-        if let Some(s) = p.share {
+        if let Some(s) = &p.share {
             self.shared -= 1;
-            if let Some(n) = self.shares.get_mut(&s) {
+            if let Some(n) = self.shares.get_mut(s) {
                 *n -= 1;
                 if *n == 0 {
-                    self.shares.remove(&s);
+                    self.shares.remove(s);
                 }
             }
         }
@@ -236,7 +229,7 @@ impl Level {
         }
         let out: Vec<Pending> = positions.iter().filter_map(|i| taken.remove(i)).collect();
         for p in &out {
-            *self.served.entry(p.share).or_insert(start) += p.rows as u64;
+            *self.served.entry(p.share.clone()).or_insert(start) += p.rows as u64;
             // A share that waits no more starts level with the others when it comes back.
             self.leave(p);
         }
@@ -250,10 +243,11 @@ impl Level {
     /// those past their timeout go last.
     fn turns(&self, keep: impl Fn(&Pending) -> bool) -> Vec<usize> {
         let start = self.start();
-        let mut ahead: HashMap<Option<u64>, u64> = HashMap::new();
+        let mut ahead: HashMap<Option<&str>, u64> = HashMap::new();
         let mut fresh: Vec<(u64, usize)> = Vec::with_capacity(self.fresh.len());
         for (i, p) in self.fresh.iter().enumerate().filter(|(_, p)| keep(p)) {
-            let rows = ahead.entry(p.share).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
+            let rows =
+                ahead.entry(p.share.as_deref()).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
             fresh.push((*rows, i));
             *rows += p.rows as u64;
         }
@@ -268,13 +262,13 @@ impl Level {
         let (mut rows, mut shared, mut shares) = (0, 0, HashMap::new());
         for p in self.fresh.iter().chain(&self.delayed) {
             rows += p.rows;
-            if let Some(s) = p.share {
-                *shares.entry(s).or_default() += 1;
+            if let Some(s) = &p.share {
+                *shares.entry(s.clone()).or_default() += 1;
                 shared += 1;
             }
         }
         (self.rows, self.shared, self.shares) = (rows, shared, shares);
-        let gone: Vec<Option<u64>> = self.served.keys().filter(|s| !self.waiting(s)).copied().collect();
+        let gone: Vec<Option<Arc<str>>> = self.served.keys().filter(|s| !self.waiting(s)).cloned().collect();
         for s in gone {
             self.served.remove(&s);
         }
@@ -339,7 +333,7 @@ impl Queue {
         let index = p.level.min(last);
         let half = |level: &Level| (level.policy.max_queue_size / 2).max(1);
         let full = |level: &Level| {
-            level.len() >= level.policy.max_queue_size || level.held_by(p.share).is_some_and(|n| n >= half(level))
+            level.len() >= level.policy.max_queue_size || level.held_by(&p.share).is_some_and(|n| n >= half(level))
         };
         if full(&self.levels[index]) {
             // Requests whose clients left, or that expired, free their places before a refusal.
@@ -352,7 +346,7 @@ impl Queue {
                 Some(RETRY_AFTER),
             ));
         }
-        if let Some(n) = level.held_by(p.share).filter(|&n| n >= half(level)) {
+        if let Some(n) = level.held_by(&p.share).filter(|&n| n >= half(level)) {
             return Err(Error::unavailable(
                 format!(
                     "queue full for this tenant: its {n} requests waiting at this priority hold half of the \
@@ -610,11 +604,18 @@ mod tests {
     }
 
     /// As `push`, a request of `share` (level 0, 4 wide), or its refusal.
-    fn push_of(q: &mut Queue, rows: usize, share: Option<u64>) -> Result<Req> {
-        push_as(q, Instant::now(), rows, 4, 0, share)
+    fn push_of(q: &mut Queue, rows: usize, share: Option<&str>) -> Result<Req> {
+        push_as(q, Instant::now(), rows, 4, 0, share.map(Arc::from))
     }
 
-    fn push_as(q: &mut Queue, at: Instant, rows: usize, width: usize, level: usize, share: Option<u64>) -> Result<Req> {
+    fn push_as(
+        q: &mut Queue,
+        at: Instant,
+        rows: usize,
+        width: usize,
+        level: usize,
+        share: Option<Arc<str>>,
+    ) -> Result<Req> {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
         q.push(Pending {
@@ -747,10 +748,10 @@ mod tests {
         assert_eq!(rows(q.next_batch(t, &policy(5, 0, &[]), usize::MAX, false)), vec![1]);
     }
 
-    /// The ids (the shares, as rows of 1) of what a decision runs.
-    fn shares_of(d: Decision) -> Vec<(Option<u64>, usize)> {
+    /// The share and rows of each request a decision runs.
+    fn shares_of(d: Decision) -> Vec<(Option<String>, usize)> {
         match d {
-            Decision::Run(b) => b.iter().map(|p| (p.share, p.rows)).collect(),
+            Decision::Run(b) => b.iter().map(|p| (p.share.as_deref().map(str::to_string), p.rows)).collect(),
             other => panic!("expected a batch, got {other:?}"),
         }
     }
@@ -758,22 +759,22 @@ mod tests {
     #[test]
     fn shares_take_turns_by_rows_whatever_one_queued_first() {
         let mut q = queue(1, 100);
-        let (a, b) = (Some(share_key("a")), Some(share_key("b")));
-        let _a: Vec<Req> = (0..4).map(|_| push_of(&mut q, 2, a).unwrap()).collect();
-        let _b = push_of(&mut q, 1, b).unwrap();
+        let (a, b) = (Some("a".to_string()), Some("b".to_string()));
+        let _a: Vec<Req> = (0..4).map(|_| push_of(&mut q, 2, a.as_deref()).unwrap()).collect();
+        let _b = push_of(&mut q, 1, b.as_deref()).unwrap();
         let _none = push_of(&mut q, 1, None).unwrap();
         let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 2, false));
         // a's first came first; then b's and the one of no share, ahead of a's three queued before them.
-        assert_eq!(next(&mut q), vec![(a, 2)]);
-        assert_eq!(next(&mut q), vec![(b, 1), (None, 1)]);
-        assert_eq!(next(&mut q), vec![(a, 2)]);
-        // One share alone: arrival order, as without shares.
-        let _b2 = push_of(&mut q, 2, b).unwrap();
-        let _b3 = push_of(&mut q, 2, b).unwrap();
-        assert_eq!(next(&mut q), vec![(a, 2)]);
-        assert_eq!(next(&mut q), vec![(b, 2)]);
-        assert_eq!(next(&mut q), vec![(a, 2)]);
-        assert_eq!(next(&mut q), vec![(b, 2)]);
+        assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
+        assert_eq!(next(&mut q), vec![(b.clone(), 1), (None, 1)]);
+        assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
+        // b's next two take turns with a's last two, though they came after them.
+        let _b2 = push_of(&mut q, 2, b.as_deref()).unwrap();
+        let _b3 = push_of(&mut q, 2, b.as_deref()).unwrap();
+        assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
+        assert_eq!(next(&mut q), vec![(b.clone(), 2)]);
+        assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
+        assert_eq!(next(&mut q), vec![(b.clone(), 2)]);
         assert!(q.is_empty() && q.rows() == 0);
         assert!(q.levels[0].shares.is_empty() && q.levels[0].shared == 0);
     }
@@ -781,32 +782,37 @@ mod tests {
     #[test]
     fn a_share_that_comes_later_takes_its_turns_from_then_not_from_the_start() {
         let mut q = queue(1, 100);
-        let (a, b, c) = (Some(share_key("a")), Some(share_key("b")), Some(share_key("c")));
-        let _ab: Vec<Req> =
-            (0..6).flat_map(|_| [push_of(&mut q, 1, a).unwrap(), push_of(&mut q, 1, b).unwrap()]).collect();
-        let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 1, false))[0].0;
+        let (a, b, c) = (Some("a".to_string()), Some("b".to_string()), Some("c".to_string()));
+        let _ab: Vec<Req> = (0..6)
+            .flat_map(|_| [push_of(&mut q, 1, a.as_deref()).unwrap(), push_of(&mut q, 1, b.as_deref()).unwrap()])
+            .collect();
+        let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 1, false)).remove(0).0;
         let first: Vec<_> = (0..4).map(|_| next(&mut q)).collect();
-        assert_eq!(first, vec![a, b, a, b]);
-        let _c: Vec<Req> = (0..3).map(|_| push_of(&mut q, 1, c).unwrap()).collect();
+        assert_eq!(first, vec![a.clone(), b.clone(), a.clone(), b.clone()]);
+        let _c: Vec<Req> = (0..3).map(|_| push_of(&mut q, 1, c.as_deref()).unwrap()).collect();
         let then: Vec<_> = (0..6).map(|_| next(&mut q)).collect();
-        assert_eq!(then, vec![a, b, c, a, b, c], "c runs as many rows as the others from when it came");
+        assert_eq!(
+            then,
+            vec![a.clone(), b.clone(), c.clone(), a, b, c],
+            "c runs as many rows as the others from when it came"
+        );
     }
 
     #[test]
     fn a_share_holds_at_most_half_of_a_levels_places() {
         let mut q = queue(1, 4);
-        let (a, b) = (Some(share_key("a")), Some(share_key("b")));
-        let _held: Vec<Req> = (0..2).map(|_| push_of(&mut q, 1, a).unwrap()).collect();
-        let e = push_of(&mut q, 1, a).err().expect("a third of a's is refused");
+        let (a, b) = (Some("a".to_string()), Some("b".to_string()));
+        let _held: Vec<Req> = (0..2).map(|_| push_of(&mut q, 1, a.as_deref()).unwrap()).collect();
+        let e = push_of(&mut q, 1, a.as_deref()).err().expect("a third of a's is refused");
         assert!(e.to_string().contains("hold half of the queue"), "{e}");
-        let _b: Vec<Req> = (0..2).map(|_| push_of(&mut q, 1, b).unwrap()).collect();
+        let _b: Vec<Req> = (0..2).map(|_| push_of(&mut q, 1, b.as_deref()).unwrap()).collect();
         assert!(push_of(&mut q, 1, None).err().expect("the level is full").to_string().contains("4 requests waiting"));
         // A request of a's whose client left frees its place.
         let mut q = queue(1, 4);
-        let gone = push_of(&mut q, 1, a).unwrap();
-        let _kept = push_of(&mut q, 1, a).unwrap();
+        let gone = push_of(&mut q, 1, a.as_deref()).unwrap();
+        let _kept = push_of(&mut q, 1, a.as_deref()).unwrap();
         drop(gone);
-        assert!(push_of(&mut q, 1, a).is_ok());
+        assert!(push_of(&mut q, 1, a.as_deref()).is_ok());
         // Requests of no share are bounded by the level alone.
         let mut q = queue(1, 4);
         let _none: Vec<Req> = (0..4).map(|_| push_of(&mut q, 1, None).unwrap()).collect();

@@ -767,7 +767,8 @@ impl Worker {
                     }
                     Op::Model(m) => {
                         let awaited = |r: usize| live.awaited(index[r]);
-                        self.model_step(m, &mut values, index.len(), &awaited)
+                        let share = |r: usize| live.share(index[r]).cloned();
+                        self.model_step(m, &mut values, index.len(), &awaited, &share)
                             .map(|()| Vec::new())
                             .map_err(StepError::Batch)
                     }
@@ -879,6 +880,7 @@ impl Worker {
         values: &mut BTreeMap<String, Value>,
         rows: usize,
         awaited: &dyn Fn(usize) -> bool,
+        share: &dyn Fn(usize) -> Option<Arc<str>>,
     ) -> Result<()> {
         let model = match c.file.as_ref().and_then(|f| self.own.get(f)) {
             Some(own) => own.clone(),
@@ -920,7 +922,9 @@ impl Worker {
                     .iter()
                     .map(|(name, r)| stack(name, chunk.iter().map(|&i| r[i].clone()).collect()))
                     .collect::<Result<Vec<_>>>()?;
-                let req = InferRequest { model_name: c.model.clone(), inputs, skip_cache: true, ..Default::default() };
+                let share = call_share(chunk, share);
+                let req =
+                    InferRequest { model_name: c.model.clone(), inputs, skip_cache: true, share, ..Default::default() };
                 // One call at a time: several at once on the model's instances (a group each)
                 // served requests of 16 texts of many lengths 0.88x as fast at one client, and
                 // level under load (`bench/results/step-calls-ab.md`).
@@ -951,6 +955,14 @@ impl Worker {
         crate::engine::model::release(model);
         Ok(())
     }
+}
+
+/// The share a model step's call of `rows` takes its turns as in the model's queue: theirs where
+/// they are one share's (so a tenant's call of long texts does not go ahead of another's short one
+/// there, as its requests do not in the pipeline's queue), else none.
+fn call_share(rows: &[usize], share: &dyn Fn(usize) -> Option<Arc<str>>) -> Option<String> {
+    let first = share(*rows.first()?);
+    rows.iter().all(|&r| share(r) == first).then(|| first.map(|s| s.to_string())).flatten()
 }
 
 fn empty(t: &TensorSpec) -> Tensor {
@@ -1186,6 +1198,20 @@ mod tests {
         let full = refill(held, &index, 4);
         let firsts: Vec<f32> = full.iter().map(|t| floats(t).unwrap()[0]).collect();
         assert_eq!(firsts, vec![0.0, 0.0, 0.0, 3.0]);
+    }
+
+    #[test]
+    fn a_model_steps_call_takes_the_turns_of_its_rows_share_when_they_have_one() {
+        // Requests of 2, 1 and 2 rows, of shares a, b and none.
+        let awaited = |_| true;
+        let live = Live::new([2, 1, 2], &awaited).with_shares(vec![Some("a".into()), Some("b".into()), None]);
+        let share = |r: usize| live.share(r).cloned();
+        assert_eq!(call_share(&[0, 1], &share).as_deref(), Some("a"));
+        assert_eq!(call_share(&[2], &share).as_deref(), Some("b"));
+        assert_eq!(call_share(&[1, 2], &share), None, "rows of two shares: none's turns");
+        assert_eq!(call_share(&[3, 4], &share), None);
+        let unshared = Live::new([2], &awaited);
+        assert_eq!(call_share(&[0, 1], &|r| unshared.share(r).cloned()), None);
     }
 
     #[test]
