@@ -158,6 +158,10 @@ def test_a_client_cannot_reach_past_a_region_or_into_another_tenants(shm_server,
         c.unregister_system_shared_memory(headers=b)
         status = c.get_system_shared_memory_status(headers=b, **({"as_json": True} if protocol == "grpc" else {}))
         assert not (status if protocol == "http" else status.get("regions"))
+        # Nor register the object a's region holds, to read or write it through a region of its
+        # own (before, it could: the key was all it needed).
+        with pytest.raises(InferenceServerException, match="registered by another tenant"):
+            c.register_system_shared_memory("mine", key_of(region), x.nbytes, headers=b)
         c.infer("mlp", [i], headers=a)
         # Beyond the region, and a byte size that is not the tensor's.
         past = mod.InferInput("input", [1, 512], "FP32")

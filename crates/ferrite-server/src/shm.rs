@@ -9,11 +9,11 @@
 //! Regions are read and written through their descriptor (`pread`/`pwrite`), never mapped: a
 //! client that shrinks its object under the server gets an error, not a SIGBUS that would end
 //! the process. A region's names are its tenant's: another tenant can neither see, use nor
-//! unregister it.
+//! unregister it, nor register the object it holds under a region of its own.
 
 use std::{
     fs::File,
-    os::unix::fs::FileExt,
+    os::unix::fs::{FileExt, MetadataExt},
     sync::{Arc, Mutex},
 };
 
@@ -70,6 +70,8 @@ pub struct Region {
     tenant: Option<String>,
     /// The share it counts in (`register`).
     share: Option<String>,
+    /// The object's device and inode: what another key naming it (`x`, `/x`) names too.
+    object: (u64, u64),
     file: File,
 }
 
@@ -134,7 +136,8 @@ impl Regions {
             return Err(Self::taken(name));
         }
         let file = open(key)?;
-        let size = file.metadata().map_err(|e| Error::invalid(format!("shared memory key '{key}': {e}")))?.len();
+        let meta = file.metadata().map_err(|e| Error::invalid(format!("shared memory key '{key}': {e}")))?;
+        let (size, object) = (meta.len(), (meta.dev(), meta.ino()));
         if offset.checked_add(byte_size).is_none_or(|end| end > size) {
             return Err(Error::invalid(format!(
                 "shared memory region '{name}': offset {offset} and byte_size {byte_size} go past the {size} bytes of '{key}'"
@@ -162,6 +165,11 @@ impl Regions {
         if regions.iter().any(|r| r.is(tenant, name)) {
             return Err(Self::taken(name));
         }
+        // An object one tenant's regions hold is not another's to read or write through this
+        // server (whose access to the host's shared memory is wider than a client's may be).
+        if regions.iter().any(|r| r.object == object && r.tenant.as_deref() != tenant) {
+            return Err(Error::invalid(format!("shared memory key '{key}' is registered by another tenant")));
+        }
         let (tenant, share) = (tenant.map(str::to_string), share.map(str::to_string));
         regions.push(Arc::new(Region {
             name: name.to_string(),
@@ -170,6 +178,7 @@ impl Regions {
             byte_size,
             tenant,
             share,
+            object,
             file,
         }));
         Ok(())
@@ -409,8 +418,16 @@ mod tests {
         let obj = Object::new(16);
         let regions = Arc::new(Regions::new(true, 1 << 20, budget()));
         regions.register(Some("a"), Some("a"), "r", &obj.0, 0, 16).unwrap();
-        // The same name is another region for another tenant.
-        regions.register(Some("b"), Some("b"), "r", &obj.0, 0, 8).unwrap();
+        // Another tenant may not register the object a's region holds, by its key or another
+        // naming it; the same name is another region for another tenant.
+        for key in [obj.0.as_str(), obj.0.trim_start_matches('/')] {
+            let e = regions.register(Some("b"), Some("b"), "r", key, 0, 8).unwrap_err().to_string();
+            assert!(e.contains("registered by another tenant"), "{e}");
+        }
+        assert!(regions.register(None, None, "r", &obj.0, 0, 8).is_err());
+        let theirs = Object::new(16);
+        regions.register(Some("b"), Some("b"), "r", &theirs.0, 0, 8).unwrap();
+        regions.register(Some("a"), Some("a"), "second", &obj.0, 0, 8).unwrap();
         assert!(access(&regions, Some("c")).read("x", &place("r", 0, 4), DataType::Uint8, 4).is_err());
         assert_eq!(regions.status(Some("b"), "").unwrap()[0].byte_size, 8);
         assert!(regions.status(None, "r").is_err());
@@ -418,44 +435,59 @@ mod tests {
         assert!(regions.status(Some("b"), "r").is_err());
         assert_eq!(regions.status(Some("a"), "r").unwrap()[0].byte_size, 16);
         regions.unregister(Some("a"), "other");
-        assert_eq!(regions.status(Some("a"), "").unwrap().len(), 1);
-        regions.unregister(Some("a"), "r");
+        assert_eq!(regions.status(Some("a"), "").unwrap().len(), 2);
+        regions.unregister(Some("a"), "");
         assert!(regions.status(Some("a"), "").unwrap().is_empty());
+        // Once a's regions are gone, its object is anyone's to register.
+        regions.register(Some("b"), Some("b"), "other", &obj.0, 0, 8).unwrap();
     }
 
     #[test]
     fn regions_are_bounded_and_their_places_come_back_when_unregistered() {
-        let obj = Object::new(16);
+        // An object of each tenant's own (one tenant's is not another's to register).
+        let objects: std::collections::HashMap<Option<&str>, Object> =
+            [None, Some("a"), Some("b"), Some("c"), Some("d"), Some("e"), Some("guest-1"), Some("guest-2")]
+                .into_iter()
+                .map(|t| (t, Object::new(16)))
+                .collect();
+        let key = |t: Option<&str>| objects[&t].0.clone();
         let mut regions = Regions::new(true, 1 << 20, budget());
         regions.max_regions = 8;
         // A tenant holds a quarter at most: the others still register.
-        regions.register(Some("a"), Some("a"), "1", &obj.0, 0, 16).unwrap();
-        regions.register(Some("a"), Some("a"), "2", &obj.0, 0, 16).unwrap();
-        assert!(matches!(regions.register(Some("a"), Some("a"), "3", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        regions.register(Some("a"), Some("a"), "1", &key(Some("a")), 0, 16).unwrap();
+        regions.register(Some("a"), Some("a"), "2", &key(Some("a")), 0, 16).unwrap();
+        assert!(matches!(
+            regions.register(Some("a"), Some("a"), "3", &key(Some("a")), 0, 16),
+            Err(Error::Overloaded { .. })
+        ));
         for (t, n) in [("b", "1"), ("b", "2"), ("c", "1"), ("c", "2"), ("d", "1"), ("d", "2")] {
-            regions.register(Some(t), Some(t), n, &obj.0, 0, 16).unwrap();
+            regions.register(Some(t), Some(t), n, &key(Some(t)), 0, 16).unwrap();
         }
         // The server's bound: full.
-        assert!(matches!(regions.register(Some("e"), Some("e"), "1", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        assert!(matches!(
+            regions.register(Some("e"), Some("e"), "1", &key(Some("e")), 0, 16),
+            Err(Error::Overloaded { .. })
+        ));
         regions.unregister(Some("a"), "");
-        regions.register(Some("e"), Some("e"), "1", &obj.0, 0, 16).unwrap();
+        regions.register(Some("e"), Some("e"), "1", &key(Some("e")), 0, 16).unwrap();
         // Without tenants, one client may take them all.
         let mut one = Regions::new(true, 1 << 20, budget());
         one.max_regions = 8;
         for n in 0..8 {
-            one.register(None, None, &n.to_string(), &obj.0, 0, 16).unwrap();
+            one.register(None, None, &n.to_string(), &key(None), 0, 16).unwrap();
         }
-        assert!(matches!(one.register(None, None, "8", &obj.0, 0, 16), Err(Error::Overloaded { .. })));
+        assert!(matches!(one.register(None, None, "8", &key(None), 0, 16), Err(Error::Overloaded { .. })));
         // Where tenants are configured, names made up and none count in one share (`auth::share`):
         // each made-up name held a quarter of its own, so four of them held every region.
         let mut shared = Regions::new(true, 1 << 20, budget());
         shared.max_regions = 8;
         let others = Some(crate::auth::OTHERS);
-        shared.register(Some("guest-1"), others, "1", &obj.0, 0, 16).unwrap();
-        shared.register(None, others, "1", &obj.0, 0, 16).unwrap();
-        let refused = shared.register(Some("guest-2"), others, "1", &obj.0, 0, 16).unwrap_err().to_string();
+        shared.register(Some("guest-1"), others, "1", &key(Some("guest-1")), 0, 16).unwrap();
+        shared.register(None, others, "1", &key(None), 0, 16).unwrap();
+        let refused =
+            shared.register(Some("guest-2"), others, "1", &key(Some("guest-2")), 0, 16).unwrap_err().to_string();
         assert!(refused.contains("no tenant of their own hold 2 shared memory regions"), "{refused}");
-        shared.register(Some("a"), Some("a"), "1", &obj.0, 0, 16).unwrap();
+        shared.register(Some("a"), Some("a"), "1", &key(Some("a")), 0, 16).unwrap();
     }
 
     #[test]
