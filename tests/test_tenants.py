@@ -143,10 +143,10 @@ def slow_repository(tmp_path, dynamic_batching=""):
     return repo
 
 
-def slow_infer(s, protocol, tenant, priority=0):
-    """One 64-row request to the slow model as `tenant`, by a client made, used and closed on the
-    calling thread (tritonclient's HTTP client is not to be shared across threads): a callable
-    that sends it when called, and raises what the server answers."""
+def slow_infer(s, protocol, tenant, priority=0, timeout_us=None):
+    """One 64-row request to the slow model as `tenant`: a callable that sends it and raises what
+    the server answers, by a client it closes then. Call it on the thread that made it
+    (tritonclient's HTTP client is not to be shared across threads)."""
     import tritonclient.http as httpclient
     if protocol == "http":
         c, i, timeout = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput, {}
@@ -157,18 +157,22 @@ def slow_infer(s, protocol, tenant, priority=0):
 
     def send():
         try:
-            c.infer("slow", [x], headers={"x-tenant": tenant} if tenant else {}, priority=priority, **timeout)
+            c.infer("slow", [x], headers={"x-tenant": tenant} if tenant else {}, priority=priority, timeout=timeout_us,
+                    **timeout)
         finally:
             c.close()
     return send
 
 
 def served_in_order(s, protocol, asked, apart=0.03):
-    """Sends `asked` ((name, tenant, priority), each from a thread of its own) `apart` seconds
-    apart; the names in the order their answers came, and each refused one's error."""
+    """Sends `asked` ((name, tenant, priority[, timeout µs]), each from a thread of its own, whose
+    client is made, used and closed there) `apart` seconds apart; the names in the order their
+    answers came, and each refused one's error."""
     done, refused, lock = [], {}, threading.Lock()
 
-    def run(name, send, go):
+    def run(name, how, ready, go):
+        send = slow_infer(s, protocol, *how)
+        ready.set()
         go.wait(60)
         try:
             send()
@@ -179,10 +183,11 @@ def served_in_order(s, protocol, asked, apart=0.03):
                 refused[name] = str(e)
 
     threads, turns = [], []
-    for name, tenant, priority in asked:
-        go = threading.Event()
-        threads.append(threading.Thread(target=run, args=(name, slow_infer(s, protocol, tenant, priority), go)))
+    for name, *how in asked:
+        ready, go = threading.Event(), threading.Event()
+        threads.append(threading.Thread(target=run, args=(name, how, ready, go)))
         threads[-1].start()
+        assert ready.wait(60)
         turns.append(go)
     for go in turns:
         go.set()
@@ -245,3 +250,20 @@ def test_a_tenant_holds_at_most_half_of_a_models_queue(start_server, tmp_path, p
     assert "quiet" in done, (done, refused)
     assert sorted(refused) == ["noisy-3", "noisy-4"], (done, refused)
     assert all("queue full for this tenant" in e for e in refused.values()), refused
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_tenants_deadline_is_judged_by_the_work_whose_turn_comes_first(start_server, tmp_path, protocol):
+    """A request whose timeout the work queued ahead of it cannot meet is refused at once. The work
+    ahead was every row queued at its level, though another tenant's flood no longer runs ahead of
+    it: the quiet tenant's request, with time for four batches, was refused behind six of the noisy
+    tenant's. It is now judged by the rows whose turns come first, admitted and served in time."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text("[default]\n")
+    s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=slow_repository(tmp_path))
+    alone = time.perf_counter()
+    slow_infer(s, protocol, "quiet")()
+    batch = time.perf_counter() - alone
+    asked = [(f"noisy-{i}", "noisy", 0) for i in range(7)] + [("quiet", "quiet", 0, int(4 * batch * 1e6))]
+    done, refused = served_in_order(s, protocol, asked)
+    assert "quiet" in done, (done, refused, batch)

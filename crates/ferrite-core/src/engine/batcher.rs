@@ -380,7 +380,7 @@ impl Batcher {
         // With nothing queued ahead, a request is always admitted: it runs next, and its run
         // refreshes the estimate (which a model refusing everything would never get otherwise).
         if let Some(deadline) = p.deadline.filter(|_| self.rejects_late(p.level) && q.requests_ahead(p.level) > 0) {
-            if let Some(wait) = self.estimate_wait(&mut q, p.level) {
+            if let Some(wait) = self.estimate_wait(&mut q, &p) {
                 if p.enqueued + wait > deadline {
                     return Err(Error::DeadlineExceeded(format!(
                         "the request's timeout cannot be met: about {} µs of work is ahead of it, {} µs allowed",
@@ -405,17 +405,18 @@ impl Batcher {
         levels.get(level).or(levels.last()).is_none_or(|q| q.timeout_action == TimeoutAction::Reject)
     }
 
-    /// A lower bound on how long a request queued at `level` now waits for its answer: the
-    /// batches queued ahead of it shared among the instances, plus its own, at the recent
-    /// average batch time. `None` before the first batch has run.
-    fn estimate_wait(&self, q: &mut Queue, level: usize) -> Option<Duration> {
+    /// A lower bound on how long `p` waits for its answer if queued now: the batches queued ahead
+    /// of it (those whose turns come first, where tenants take turns) shared among the
+    /// instances, plus its own, at the recent average batch time. `None` before the first batch
+    /// has run.
+    fn estimate_wait(&self, q: &mut Queue, p: &Pending) -> Option<Duration> {
         // Requests whose clients left, or that expired, are not work ahead.
         q.prune(Instant::now());
         let policy = &self.shared.spec.batch;
         let batches_ahead = if policy.dynamic {
-            q.rows_ahead(level).div_ceil(policy.max_batch_size.max(1))
+            q.rows_ahead(p.level, &p.share).div_ceil(policy.max_batch_size.max(1))
         } else {
-            q.requests_ahead(level)
+            q.requests_ahead(p.level)
         };
         self.shared.batch_time.wait(batches_ahead, self.shared.spec.instance_count)
     }

@@ -257,6 +257,27 @@ impl Level {
         fresh.into_iter().map(|(_, i)| i).chain(late).collect()
     }
 
+    /// The rows that run before a request of `share` that comes now (see `turns`): every row
+    /// while no other share waits; else those whose turn comes first, its own share's among them.
+    fn rows_before(&self, share: &Option<Arc<str>>) -> usize {
+        let shares_waiting = self.shares.len() + usize::from(self.len() > self.shared);
+        if shares_waiting <= usize::from(self.waiting(share)) {
+            return self.rows;
+        }
+        let start = self.start();
+        let mut ahead: HashMap<Option<&str>, u64> = HashMap::new();
+        let mut keys: Vec<(u64, usize)> = Vec::with_capacity(self.fresh.len());
+        for p in &self.fresh {
+            let rows =
+                ahead.entry(p.share.as_deref()).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
+            keys.push((*rows, p.rows));
+            *rows += p.rows as u64;
+        }
+        let own = ahead.get(&share.as_deref()).copied().unwrap_or(start);
+        // Ties go to the earlier: every request queued now.
+        keys.iter().filter(|(key, _)| *key <= own).map(|(_, rows)| rows).sum()
+    }
+
     /// Counts rows and shares again (after requests were removed in place).
     fn recount(&mut self) {
         let (mut rows, mut shared, mut shares) = (0, 0, HashMap::new());
@@ -315,9 +336,12 @@ impl Queue {
         self.levels.iter().map(|l| l.rows).sum()
     }
 
-    /// Rows waiting at `level` and above: the work a new request at `level` queues behind.
-    pub fn rows_ahead(&self, level: usize) -> usize {
-        self.levels.iter().take(level + 1).map(|l| l.rows).sum()
+    /// The rows a new request of `share` at `level` queues behind: those waiting at the levels
+    /// above, and those at its own whose turns come first (all of them while its share, or none
+    /// other, waits there alone).
+    pub fn rows_ahead(&self, level: usize, share: &Option<Arc<str>>) -> usize {
+        let index = level.min(self.levels.len() - 1);
+        self.levels.iter().take(index).map(|l| l.rows).sum::<usize>() + self.levels[index].rows_before(share)
     }
 
     /// Requests waiting at `level` and above.
@@ -799,6 +823,24 @@ mod tests {
     }
 
     #[test]
+    fn the_rows_ahead_of_a_new_request_are_those_whose_turns_come_first() {
+        let mut q = queue(1, 100);
+        let (a, b) = (Some(Arc::<str>::from("a")), Some(Arc::<str>::from("b")));
+        let _a: Vec<Req> = (0..5).map(|_| push_of(&mut q, 2, Some("a")).unwrap()).collect();
+        // a alone: a's next waits for all ten rows (first come, first served); one of another
+        // share, or of none, for a's first only.
+        assert_eq!((q.rows_ahead(0, &a), q.rows_ahead(0, &None), q.rows_ahead(0, &b)), (10, 2, 2));
+        // Once b's first waits, b's next waits for it and for a's first.
+        let _b = push_of(&mut q, 1, Some("b")).unwrap();
+        assert_eq!(q.rows_ahead(0, &b), 2 + 1);
+        assert_eq!(q.rows_ahead(0, &a), 11, "a's next comes after everything queued");
+        // What the queue then runs agrees: a's first, b's, a's second.
+        let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 2, false));
+        assert_eq!(next(&mut q), vec![(Some("a".to_string()), 2)]);
+        assert_eq!(next(&mut q), vec![(Some("b".to_string()), 1)]);
+    }
+
+    #[test]
     fn a_share_holds_at_most_half_of_a_levels_places() {
         let mut q = queue(1, 4);
         let (a, b) = (Some("a".to_string()), Some("b".to_string()));
@@ -928,7 +970,7 @@ mod tests {
         let late = timed(&mut q, t, 1, 50);
         let _b = push(&mut q, t, 2, 4, 1);
         let gone = push(&mut q, t, 4, 4, 1);
-        assert_eq!((q.rows(), q.rows_ahead(0), q.len()), (10, 3, 4));
+        assert_eq!((q.rows(), q.rows_ahead(0, &None), q.len()), (10, 3, 4));
         drop(gone.rx);
         // Before the deadline nothing is read but the fronts; after it, the level is pruned.
         assert_eq!(rows(q.next_batch(t, &policy(3, 0, &[]), usize::MAX, false)), vec![3]);
@@ -969,8 +1011,8 @@ mod tests {
         // The other level still takes work.
         let _b = push(&mut q, t, 1, 4, 0);
         assert_eq!(q.len(), 2);
-        assert_eq!(q.rows_ahead(0), 1);
-        assert_eq!(q.rows_ahead(1), 2);
+        assert_eq!(q.rows_ahead(0, &None), 1);
+        assert_eq!(q.rows_ahead(1, &None), 2);
     }
 
     #[test]
