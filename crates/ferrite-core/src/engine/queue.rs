@@ -242,15 +242,7 @@ impl Level {
     /// share's requests take turns with the others' by rows, whatever one share queued before;
     /// those past their timeout go last.
     fn turns(&self, keep: impl Fn(&Pending) -> bool) -> Vec<usize> {
-        let start = self.start();
-        let mut ahead: HashMap<Option<&str>, u64> = HashMap::new();
-        let mut fresh: Vec<(u64, usize)> = Vec::with_capacity(self.fresh.len());
-        for (i, p) in self.fresh.iter().enumerate().filter(|(_, p)| keep(p)) {
-            let rows =
-                ahead.entry(p.share.as_deref()).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
-            fresh.push((*rows, i));
-            *rows += p.rows as u64;
-        }
+        let (mut fresh, _) = self.keyed(&keep);
         fresh.sort_unstable();
         let n = self.fresh.len();
         let late = self.delayed.iter().enumerate().filter(|(_, p)| keep(p)).map(|(i, _)| n + i);
@@ -264,18 +256,25 @@ impl Level {
         if shares_waiting <= usize::from(self.waiting(share)) {
             return self.rows;
         }
+        let (keys, next) = self.keyed(|_| true);
+        let own = next.get(&share.as_deref()).copied().unwrap_or_else(|| self.start());
+        // Ties go to the earlier: every request queued now.
+        keys.iter().filter(|(key, _)| *key <= own).map(|&(_, i)| self.fresh[i].rows).sum()
+    }
+
+    /// The key of each turn (see `turns`) of the requests in `fresh` that `keep` passes, with
+    /// their positions, and the key of each share's next request.
+    fn keyed(&self, keep: impl Fn(&Pending) -> bool) -> (Vec<(u64, usize)>, NextKeys<'_>) {
         let start = self.start();
-        let mut ahead: HashMap<Option<&str>, u64> = HashMap::new();
+        let mut next = NextKeys::new();
         let mut keys: Vec<(u64, usize)> = Vec::with_capacity(self.fresh.len());
-        for p in &self.fresh {
+        for (i, p) in self.fresh.iter().enumerate().filter(|(_, p)| keep(p)) {
             let rows =
-                ahead.entry(p.share.as_deref()).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
-            keys.push((*rows, p.rows));
+                next.entry(p.share.as_deref()).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
+            keys.push((*rows, i));
             *rows += p.rows as u64;
         }
-        let own = ahead.get(&share.as_deref()).copied().unwrap_or(start);
-        // Ties go to the earlier: every request queued now.
-        keys.iter().filter(|(key, _)| *key <= own).map(|(_, rows)| rows).sum()
+        (keys, next)
     }
 
     /// Counts rows and shares again (after requests were removed in place).
@@ -295,6 +294,9 @@ impl Level {
         }
     }
 }
+
+/// The key of each share's next turn (`Level::keyed`), by the share's name.
+type NextKeys<'a> = HashMap<Option<&'a str>, u64>;
 
 #[derive(Debug)]
 pub struct Queue {
