@@ -119,10 +119,14 @@ def test_changes_under_load_fail_no_request(start_server, tmp_path):
     load = Load(s.url)
     marks = {}
 
-    def switched(version, k):
+    def switched(version, k, after=0.0):
+        # An answer to a request sent after `after`: one sent before a change can come back after
+        # it (version 1's answer to a request sent before version 2 served let the half-written
+        # file below land before the poll that loads version 1 again, which then failed as a load,
+        # not a reload).
         def check():
             r = load.last()
-            return r and r[3] == version and r[4] == k and r[1]
+            return r and r[0] > after and r[3] == version and r[4] == k and r[1]
         return check
 
     # Replace a model file: k 1 -> 5 on the same version.
@@ -138,7 +142,7 @@ def test_changes_under_load_fail_no_request(start_server, tmp_path):
     # Remove it again: back to version 1.
     removed = time.time()
     shutil.rmtree(repo / "scale" / "2")
-    marks["back"] = wait_for(switched("1", 5), what="version 1 again")
+    marks["back"] = wait_for(switched("1", 5, after=removed), what="version 1 again")
     # A half-written file and a file with other inputs: refused, version 1 keeps serving.
     data = (VARIANTS / "times5.onnx").read_bytes()
     (repo / "scale" / "1" / "model.onnx").write_bytes(data[: len(data) // 2])
