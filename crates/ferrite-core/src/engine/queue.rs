@@ -3,7 +3,8 @@
 //! Pure logic: the caller passes `now`, so every decision is testable without sleeping.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap, VecDeque},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -93,69 +94,172 @@ pub enum Decision {
     Idle,
 }
 
-/// One priority level: requests in time, then (`timeout_action = delay`) those past their timeout.
-/// Keeps its row count, a bound on its earliest deadline and the requests each share holds as
-/// requests come and go (as Triton's scheduler keeps its counts), so neither admission nor forming
-/// a batch rescans the queue while the requests waiting are of one share (or of none).
+/// One priority level: requests in time, one lane per share waiting (those of no share are one
+/// more), then (`timeout_action = delay`) those past their timeout, in arrival order.
+///
+/// Requests take turns by rows across the lanes: the next is the one whose share has been run
+/// the fewest rows, counting its own requests queued ahead of it (then the earliest), so each
+/// share's requests take turns with the others' whatever one share queued before. A share that
+/// comes starts level with the least run of those waiting: no credit from before it waited.
+/// While one lane waits, that is first come, first served. Forming a batch reads the lanes'
+/// heads and the requests it takes, never the whole queue (a heap over the lanes' next turns),
+/// and the counts admission needs are kept as requests come and go (as Triton's scheduler keeps
+/// its own).
 #[derive(Debug)]
 struct Level {
-    fresh: VecDeque<Pending>,
+    lanes: HashMap<Option<Arc<str>>, Lane>,
     delayed: VecDeque<Pending>,
     policy: QueuePolicy,
+    /// The arrival number of the next request (ties between turns go to the earlier).
+    arrivals: u64,
+    len: usize,
     rows: usize,
-    /// At or before the earliest deadline of a request in `fresh` (none: no deadline there).
+    /// At or before the earliest deadline of a request in a lane (none: no deadline there).
     due: Option<Instant>,
-    /// Requests waiting per share (`Pending::share`), and how many have one.
+    /// Requests waiting per share, in lanes or delayed (against the half a share may hold).
     shares: HashMap<Arc<str>, usize>,
-    shared: usize,
-    /// Rows run of each share waiting, counted while several shares' requests wait (see `turns`);
-    /// a share that comes starts level with the least served of those waiting.
-    served: HashMap<Option<Arc<str>>, u64>,
+}
+
+/// One share's requests in time at a level, in arrival order, with their arrival numbers.
+#[derive(Debug)]
+struct Lane {
+    queue: VecDeque<(u64, Pending)>,
+    rows: usize,
+    /// The rows of this share run while it waited, from where it started (see `Level`).
+    served: u64,
+}
+
+impl Lane {
+    /// The position of the first request at or after `from` that `keep` passes.
+    fn kept_from(&self, from: usize, keep: &impl Fn(&Pending) -> bool) -> Option<usize> {
+        (from..self.queue.len()).find(|&i| keep(&self.queue[i].1))
+    }
+
+    /// The rows of this lane whose turns come at or before `key` (ties: these came first).
+    fn rows_until(&self, key: u64) -> usize {
+        if self.served + self.rows as u64 <= key {
+            return self.rows;
+        }
+        let (mut at, mut rows) = (self.served, 0);
+        for (_, p) in &self.queue {
+            if at > key {
+                break;
+            }
+            rows += p.rows;
+            at += p.rows as u64;
+        }
+        rows
+    }
+}
+
+/// Where a queued request is in its level (`Level::take`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Place {
+    Lane(Option<Arc<str>>, usize),
+    Delayed(usize),
+}
+
+impl Place {
+    /// The lane's share, or `None` for the delayed requests.
+    fn lane(&self) -> Option<&Option<Arc<str>>> {
+        match self {
+            Place::Lane(share, _) => Some(share),
+            Place::Delayed(_) => None,
+        }
+    }
+}
+
+/// The same, read in place (`Level::turns`).
+#[derive(Clone, Copy)]
+enum Spot<'a> {
+    Lane(&'a Option<Arc<str>>, usize),
+    Delayed(usize),
+}
+
+impl Spot<'_> {
+    fn place(self) -> Place {
+        match self {
+            Spot::Lane(share, i) => Place::Lane(share.clone(), i),
+            Spot::Delayed(i) => Place::Delayed(i),
+        }
+    }
+}
+
+/// A lane's next turn in a `Turns` heap: its key and arrival (unique in a level) order it.
+struct Turn<'a> {
+    key: u64,
+    arrival: u64,
+    share: &'a Option<Arc<str>>,
+    lane: &'a Lane,
+    at: usize,
+}
+
+impl PartialEq for Turn<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.key, self.arrival) == (other.key, other.arrival)
+    }
+}
+
+impl Eq for Turn<'_> {}
+
+impl PartialOrd for Turn<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Turn<'_> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.key, self.arrival).cmp(&(other.key, other.arrival))
+    }
+}
+
+/// A level's requests that `keep` passes, in the order of their turns (see `Level`), read in
+/// place: each step pops the least lane's next turn and pushes that lane's following one.
+struct Turns<'a, K> {
+    next: BinaryHeap<Reverse<Turn<'a>>>,
+    delayed: std::iter::Enumerate<std::collections::vec_deque::Iter<'a, Pending>>,
+    keep: K,
+}
+
+impl<'a, K: Fn(&Pending) -> bool> Iterator for Turns<'a, K> {
+    type Item = (Spot<'a>, &'a Pending);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some(Reverse(turn)) = self.next.pop() {
+            let p = &turn.lane.queue[turn.at].1;
+            if let Some(at) = turn.lane.kept_from(turn.at + 1, &self.keep) {
+                let arrival = turn.lane.queue[at].0;
+                self.next.push(Reverse(Turn { key: turn.key + p.rows as u64, arrival, at, ..turn }));
+            }
+            return Some((Spot::Lane(turn.share, turn.at), p));
+        }
+        let keep = &self.keep;
+        self.delayed.find(|(_, p)| keep(p)).map(|(i, p)| (Spot::Delayed(i), p))
+    }
 }
 
 impl Level {
     fn new(policy: QueuePolicy) -> Level {
         Level {
-            fresh: VecDeque::new(),
+            lanes: HashMap::new(),
             delayed: VecDeque::new(),
             policy,
+            arrivals: 0,
+            len: 0,
             rows: 0,
             due: None,
             shares: HashMap::new(),
-            shared: 0,
-            served: HashMap::new(),
         }
-    }
-
-    fn len(&self) -> usize {
-        self.fresh.len() + self.delayed.len()
     }
 
     fn iter(&self) -> impl Iterator<Item = &Pending> {
-        self.fresh.iter().chain(&self.delayed)
-    }
-
-    /// The request at `i` in `iter()` order.
-    fn at(&self, i: usize) -> &Pending {
-        self.fresh.get(i).unwrap_or_else(|| &self.delayed[i - self.fresh.len()])
-    }
-
-    /// Whether requests of more than one share (those of none are one more) wait here.
-    fn mixed(&self) -> bool {
-        self.shares.len() + usize::from(self.len() > self.shared) > 1
-    }
-
-    /// Whether requests of `share` wait here.
-    fn waiting(&self, share: &Option<Arc<str>>) -> bool {
-        match share {
-            Some(s) => self.shares.contains_key(s),
-            None => self.len() > self.shared,
-        }
+        self.lanes.values().flat_map(|l| l.queue.iter().map(|(_, p)| p)).chain(&self.delayed)
     }
 
     /// The rows a share that was not waiting starts its turns at: the least run of those waiting.
     fn start(&self) -> u64 {
-        self.served.iter().filter(|(s, _)| self.waiting(s)).map(|(_, &n)| n).min().unwrap_or(0)
+        self.lanes.values().map(|l| l.served).min().unwrap_or(0)
     }
 
     /// The places of this level `share`'s requests hold already, against the half they may.
@@ -164,31 +268,24 @@ impl Level {
     }
 
     fn enter(&mut self, p: &Pending) {
-        if !self.waiting(&p.share) {
-            let start = self.start();
-            self.served.insert(p.share.clone(), start);
-        }
+        self.len += 1;
         self.rows += p.rows;
         if let Some(s) = &p.share {
             *self.shares.entry(s.clone()).or_default() += 1;
-            self.shared += 1;
         }
     }
 
-    /// After `p` was removed from the deques.
+    /// After `p` was removed from its lane or the delayed ones.
     fn leave(&mut self, p: &Pending) {
+        self.len -= 1;
         self.rows -= p.rows;
         if let Some(s) = &p.share {
-            self.shared -= 1;
             if let Some(n) = self.shares.get_mut(s) {
                 *n -= 1;
                 if *n == 0 {
                     self.shares.remove(s);
                 }
             }
-        }
-        if !self.waiting(&p.share) {
-            self.served.remove(&p.share);
         }
     }
 
@@ -197,106 +294,135 @@ impl Level {
         if let Some(d) = p.deadline {
             self.due = Some(self.due.map_or(d, |due| due.min(d)));
         }
-        self.fresh.push_back(p);
+        let arrival = self.arrivals;
+        self.arrivals += 1;
+        let lane = match self.lanes.get_mut(&p.share) {
+            Some(lane) => lane,
+            None => {
+                let served = self.start();
+                let lane = Lane { queue: VecDeque::new(), rows: 0, served };
+                self.lanes.entry(p.share.clone()).or_insert(lane)
+            }
+        };
+        lane.rows += p.rows;
+        lane.queue.push_back((arrival, p));
     }
 
-    fn pop_front(&mut self) -> Option<Pending> {
-        let p = self.fresh.pop_front().or_else(|| self.delayed.pop_front())?;
-        self.leave(&p);
-        Some(p)
+    /// The requests `keep` passes, in the order of their turns; those past their timeout last.
+    fn turns<K: Fn(&Pending) -> bool>(&self, keep: K) -> Turns<'_, K> {
+        let next = self
+            .lanes
+            .iter()
+            .filter_map(|(share, lane)| {
+                let at = lane.kept_from(0, &keep)?;
+                Some(Reverse(Turn { key: lane.served, arrival: lane.queue[at].0, share, lane, at }))
+            })
+            .collect();
+        Turns { next, delayed: self.delayed.iter().enumerate(), keep }
     }
 
-    /// The first light (not heavy) request, if any.
-    fn pop_light(&mut self) -> Option<Pending> {
-        let p = [&mut self.fresh, &mut self.delayed]
-            .into_iter()
-            .find_map(|deque| deque.iter().position(|p| !p.heavy).and_then(|i| deque.remove(i)))?;
-        self.leave(&p);
-        Some(p)
+    /// The first request of `turns(keep)`, found without a heap.
+    fn first(&self, keep: impl Fn(&Pending) -> bool) -> Option<&Pending> {
+        let lanes = self.lanes.values().filter_map(|lane| {
+            let (arrival, p) = &lane.queue[lane.kept_from(0, &keep)?];
+            Some(((lane.served, *arrival), p))
+        });
+        lanes.min_by_key(|(key, _)| *key).map(|(_, p)| p).or_else(|| self.delayed.iter().find(|p| keep(p)))
     }
 
-    /// The requests at `positions` (`iter()` order, each once), in that order, their rows counted
-    /// as their shares' turns.
-    fn take(&mut self, positions: &[usize]) -> Vec<Pending> {
-        let start = self.start();
-        let mut descending = positions.to_vec();
-        descending.sort_unstable_by(|a, b| b.cmp(a));
-        let n = self.fresh.len();
-        let mut taken: HashMap<usize, Pending> = HashMap::with_capacity(positions.len());
-        for i in descending {
-            let p = if i < n { self.fresh.remove(i) } else { self.delayed.remove(i - n) };
-            taken.insert(i, p.expect("a position of this level"));
-        }
-        let out: Vec<Pending> = positions.iter().filter_map(|i| taken.remove(i)).collect();
-        for p in &out {
-            *self.served.entry(p.share.clone()).or_insert(start) += p.rows as u64;
-            // A share that waits no more starts level with the others when it comes back.
+    /// The rows that run before a request of `share` that comes now: those in lanes whose turns
+    /// come first (every row of its own share's lane among them); not the delayed ones.
+    fn rows_before(&self, share: &Option<Arc<str>>) -> usize {
+        let own = self.lanes.get(share).map_or_else(|| self.start(), |l| l.served + l.rows as u64);
+        self.lanes.values().map(|lane| lane.rows_until(own)).sum()
+    }
+
+    /// Takes the requests at `positions` (ascending, each once) of `share`'s lane (`None`: of the
+    /// delayed ones), in that order; rows taken from a lane count as its share's turns.
+    fn take(
+        &mut self,
+        share: Option<&Option<Arc<str>>>,
+        positions: impl DoubleEndedIterator<Item = usize> + ExactSizeIterator,
+    ) -> Vec<Pending> {
+        let taken: Vec<Pending> = match share {
+            Some(share) => {
+                let lane = self.lanes.get_mut(share).expect("a lane of this level");
+                let taken = remove_at(&mut lane.queue, positions, |(_, p)| p);
+                let rows: usize = taken.iter().map(|p| p.rows).sum();
+                lane.rows -= rows;
+                lane.served += rows as u64;
+                if lane.queue.is_empty() {
+                    // A share that waits no more starts level with the others when it comes back.
+                    self.lanes.remove(share);
+                }
+                taken
+            }
+            None => remove_at(&mut self.delayed, positions, |p| p),
+        };
+        for p in &taken {
             self.leave(p);
         }
-        out
+        taken
     }
 
-    /// The positions (`iter()` order) of the requests `keep` passes, in the order of their turns:
-    /// while requests of several shares wait, the next is the one whose share has been run the
-    /// fewest rows, counting its own requests queued ahead of it (then the earliest), so each
-    /// share's requests take turns with the others' by rows, whatever one share queued before;
-    /// those past their timeout go last.
-    fn turns(&self, keep: impl Fn(&Pending) -> bool) -> Vec<usize> {
-        let (mut fresh, _) = self.keyed(&keep);
-        fresh.sort_unstable();
-        let n = self.fresh.len();
-        let late = self.delayed.iter().enumerate().filter(|(_, p)| keep(p)).map(|(i, _)| n + i);
-        fresh.into_iter().map(|(_, i)| i).chain(late).collect()
-    }
-
-    /// The rows that run before a request of `share` that comes now (see `turns`): every row
-    /// while no other share waits; else those whose turn comes first, its own share's among them.
-    fn rows_before(&self, share: &Option<Arc<str>>) -> usize {
-        let shares_waiting = self.shares.len() + usize::from(self.len() > self.shared);
-        if shares_waiting <= usize::from(self.waiting(share)) {
-            return self.rows;
+    /// Drops requests whose client left from the front of each lane and of the delayed ones;
+    /// returns how many.
+    fn drop_closed_fronts(&mut self) -> usize {
+        let mut dropped = Vec::new();
+        for lane in self.lanes.values_mut() {
+            while lane.queue.front().is_some_and(|(_, p)| p.reply.is_closed()) {
+                let (_, p) = lane.queue.pop_front().expect("a front");
+                lane.rows -= p.rows;
+                dropped.push(p);
+            }
         }
-        let (keys, next) = self.keyed(|_| true);
-        let own = next.get(&share.as_deref()).copied().unwrap_or_else(|| self.start());
-        // Ties go to the earlier: every request queued now.
-        keys.iter().filter(|(key, _)| *key <= own).map(|&(_, i)| self.fresh[i].rows).sum()
-    }
-
-    /// The key of each turn (see `turns`) of the requests in `fresh` that `keep` passes, with
-    /// their positions, and the key of each share's next request.
-    fn keyed(&self, keep: impl Fn(&Pending) -> bool) -> (Vec<(u64, usize)>, NextKeys<'_>) {
-        let start = self.start();
-        let mut next = NextKeys::new();
-        let mut keys: Vec<(u64, usize)> = Vec::with_capacity(self.fresh.len());
-        for (i, p) in self.fresh.iter().enumerate().filter(|(_, p)| keep(p)) {
-            let rows =
-                next.entry(p.share.as_deref()).or_insert_with(|| self.served.get(&p.share).copied().unwrap_or(start));
-            keys.push((*rows, i));
-            *rows += p.rows as u64;
+        if !dropped.is_empty() {
+            self.lanes.retain(|_, lane| !lane.queue.is_empty());
         }
-        (keys, next)
+        while self.delayed.front().is_some_and(|p| p.reply.is_closed()) {
+            dropped.extend(self.delayed.pop_front());
+        }
+        for p in &dropped {
+            self.leave(p);
+        }
+        dropped.len()
     }
 
     /// Counts rows and shares again (after requests were removed in place).
     fn recount(&mut self) {
-        let (mut rows, mut shared, mut shares) = (0, 0, HashMap::new());
-        for p in self.fresh.iter().chain(&self.delayed) {
+        self.lanes.retain(|_, lane| !lane.queue.is_empty());
+        for lane in self.lanes.values_mut() {
+            lane.rows = lane.queue.iter().map(|(_, p)| p.rows).sum();
+        }
+        let (mut len, mut rows, mut shares) = (0, 0, HashMap::new());
+        for p in self.iter() {
+            len += 1;
             rows += p.rows;
             if let Some(s) = &p.share {
                 *shares.entry(s.clone()).or_default() += 1;
-                shared += 1;
             }
         }
-        (self.rows, self.shared, self.shares) = (rows, shared, shares);
-        let gone: Vec<Option<Arc<str>>> = self.served.keys().filter(|s| !self.waiting(s)).cloned().collect();
-        for s in gone {
-            self.served.remove(&s);
-        }
+        (self.len, self.rows, self.shares) = (len, rows, shares);
+        self.due = self.lanes.values().flat_map(|l| &l.queue).filter_map(|(_, p)| p.deadline).min();
     }
 }
 
-/// The key of each share's next turn (`Level::keyed`), by the share's name.
-type NextKeys<'a> = HashMap<Option<&'a str>, u64>;
+/// Removes the items at `positions` (ascending, each once) from `deque`, in that order, each as
+/// `f` makes it: a run from the front (the usual batch) is drained at once.
+fn remove_at<T, U>(
+    deque: &mut VecDeque<T>,
+    positions: impl DoubleEndedIterator<Item = usize> + ExactSizeIterator,
+    f: impl FnMut(T) -> U,
+) -> Vec<U> {
+    let n = positions.len();
+    let mut positions = positions.rev().peekable();
+    if positions.peek().is_some_and(|&last| last + 1 == n) {
+        return deque.drain(..n).map(f).collect();
+    }
+    let mut taken: Vec<T> = positions.map(|i| deque.remove(i).expect("a position of the deque")).collect();
+    taken.reverse();
+    taken.into_iter().map(f).collect()
+}
 
 #[derive(Debug)]
 pub struct Queue {
@@ -331,7 +457,7 @@ impl Queue {
     /// Rows waiting at every level.
     /// The request the next batch starts with (light ones only, with `light_only`).
     pub fn head(&self, light_only: bool) -> Option<&Pending> {
-        self.levels.iter().flat_map(Level::iter).find(|p| !(light_only && p.heavy))
+        self.levels.iter().find_map(|l| l.first(|p| !(light_only && p.heavy)))
     }
 
     pub fn rows(&self) -> usize {
@@ -348,7 +474,7 @@ impl Queue {
 
     /// Requests waiting at `level` and above.
     pub fn requests_ahead(&self, level: usize) -> usize {
-        self.levels.iter().take(level + 1).map(Level::len).sum()
+        self.levels.iter().take(level + 1).map(|l| l.len).sum()
     }
 
     /// Admits `p`, or refuses it when its level's queue is full, or holds half of it for `p`'s
@@ -359,16 +485,16 @@ impl Queue {
         let index = p.level.min(last);
         let half = |level: &Level| (level.policy.max_queue_size / 2).max(1);
         let full = |level: &Level| {
-            level.len() >= level.policy.max_queue_size || level.held_by(&p.share).is_some_and(|n| n >= half(level))
+            level.len >= level.policy.max_queue_size || level.held_by(&p.share).is_some_and(|n| n >= half(level))
         };
         if full(&self.levels[index]) {
             // Requests whose clients left, or that expired, free their places before a refusal.
             self.prune(p.enqueued);
         }
         let level = &mut self.levels[index];
-        if level.len() >= level.policy.max_queue_size {
+        if level.len >= level.policy.max_queue_size {
             return Err(Error::unavailable(
-                format!("queue full: {} requests waiting at this priority (max_queue_size)", level.len()),
+                format!("queue full: {} requests waiting at this priority (max_queue_size)", level.len),
                 Some(RETRY_AFTER),
             ));
         }
@@ -387,15 +513,17 @@ impl Queue {
         Ok(())
     }
 
-    /// Removes every queued request (for shutdown), highest priority first.
+    /// Removes every queued request (for shutdown), highest priority first, each level's in
+    /// arrival order.
     pub fn drain(&mut self) -> Vec<Pending> {
         self.len = 0;
         let mut out = Vec::new();
         for l in &mut self.levels {
-            out.extend(l.fresh.drain(..).chain(l.delayed.drain(..)));
-            (l.rows, l.due, l.shared) = (0, None, 0);
+            let mut fresh: Vec<(u64, Pending)> = l.lanes.drain().flat_map(|(_, lane)| lane.queue).collect();
+            fresh.sort_unstable_by_key(|(arrival, _)| *arrival);
+            out.extend(fresh.into_iter().map(|(_, p)| p).chain(l.delayed.drain(..)));
+            (l.len, l.rows, l.due) = (0, 0, None);
             l.shares.clear();
-            l.served.clear();
         }
         out
     }
@@ -409,18 +537,15 @@ impl Queue {
 
     /// What forming a batch needs of `prune`, without reading every request: the levels where a
     /// deadline may have passed are pruned, and requests whose client left are dropped from the
-    /// front of each level (one further back is skipped by the batcher when its batch runs).
+    /// front of each lane (one further back is skipped by the batcher when its batch runs).
     fn expire(&mut self, now: Instant) {
         for i in 0..self.levels.len() {
             if self.levels[i].due.is_some_and(|d| d <= now) {
                 self.prune_level(i, now);
             }
-            let level = &mut self.levels[i];
-            while level.fresh.front().or(level.delayed.front()).is_some_and(|p| p.reply.is_closed()) {
-                level.pop_front();
-                self.cancelled += 1;
-                self.len -= 1;
-            }
+            let dropped = self.levels[i].drop_closed_fronts();
+            self.cancelled += dropped as u64;
+            self.len -= dropped;
         }
     }
 
@@ -429,18 +554,27 @@ impl Queue {
         let level = &mut self.levels[index];
         // Nearly always nothing to do; rebuild the level only when something must go.
         if !level.iter().any(gone) {
-            level.due = level.fresh.iter().filter_map(|p| p.deadline).min();
+            level.due = level.lanes.values().flat_map(|l| &l.queue).filter_map(|(_, p)| p.deadline).min();
             return;
         }
-        let before = level.len();
-        let delay = level.policy.timeout_action == TimeoutAction::Delay;
-        let mut kept = VecDeque::with_capacity(level.fresh.len());
-        for p in level.fresh.drain(..) {
-            if p.reply.is_closed() {
-                self.cancelled += 1;
-            } else if p.deadline.is_none_or(|d| d > now) {
-                kept.push_back(p);
-            } else if delay {
+        let before = level.len;
+        let mut late = Vec::new();
+        for lane in level.lanes.values_mut() {
+            let mut kept = VecDeque::with_capacity(lane.queue.len());
+            for (arrival, p) in lane.queue.drain(..) {
+                if p.reply.is_closed() {
+                    self.cancelled += 1;
+                } else if p.deadline.is_none_or(|d| d > now) {
+                    kept.push_back((arrival, p));
+                } else {
+                    late.push((arrival, p));
+                }
+            }
+            lane.queue = kept;
+        }
+        late.sort_unstable_by_key(|(arrival, _)| *arrival);
+        for (_, p) in late {
+            if level.policy.timeout_action == TimeoutAction::Delay {
                 self.delayed += 1;
                 level.delayed.push_back(Pending { deadline: None, ..p });
             } else {
@@ -448,13 +582,11 @@ impl Queue {
                 let _ = p.reply.send(Err(Error::DeadlineExceeded("request timed out in the queue".into())));
             }
         }
-        level.fresh = kept;
         let delayed = level.delayed.len();
         level.delayed.retain(|p| !p.reply.is_closed());
         self.cancelled += (delayed - level.delayed.len()) as u64;
         level.recount();
-        level.due = level.fresh.iter().filter_map(|p| p.deadline).min();
-        self.len -= before - level.len();
+        self.len -= before - level.len;
     }
 
     /// Decides what a free instance should run at `now`, merging at most `limit` rows (and the
@@ -487,62 +619,49 @@ impl Queue {
             return Decision::WaitUntil(now + Duration::from_millis(20));
         }
         let light = |p: &Pending| !(light_only && p.heavy);
-        // While requests of several shares wait at a level, they take turns there
-        // (`Level::turns`); else the order is priority then arrival, read in place.
-        let turns: Option<Vec<(usize, usize)>> = self.levels.iter().any(Level::mixed).then(|| {
-            let mut turns = Vec::new();
-            for (l, level) in self.levels.iter().enumerate() {
-                turns.extend(level.turns(light).into_iter().map(|i| (l, i)));
-            }
-            turns
+        // Priority, then turns within a level (`Level`), read in place; what the batch takes is
+        // noted as it is read.
+        let mut read: Vec<(usize, Spot)> = Vec::with_capacity(limit.min(64) + 1);
+        let order =
+            self.levels.iter().enumerate().flat_map(|(l, level)| level.turns(light).map(move |(spot, p)| (l, spot, p)));
+        let order = order.map(|(l, spot, p)| {
+            read.push((l, spot));
+            p
         });
-        let n = match &turns {
-            Some(t) => batch_size(t.iter().map(|&(l, i)| self.levels[l].at(i)), now, policy, limit, flush, hold),
-            None => batch_size(
-                self.levels.iter().flat_map(Level::iter).filter(|p| light(p)),
-                now,
-                policy,
-                limit,
-                flush,
-                hold,
-            ),
-        };
-        let n = match n {
+        let n = match batch_size(order, now, policy, limit, flush, hold) {
             Ok(n) => n,
             Err(wait) => return wait,
         };
-        Decision::Run(match turns {
-            Some(t) => self.take_turns(&t[..n]),
-            None => self.pop(n, light_only),
-        })
+        let places: Vec<(usize, Place)> = read[..n].iter().map(|&(l, spot)| (l, spot.place())).collect();
+        Decision::Run(self.take(places))
     }
 
-    /// The requests at `turns` (level, position), in that order.
-    fn take_turns(&mut self, turns: &[(usize, usize)]) -> Vec<Pending> {
-        let mut out = Vec::with_capacity(turns.len());
-        for (l, level) in self.levels.iter_mut().enumerate() {
-            let positions: Vec<usize> = turns.iter().filter(|t| t.0 == l).map(|t| t.1).collect();
-            if !positions.is_empty() {
-                out.extend(level.take(&positions));
+    /// The requests at `places` (level, place), in that order.
+    fn take(&mut self, places: Vec<(usize, Place)>) -> Vec<Pending> {
+        self.len -= places.len();
+        // The usual batch: a run from the front of one lane.
+        if let Some((level, Place::Lane(share, _))) = places.first() {
+            let front = |(k, (l, place)): (usize, &(usize, Place))| {
+                l == level && matches!(place, Place::Lane(s, i) if s == share && *i == k)
+            };
+            if places.iter().enumerate().all(front) {
+                return self.levels[*level].take(Some(share), 0..places.len());
             }
         }
-        self.len -= out.len();
-        out
-    }
-
-    /// The first `n` requests in priority then arrival order (light ones only, with `light_only`).
-    fn pop(&mut self, n: usize, light_only: bool) -> Vec<Pending> {
-        let mut out = Vec::with_capacity(n);
-        for level in &mut self.levels {
-            while out.len() < n {
-                match if light_only { level.pop_light() } else { level.pop_front() } {
-                    Some(p) => out.push(p),
-                    None => break,
-                }
+        let mut order: Vec<(usize, Place, usize)> =
+            places.into_iter().enumerate().map(|(slot, (l, place))| (l, place, slot)).collect();
+        order.sort_unstable();
+        let mut out: Vec<Option<Pending>> = order.iter().map(|_| None).collect();
+        for group in order.chunk_by(|a, b| a.0 == b.0 && a.1.lane() == b.1.lane()) {
+            let positions = group.iter().map(|(_, place, _)| match place {
+                Place::Lane(_, i) | Place::Delayed(i) => *i,
+            });
+            let taken = self.levels[group[0].0].take(group[0].1.lane(), positions);
+            for (p, (_, _, slot)) in taken.into_iter().zip(group) {
+                out[*slot] = Some(p);
             }
         }
-        self.len -= out.len();
-        out
+        out.into_iter().map(|p| p.expect("every place taken")).collect()
     }
 }
 
@@ -642,9 +761,15 @@ mod tests {
         level: usize,
         share: Option<Arc<str>>,
     ) -> Result<Req> {
+        let (p, req) = pending(at, rows, width, level, share);
+        q.push(p)?;
+        Ok(req)
+    }
+
+    fn pending(at: Instant, rows: usize, width: usize, level: usize, share: Option<Arc<str>>) -> (Pending, Req) {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
-        q.push(Pending {
+        let p = Pending {
             id: None,
             parameters: None,
             inputs: vec![x],
@@ -660,8 +785,8 @@ mod tests {
             hold: Hold::default(),
             heavy: false,
             share,
-        })?;
-        Ok(Req { rx })
+        };
+        (p, Req { rx })
     }
 
     fn rows(d: Decision) -> Vec<usize> {
@@ -802,7 +927,7 @@ mod tests {
         assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
         assert_eq!(next(&mut q), vec![(b.clone(), 2)]);
         assert!(q.is_empty() && q.rows() == 0);
-        assert!(q.levels[0].shares.is_empty() && q.levels[0].shared == 0);
+        assert!(q.levels[0].shares.is_empty() && q.levels[0].lanes.is_empty());
     }
 
     #[test]
@@ -840,6 +965,79 @@ mod tests {
         let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 2, false));
         assert_eq!(next(&mut q), vec![(Some("a".to_string()), 2)]);
         assert_eq!(next(&mut q), vec![(Some("b".to_string()), 1)]);
+    }
+
+    /// The turns read from the lanes' heads are those of their definition, read over every
+    /// queued request: each request's key is its share's rows run plus its share's rows queued
+    /// ahead of it, the least first, then the earliest; a share that comes starts at the least
+    /// of those waiting. Random requests of three shares and of none, 1-4 rows, and batches of
+    /// 1-8 rows between them, against a plain model of that.
+    #[test]
+    fn turns_read_from_the_lanes_are_those_of_every_request_keyed() {
+        let t = Instant::now();
+        let mut q = queue(1, 64);
+        let names = [None, Some("a"), Some("b"), Some("c")];
+        // The model: (arrival, share, rows) in arrival order, and each waiting share's rows run.
+        let mut model: Vec<(usize, Option<&str>, usize)> = Vec::new();
+        let mut served: HashMap<Option<&str>, u64> = HashMap::new();
+        let mut held = Vec::new();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut random = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n) as usize
+        };
+        for arrival in 0..3000 {
+            if random(3) > 0 {
+                let (share, rows) = (names[random(4)], 1 + random(4));
+                let (mut p, req) = pending(t, rows, 4, 0, share.map(Arc::from));
+                p.id = Some(arrival.to_string());
+                if q.push(p).is_ok() {
+                    if !model.iter().any(|m| m.1 == share) {
+                        let start = served.values().min().copied().unwrap_or(0);
+                        served.insert(share, start);
+                    }
+                    model.push((arrival, share, rows));
+                    held.push(req);
+                }
+                continue;
+            }
+            let limit = 1 + random(8);
+            let mut ahead: HashMap<Option<&str>, u64> = HashMap::new();
+            let mut keyed: Vec<(u64, usize, usize)> = Vec::new();
+            for (i, &(arrival, share, rows)) in model.iter().enumerate() {
+                let key = ahead.entry(share).or_insert(served[&share]);
+                keyed.push((*key, arrival, i));
+                *key += rows as u64;
+            }
+            keyed.sort_unstable();
+            let mut total = 0;
+            let mut expected = Vec::new();
+            for &(_, _, i) in &keyed {
+                if !expected.is_empty() && total + model[i].2 > limit {
+                    break;
+                }
+                total += model[i].2;
+                expected.push(i);
+            }
+            let got: Vec<String> = match q.next_batch(t, &policy(64, 0, &[]), limit, false) {
+                Decision::Run(batch) => batch.into_iter().map(|p| p.id.unwrap()).collect(),
+                Decision::Idle => Vec::new(),
+                other => panic!("expected a batch, got {other:?}"),
+            };
+            let want: Vec<String> = expected.iter().map(|&i| model[i].0.to_string()).collect();
+            assert_eq!(got, want, "batch after arrival {arrival}");
+            for &i in &expected {
+                *served.get_mut(&model[i].1).unwrap() += model[i].2 as u64;
+            }
+            expected.sort_unstable();
+            for i in expected.into_iter().rev() {
+                model.remove(i);
+            }
+            served.retain(|share, _| model.iter().any(|m| m.1 == *share));
+            assert_eq!((q.len(), q.rows()), (model.len(), model.iter().map(|m| m.2).sum()));
+        }
     }
 
     #[test]
