@@ -11,7 +11,7 @@ The pipelines of bench/pipelines.py are cases too: `text` (its load `embed`: TEI
 sentence a request) and `images` (its load `bin`: one JPEG a request over V2 binary).
 
 Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320,text] [--clients 8,128]
-       [--loads bin,grpc,pahttp,json,embed] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
+       [--loads bin,grpc,pahttp,json,tenants,embed] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
 """
 
 import argparse
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -94,6 +95,25 @@ def pipeline_loads(case, base, header_len):
                                                    ["Content-Type: application/json"], lines=True)}
 
 
+def tenants_load(infer, body, header_len):
+    """Binary HTTP from two tenants, half the clients each (`x-tenant: a` and `b`, the server given a
+    tenant config): requests of two shares wait in the model's queue and take turns there."""
+
+    def load(c):
+        goes = [run.oha_load(infer, body, max(1, c // 2), [f"Inference-Header-Content-Length: {header_len}",
+                                                             f"x-tenant: {tenant}"]) for tenant in "ab"]
+
+        def go(duration):
+            with ThreadPoolExecutor(2) as pool:
+                outs = list(pool.map(lambda g: g(duration), goes))
+            return (sum(o[0] for o in outs), max(o[1] for o in outs), max(o[2] for o in outs),
+                    sum(o[3] for o in outs))
+
+        return go
+
+    return load
+
+
 def loads(case, base, grpc):
     model = kinds.CASES[case][0]
     json_body, bin_body, header_len = kinds.bodies(case, f"ab-{case}")
@@ -106,6 +126,8 @@ def loads(case, base, grpc):
         "pahttp": lambda c: run.perf_analyzer_load("http", base.removeprefix("http://"), c, model, pa_extra,
                                                    fatal=False, stability=100),
         "json": lambda c: run.oha_load(infer, json_body, c, ["Content-Type: application/json"]),
+        # Binary HTTP as `bin`, half the clients of each of two tenants.
+        "tenants": tenants_load(infer, bin_body, header_len),
     }
 
 
@@ -128,6 +150,10 @@ def main():
     kinds.make_models()
     cases = args.models.split(",")
     wanted = args.loads.split(",")
+    if "tenants" in wanted:
+        # Every tenant's default share; the servers of every load asked for get the config.
+        (WORK / "tenants.toml").write_text("[default]\n")
+        args.extra = f"{args.extra} --tenant-header x-tenant --tenant-config {WORK / 'tenants.toml'}".strip()
     # A case none of whose loads is asked for would be served and measured for memory alone.
     for case in cases:
         own = pipeline_loads(case, "", None) if case in PIPELINES else loads(case, "", "")

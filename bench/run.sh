@@ -14,6 +14,8 @@
 #                                              padding costs and grouping gives back: bench/text_lengths.py)
 #        bench/run.sh --text-latency [--rounds 4]  (one client's text embeddings against the engine in-process,
 #                                              side by side round by round: bench/text_latency.py)
+#        bench/run.sh --queue-depth [--rev REV]  (what forming a batch costs when a model's queue is deep,
+#                                              of this tree and of commit REV: bench/queue_depth.py)
 #        bench/run.sh --profile [--model tiny]  (where the server's time goes per front-end: bench/profile.py)
 #        bench/run.sh --soak [--minutes 5]      (memory over a long run: bench/soak.py)
 #        bench/run.sh --memory [--duration 5]   (memory per model kind, weights shared or not: bench/memory.py)
@@ -82,6 +84,10 @@ fi
 if [ "${1:-}" = "--text-lengths" ]; then
     shift
     exec python3 bench/text_lengths.py "$@"
+fi
+if [ "${1:-}" = "--queue-depth" ]; then
+    shift
+    exec python3 bench/queue_depth.py "$@"
 fi
 if [ "${1:-}" = "--text-latency" ]; then
     shift
