@@ -153,7 +153,8 @@ def main():
     if "tenants" in wanted:
         # Every tenant's default share; the servers of every load asked for get the config.
         (WORK / "tenants.toml").write_text("[default]\n")
-        args.extra = f"{args.extra} --tenant-header x-tenant --tenant-config {WORK / 'tenants.toml'}".strip()
+        config = (WORK / "tenants.toml").relative_to(ROOT)  # the servers run in ROOT
+        args.extra = f"{args.extra} --tenant-header x-tenant --tenant-config {config}".strip()
     # A case none of whose loads is asked for would be served and measured for memory alone.
     for case in cases:
         own = pipeline_loads(case, "", None) if case in PIPELINES else loads(case, "", "")
