@@ -97,7 +97,8 @@ def pipeline_loads(case, base, header_len):
 
 def tenants_load(infer, body, header_len):
     """Binary HTTP from two tenants, half the clients each (`x-tenant: a` and `b`, the server given a
-    tenant config): requests of two shares wait in the model's queue and take turns there."""
+    tenant config): requests of two shares wait in the model's queue and take turns there. Its p50
+    and p99 are the worse of the two tenants'."""
 
     def load(c):
         goes = [run.oha_load(infer, body, max(1, c // 2), [f"Inference-Header-Content-Length: {header_len}",

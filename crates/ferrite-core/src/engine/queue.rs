@@ -310,24 +310,30 @@ impl Level {
 
     /// The requests `keep` passes, in the order of their turns; those past their timeout last.
     fn turns<K: Fn(&Pending) -> bool>(&self, keep: K) -> Turns<'_, K> {
-        let next = self
-            .lanes
-            .iter()
-            .filter_map(|(share, lane)| {
-                let at = lane.kept_from(0, &keep)?;
-                Some(Reverse(Turn { key: lane.served, arrival: lane.queue[at].0, share, lane, at }))
-            })
-            .collect();
+        let next = self.heads(&keep).map(Reverse).collect();
         Turns { next, delayed: self.delayed.iter().enumerate(), keep }
     }
 
     /// The first request of `turns(keep)`, found without a heap.
     fn first(&self, keep: impl Fn(&Pending) -> bool) -> Option<&Pending> {
-        let lanes = self.lanes.values().filter_map(|lane| {
-            let (arrival, p) = &lane.queue[lane.kept_from(0, &keep)?];
-            Some(((lane.served, *arrival), p))
-        });
-        lanes.min_by_key(|(key, _)| *key).map(|(_, p)| p).or_else(|| self.delayed.iter().find(|p| keep(p)))
+        let head = self.heads(&keep).min().map(|turn| &turn.lane.queue[turn.at].1);
+        head.or_else(|| self.delayed.iter().find(|p| keep(p)))
+    }
+
+    /// Each lane's first turn of a request `keep` passes.
+    fn heads<'a, 'k, K: Fn(&Pending) -> bool>(
+        &'a self,
+        keep: &'k K,
+    ) -> impl Iterator<Item = Turn<'a>> + use<'a, 'k, K> {
+        self.lanes.iter().filter_map(|(share, lane)| {
+            let at = lane.kept_from(0, keep)?;
+            Some(Turn { key: lane.served, arrival: lane.queue[at].0, share, lane, at })
+        })
+    }
+
+    /// The earliest deadline of a request in a lane.
+    fn earliest_deadline(&self) -> Option<Instant> {
+        self.lanes.values().flat_map(|l| &l.queue).filter_map(|(_, p)| p.deadline).min()
     }
 
     /// The rows that run before a request of `share` that comes now: those in lanes whose turns
@@ -403,7 +409,7 @@ impl Level {
             }
         }
         (self.len, self.rows, self.shares) = (len, rows, shares);
-        self.due = self.lanes.values().flat_map(|l| &l.queue).filter_map(|(_, p)| p.deadline).min();
+        self.due = self.earliest_deadline();
     }
 }
 
@@ -554,7 +560,7 @@ impl Queue {
         let level = &mut self.levels[index];
         // Nearly always nothing to do; rebuild the level only when something must go.
         if !level.iter().any(gone) {
-            level.due = level.lanes.values().flat_map(|l| &l.queue).filter_map(|(_, p)| p.deadline).min();
+            level.due = level.earliest_deadline();
             return;
         }
         let before = level.len;
