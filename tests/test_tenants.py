@@ -143,17 +143,17 @@ def slow_repository(tmp_path, dynamic_batching=""):
     return repo
 
 
-def slow_infer(s, protocol, tenant, priority=0, timeout_us=None):
-    """One 64-row request to the slow model as `tenant`: a callable that sends it and raises what
-    the server answers, by a client it closes then. Call it on the thread that made it
-    (tritonclient's HTTP client is not to be shared across threads)."""
+def slow_infer(s, protocol, tenant, priority=0, timeout_us=None, rows=64):
+    """One request of `rows` rows (64: a whole batch) to the slow model as `tenant`: a callable
+    that sends it and raises what the server answers, by a client it closes then. Call it on the
+    thread that made it (tritonclient's HTTP client is not to be shared across threads)."""
     import tritonclient.http as httpclient
     if protocol == "http":
         c, i, timeout = httpclient.InferenceServerClient(s.url, network_timeout=120), httpclient.InferInput, {}
     else:
         c, i, timeout = grpcclient.InferenceServerClient(s.grpc_url), grpcclient.InferInput, {"client_timeout": 120}
-    x = i("x", [64, 512], "FP32")
-    x.set_data_from_numpy(np.full((64, 512), 0.25, np.float32))
+    x = i("x", [rows, 512], "FP32")
+    x.set_data_from_numpy(np.full((rows, 512), 0.25, np.float32))
 
     def send():
         try:
@@ -165,7 +165,7 @@ def slow_infer(s, protocol, tenant, priority=0, timeout_us=None):
 
 
 def served_in_order(s, protocol, asked, apart=0.03):
-    """Sends `asked` ((name, tenant, priority[, timeout µs]), each from a thread of its own, whose
+    """Sends `asked` ((name, tenant, priority[, timeout µs[, rows]]), each from a thread of its own, whose
     client is made, used and closed there) `apart` seconds apart; the names in the order their
     answers came, and each refused one's error."""
     done, refused, lock = [], {}, threading.Lock()
@@ -233,6 +233,24 @@ def test_tenants_take_turns_in_a_models_queue(start_server, tmp_path, protocol):
     assert not refused and len(done) == len(asked), (done, refused)
     # noisy-0 runs at once; noisy-1 was next in turn when quiet came (before: quiet ran last).
     assert done.index("quiet") <= 2, done
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_tenants_short_request_goes_ahead_of_anothers_long_one_queued_level(start_server, tmp_path, protocol):
+    """Turns went by the rows a tenant had run before its request: a tenant that came (starting
+    level with the one waiting) tied with the other's next request, and the tie went to the older,
+    so a short request waited for a whole batch of another's. In a text flood (pipeline batches
+    of 32 long texts on every worker) a lone short text so waited 60-90 ms where it took 1 ms alone.
+    Turns now go by the rows run once the request has run: the quiet tenant's 8-row request goes
+    ahead of the noisy tenant's queued 64-row ones, right after the one running."""
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text("[default]\n")
+    s = start_server("--tenant-header", "x-tenant", "--tenant-config", str(cfg), repository=slow_repository(tmp_path))
+    # Each batch of 64 rows takes at least a tenth of a second: all are queued while noisy-0 runs.
+    asked = [(f"noisy-{i}", "noisy", 0) for i in range(4)] + [("quiet", "quiet", 0, None, 8)]
+    done, refused = served_in_order(s, protocol, asked, apart=0.01)
+    assert not refused and len(done) == len(asked), (done, refused)
+    assert done.index("quiet") == 1, done
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -414,7 +414,7 @@ impl Batcher {
         q.prune(Instant::now());
         let policy = &self.shared.spec.batch;
         let batches_ahead = if policy.dynamic {
-            q.rows_ahead(p.level, &p.share).div_ceil(policy.max_batch_size.max(1))
+            q.rows_ahead(p.level, &p.share, p.rows).div_ceil(policy.max_batch_size.max(1))
         } else {
             q.requests_ahead(p.level)
         };

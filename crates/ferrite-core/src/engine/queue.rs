@@ -97,10 +97,13 @@ pub enum Decision {
 /// One priority level: requests in time, one lane per share waiting (those of no share are one
 /// more), then (`timeout_action = delay`) those past their timeout, in arrival order.
 ///
-/// Requests take turns by rows across the lanes: the next is the one whose share has been run
-/// the fewest rows, counting its own requests queued ahead of it (then the earliest), so each
-/// share's requests take turns with the others' whatever one share queued before. A share that
-/// comes starts level with the least run of those waiting: no credit from before it waited.
+/// Requests take turns by rows across the lanes: the next is the one whose share will have been
+/// run the fewest rows once it has run, counting its share's requests queued ahead of it and its
+/// own rows (then the earliest), so each share's requests take turns with the others' whatever
+/// one share queued before, and a short request goes ahead of a long one that came level (fair
+/// queueing's finish tags; by the rows run before it, the tie went to the older and a short
+/// request waited a whole long one). A share that comes starts level with the least run of those
+/// waiting: no credit from before it waited.
 /// While one lane waits, that is first come, first served. Forming a batch reads the lanes'
 /// heads and the requests it takes, never the whole queue (a heap over the lanes' next turns),
 /// and the counts admission needs are kept as requests come and go (as Triton's scheduler keeps
@@ -140,13 +143,13 @@ impl Lane {
         if self.served + self.rows as u64 <= key {
             return self.rows;
         }
-        let (mut at, mut rows) = (self.served, 0);
+        let (mut done, mut rows) = (self.served, 0);
         for (_, p) in &self.queue {
-            if at > key {
+            done += p.rows as u64;
+            if done > key {
                 break;
             }
             rows += p.rows;
-            at += p.rows as u64;
         }
         rows
     }
@@ -185,7 +188,8 @@ impl Spot<'_> {
     }
 }
 
-/// A lane's next turn in a `Turns` heap: its key and arrival (unique in a level) order it.
+/// A lane's next turn in a `Turns` heap: its key (the lane's rows run once that request has run)
+/// and arrival (unique in a level) order it.
 struct Turn<'a> {
     key: u64,
     arrival: u64,
@@ -230,7 +234,12 @@ impl<'a, K: Fn(&Pending) -> bool> Iterator for Turns<'a, K> {
             let p = &turn.lane.queue[turn.at].1;
             if let Some(at) = turn.lane.kept_from(turn.at + 1, &self.keep) {
                 let arrival = turn.lane.queue[at].0;
-                self.next.push(Reverse(Turn { key: turn.key + p.rows as u64, arrival, at, ..turn }));
+                self.next.push(Reverse(Turn {
+                    key: turn.key + turn.lane.queue[at].1.rows as u64,
+                    arrival,
+                    at,
+                    ..turn
+                }));
             }
             return Some((Spot::Lane(turn.share, turn.at), p));
         }
@@ -327,7 +336,7 @@ impl Level {
     ) -> impl Iterator<Item = Turn<'a>> + use<'a, 'k, K> {
         self.lanes.iter().filter_map(|(share, lane)| {
             let at = lane.kept_from(0, keep)?;
-            Some(Turn { key: lane.served, arrival: lane.queue[at].0, share, lane, at })
+            Some(Turn { key: lane.served + lane.queue[at].1.rows as u64, arrival: lane.queue[at].0, share, lane, at })
         })
     }
 
@@ -336,10 +345,11 @@ impl Level {
         self.lanes.values().flat_map(|l| &l.queue).filter_map(|(_, p)| p.deadline).min()
     }
 
-    /// The rows that run before a request of `share` that comes now: those in lanes whose turns
-    /// come first (every row of its own share's lane among them); not the delayed ones.
-    fn rows_before(&self, share: &Option<Arc<str>>) -> usize {
-        let own = self.lanes.get(share).map_or_else(|| self.start(), |l| l.served + l.rows as u64);
+    /// The rows that run before a request of `share` and `rows` rows that comes now: those in
+    /// lanes whose turns come first (every row of its own share's lane among them); not the
+    /// delayed ones.
+    fn rows_before(&self, share: &Option<Arc<str>>, rows: usize) -> usize {
+        let own = self.lanes.get(share).map_or_else(|| self.start(), |l| l.served + l.rows as u64) + rows as u64;
         self.lanes.values().map(|lane| lane.rows_until(own)).sum()
     }
 
@@ -470,12 +480,12 @@ impl Queue {
         self.levels.iter().map(|l| l.rows).sum()
     }
 
-    /// The rows a new request of `share` at `level` queues behind: those waiting at the levels
-    /// above, and those at its own whose turns come first (all of them while its share, or none
-    /// other, waits there alone).
-    pub fn rows_ahead(&self, level: usize, share: &Option<Arc<str>>) -> usize {
+    /// The rows a new request of `share` and `rows` rows at `level` queues behind: those waiting
+    /// at the levels above, and those at its own whose turns come first (all of them while its
+    /// share, or none other, waits there alone).
+    pub fn rows_ahead(&self, level: usize, share: &Option<Arc<str>>, rows: usize) -> usize {
         let index = level.min(self.levels.len() - 1);
-        self.levels.iter().take(index).map(|l| l.rows).sum::<usize>() + self.levels[index].rows_before(share)
+        self.levels.iter().take(index).map(|l| l.rows).sum::<usize>() + self.levels[index].rows_before(share, rows)
     }
 
     /// Requests waiting at `level` and above.
@@ -921,9 +931,10 @@ mod tests {
         let _b = push_of(&mut q, 1, b.as_deref()).unwrap();
         let _none = push_of(&mut q, 1, None).unwrap();
         let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 2, false));
-        // a's first came first; then b's and the one of no share, ahead of a's three queued before them.
-        assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
+        // b's and the one of no share go ahead of a's four queued before them: their turns end at
+        // one row run, a's first at two.
         assert_eq!(next(&mut q), vec![(b.clone(), 1), (None, 1)]);
+        assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
         assert_eq!(next(&mut q), vec![(a.clone(), 2)]);
         // b's next two take turns with a's last two, though they came after them.
         let _b2 = push_of(&mut q, 2, b.as_deref()).unwrap();
@@ -960,22 +971,24 @@ mod tests {
         let mut q = queue(1, 100);
         let (a, b) = (Some(Arc::<str>::from("a")), Some(Arc::<str>::from("b")));
         let _a: Vec<Req> = (0..5).map(|_| push_of(&mut q, 2, Some("a")).unwrap()).collect();
-        // a alone: a's next waits for all ten rows (first come, first served); one of another
-        // share, or of none, for a's first only.
-        assert_eq!((q.rows_ahead(0, &a), q.rows_ahead(0, &None), q.rows_ahead(0, &b)), (10, 2, 2));
-        // Once b's first waits, b's next waits for it and for a's first.
+        // a alone: a's next waits for all ten rows (first come, first served); one of two rows of
+        // another share, or of none, for a's first only (its turn ends with it, and a's came
+        // first); one of one row for nothing.
+        assert_eq!((q.rows_ahead(0, &a, 2), q.rows_ahead(0, &None, 2), q.rows_ahead(0, &b, 2)), (10, 2, 2));
+        assert_eq!((q.rows_ahead(0, &None, 1), q.rows_ahead(0, &b, 1)), (0, 0));
+        // Once b's first (one row) waits, b's next of two waits for it and for a's first.
         let _b = push_of(&mut q, 1, Some("b")).unwrap();
-        assert_eq!(q.rows_ahead(0, &b), 2 + 1);
-        assert_eq!(q.rows_ahead(0, &a), 11, "a's next comes after everything queued");
-        // What the queue then runs agrees: a's first, b's, a's second.
+        assert_eq!(q.rows_ahead(0, &b, 2), 1 + 2);
+        assert_eq!(q.rows_ahead(0, &a, 2), 11, "a's next comes after everything queued");
+        // What the queue then runs agrees: b's, then a's first and second.
         let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 2, false));
-        assert_eq!(next(&mut q), vec![(Some("a".to_string()), 2)]);
         assert_eq!(next(&mut q), vec![(Some("b".to_string()), 1)]);
+        assert_eq!(next(&mut q), vec![(Some("a".to_string()), 2)]);
     }
 
     /// The turns read from the lanes' heads are those of their definition, read over every
     /// queued request: each request's key is its share's rows run plus its share's rows queued
-    /// ahead of it, the least first, then the earliest; a share that comes starts at the least
+    /// ahead of it and its own, the least first, then the earliest; a share that comes starts at the least
     /// of those waiting. Random requests of three shares and of none, 1-4 rows, and batches of
     /// 1-8 rows between them, against a plain model of that.
     #[test]
@@ -1014,8 +1027,8 @@ mod tests {
             let mut keyed: Vec<(u64, usize, usize)> = Vec::new();
             for (i, &(arrival, share, rows)) in model.iter().enumerate() {
                 let key = ahead.entry(share).or_insert(served[&share]);
-                keyed.push((*key, arrival, i));
                 *key += rows as u64;
+                keyed.push((*key, arrival, i));
             }
             keyed.sort_unstable();
             let mut total = 0;
@@ -1176,7 +1189,7 @@ mod tests {
         let late = timed(&mut q, t, 1, 50);
         let _b = push(&mut q, t, 2, 4, 1);
         let gone = push(&mut q, t, 4, 4, 1);
-        assert_eq!((q.rows(), q.rows_ahead(0, &None), q.len()), (10, 3, 4));
+        assert_eq!((q.rows(), q.rows_ahead(0, &None, 1), q.len()), (10, 3, 4));
         drop(gone.rx);
         // Before the deadline nothing is read but the fronts; after it, the level is pruned.
         assert_eq!(rows(q.next_batch(t, &policy(3, 0, &[]), usize::MAX, false)), vec![3]);
@@ -1217,8 +1230,8 @@ mod tests {
         // The other level still takes work.
         let _b = push(&mut q, t, 1, 4, 0);
         assert_eq!(q.len(), 2);
-        assert_eq!(q.rows_ahead(0, &None), 1);
-        assert_eq!(q.rows_ahead(1, &None), 2);
+        assert_eq!(q.rows_ahead(0, &None, 1), 1);
+        assert_eq!(q.rows_ahead(1, &None, 1), 2);
     }
 
     #[test]
