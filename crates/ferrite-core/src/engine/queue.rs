@@ -55,8 +55,9 @@ pub struct Pending {
     /// A load's warm-up request: run at once, and left out of the statistics.
     pub warmup: bool,
     pub hold: Hold,
-    /// Costly beyond the model's light work (a pipeline request of many megapixels): such
-    /// requests never take every instance at once, and never share a batch with light ones.
+    /// Costly beyond the model's light work (a pipeline request of many megapixels or much
+    /// text): such requests never keep light ones waiting for an instance (the batcher's reserve,
+    /// or its last instance, takes those), and never share a batch with them.
     pub heavy: bool,
     /// The share of the server its turn counts in (`InferRequest::share`): requests of several
     /// shares take turns in a level, by rows, and one share's hold at most half of a level's
@@ -102,8 +103,9 @@ pub enum Decision {
 /// own rows (then the earliest), so each share's requests take turns with the others' whatever
 /// one share queued before, and a short request goes ahead of a long one that came level (fair
 /// queueing's finish tags; by the rows run before it, the tie went to the older and a short
-/// request waited a whole long one). A share that comes starts level with the least run of those
-/// waiting: no credit from before it waited.
+/// request waited a whole long one). A share that comes starts at the key of the last turn taken
+/// (fair queueing's virtual time): no credit from before it waited, and a share whose short
+/// requests come and go cannot keep taking turns ahead of one waiting with a long request.
 /// While one lane waits, that is first come, first served. Forming a batch reads the lanes'
 /// heads and the requests it takes, never the whole queue (a heap over the lanes' next turns),
 /// and the counts admission needs are kept as requests come and go (as Triton's scheduler keeps
@@ -115,6 +117,8 @@ struct Level {
     policy: QueuePolicy,
     /// The arrival number of the next request (ties between turns go to the earlier).
     arrivals: u64,
+    /// The key of the last turn taken from a lane: where a share that comes starts (see above).
+    clock: u64,
     len: usize,
     rows: usize,
     /// At or before the earliest deadline of a request in a lane (none: no deadline there).
@@ -255,6 +259,7 @@ impl Level {
             delayed: VecDeque::new(),
             policy,
             arrivals: 0,
+            clock: 0,
             len: 0,
             rows: 0,
             due: None,
@@ -266,9 +271,10 @@ impl Level {
         self.lanes.values().flat_map(|l| l.queue.iter().map(|(_, p)| p)).chain(&self.delayed)
     }
 
-    /// The rows a share that was not waiting starts its turns at: the least run of those waiting.
+    /// The rows a share that was not waiting starts its turns at: the key of the last turn taken
+    /// (never less than a waiting lane's rows run: those count only turns taken).
     fn start(&self) -> u64 {
-        self.lanes.values().map(|l| l.served).min().unwrap_or(0)
+        self.clock
     }
 
     /// The places of this level `share`'s requests hold already, against the half they may.
@@ -367,8 +373,9 @@ impl Level {
                 let rows: usize = taken.iter().map(|p| p.rows).sum();
                 lane.rows -= rows;
                 lane.served += rows as u64;
+                self.clock = self.clock.max(lane.served);
                 if lane.queue.is_empty() {
-                    // A share that waits no more starts level with the others when it comes back.
+                    // A share that waits no more starts at the clock when it comes back.
                     self.lanes.remove(share);
                 }
                 taken
@@ -967,6 +974,25 @@ mod tests {
     }
 
     #[test]
+    fn a_share_whose_short_requests_come_and_go_does_not_keep_a_long_one_waiting() {
+        let mut q = queue(1, 100);
+        let _a = push_of(&mut q, 8, Some("a")).unwrap();
+        let next = |q: &mut Queue| shares_of(q.next_batch(Instant::now(), &policy(8, 0, &[]), 1, false)).remove(0);
+        // b's one-row requests, one at a time: each goes ahead of a's 8 rows until b has run as
+        // many rows as a's request holds (a share that comes back starts where the turns are, not
+        // level with a again as if it had run nothing: then a never ran).
+        let mut order = Vec::new();
+        for _ in 0..10 {
+            let _b = push_of(&mut q, 1, Some("b")).unwrap();
+            order.push(next(&mut q).0.unwrap());
+            if order.last().map(String::as_str) == Some("a") {
+                break;
+            }
+        }
+        assert_eq!(order, [vec!["b"; 7], vec!["a"]].concat());
+    }
+
+    #[test]
     fn the_rows_ahead_of_a_new_request_are_those_whose_turns_come_first() {
         let mut q = queue(1, 100);
         let (a, b) = (Some(Arc::<str>::from("a")), Some(Arc::<str>::from("b")));
@@ -988,8 +1014,8 @@ mod tests {
 
     /// The turns read from the lanes' heads are those of their definition, read over every
     /// queued request: each request's key is its share's rows run plus its share's rows queued
-    /// ahead of it and its own, the least first, then the earliest; a share that comes starts at the least
-    /// of those waiting. Random requests of three shares and of none, 1-4 rows, and batches of
+    /// ahead of it and its own, the least first, then the earliest; a share that comes starts at the
+    /// key of the last turn taken. Random requests of three shares and of none, 1-4 rows, and batches of
     /// 1-8 rows between them, against a plain model of that.
     #[test]
     fn turns_read_from_the_lanes_are_those_of_every_request_keyed() {
@@ -999,6 +1025,7 @@ mod tests {
         // The model: (arrival, share, rows) in arrival order, and each waiting share's rows run.
         let mut model: Vec<(usize, Option<&str>, usize)> = Vec::new();
         let mut served: HashMap<Option<&str>, u64> = HashMap::new();
+        let mut clock = 0;
         let mut held = Vec::new();
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut random = |n: u64| {
@@ -1014,8 +1041,7 @@ mod tests {
                 p.id = Some(arrival.to_string());
                 if q.push(p).is_ok() {
                     if !model.iter().any(|m| m.1 == share) {
-                        let start = served.values().min().copied().unwrap_or(0);
-                        served.insert(share, start);
+                        served.insert(share, clock);
                     }
                     model.push((arrival, share, rows));
                     held.push(req);
@@ -1048,7 +1074,9 @@ mod tests {
             let want: Vec<String> = expected.iter().map(|&i| model[i].0.to_string()).collect();
             assert_eq!(got, want, "batch after arrival {arrival}");
             for &i in &expected {
-                *served.get_mut(&model[i].1).unwrap() += model[i].2 as u64;
+                let lane = served.get_mut(&model[i].1).unwrap();
+                *lane += model[i].2 as u64;
+                clock = clock.max(*lane);
             }
             expected.sort_unstable();
             for i in expected.into_iter().rev() {
