@@ -8,10 +8,12 @@ calls and batch sizes depend little on how fast the machine runs that minute; th
 do, so read those through the spread of their rounds (shown).
 
 The pipelines of bench/pipelines.py are cases too: `text` (its load `embed`: TEI's /embed, one
-sentence a request) and `images` (its load `bin`: one JPEG a request over V2 binary).
+sentence a request; `embedmixed`, `embedmixed16`: sentences of many lengths, one and 16 a request;
+`embedlong`: 32 passages of 200 words a request) and `images` (its load `bin`: one JPEG a request
+over V2 binary).
 
 Usage: python3 bench/ab.py BINARY_A BINARY_B [--models tiny,mlp,detector320,text] [--clients 8,128]
-       [--loads bin,grpc,pahttp,json,tenants,embed] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
+       [--loads bin,grpc,pahttp,json,tenants,embed,embedlong] [--rounds 3] [--duration 3] [--name ab] [--no-pin]
 """
 
 import argparse
@@ -92,7 +94,10 @@ def pipeline_loads(case, base, header_len):
             "embedmixed": lambda c: run.oha_load(f"{base}/embed", WORK / "embed-mixed.jsonl", c,
                                                  ["Content-Type: application/json"], lines=True),
             "embedmixed16": lambda c: run.oha_load(f"{base}/embed", WORK / "embed-mixed16.jsonl", c,
-                                                   ["Content-Type: application/json"], lines=True)}
+                                                   ["Content-Type: application/json"], lines=True),
+            # 32 passages of 200 words a request (heavy).
+            "embedlong": lambda c: run.oha_load(f"{base}/embed", WORK / "embed-long.json", c,
+                                                ["Content-Type: application/json"])}
 
 
 def tenants_load(infer, body, header_len):

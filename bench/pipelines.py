@@ -117,6 +117,10 @@ def bodies(jpeg):
     (WORK / "embed-mixed.jsonl").write_text("".join(json.dumps({"inputs": t}) + "\n" for t in mixed))
     (WORK / "embed-mixed16.jsonl").write_text(
         "".join(json.dumps({"inputs": mixed[i:i + 16]}) + "\n" for i in range(0, len(mixed), 16)))
+    # 32 passages of 200 words a request, as a document indexer sends them: a pipeline batch of
+    # much text (a heavy request).
+    (WORK / "embed-long.json").write_text(json.dumps({"inputs": [f"{i} " + " ".join(["passage"] * 200)
+                                                                 for i in range(32)]}))
     return header_len
 
 

@@ -34,8 +34,9 @@ pub trait Backend: Send + Sync {
     fn instance(&self) -> Result<Box<dyn Instance>>;
 
     /// What a request will cost, read from what its inputs declare before any work (a
-    /// pipeline's: the pixels its images' headers declare), or an error when that is over a
-    /// per-request budget. `None`: every request costs alike.
+    /// pipeline's: the pixels its images' headers declare, the bytes of text it reads), or an
+    /// error when that is over a per-request budget. `None`: every request costs alike. A backend
+    /// that tells costs gets one more instance, the batcher's reserve for light work.
     fn cost(&self) -> Option<Cost> {
         None
     }

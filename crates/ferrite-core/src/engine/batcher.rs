@@ -9,6 +9,11 @@
 //! latency of every core, not one), and the single-threaded ones take it when there is more than
 //! one batch of work. The two kinds never run at once, so the threads running never exceed the
 //! budget.
+//!
+//! A backend whose requests may be heavy (`Backend::cost`: a pipeline's large images or long
+//! texts) has one more worker, the *reserve*: its instances may all run heavy batches, and the
+//! reserve takes light work only while they do, so a light request never waits for a heavy one
+//! to finish, and heavy work alone still has every instance.
 
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},
@@ -173,6 +178,10 @@ struct Shared {
     wake: Wake,
     /// The solo instance's own (see the module), so a submit wakes only the worker whose turn it is.
     wake_solo: Wake,
+    /// The reserve's own (see the module).
+    wake_reserve: Wake,
+    /// The model has a reserve worker.
+    has_reserve: bool,
     /// Signalled when a batch finishes or the queue empties, for shutdown's wait.
     idle: Condvar,
     closed: std::sync::atomic::AtomicBool,
@@ -191,8 +200,8 @@ struct Shared {
     each: bool,
     /// Batches formed so far (for exploring past the measured merge limit now and then).
     formed: std::sync::atomic::AtomicU64,
-    /// Batches of heavy requests running now: at most all instances but one, so light work
-    /// always finds one (see `Pending::heavy`).
+    /// Batches of heavy requests running now: at most all instances but one (with a reserve, all
+    /// of them), so light work always finds one (see `Pending::heavy`).
     heavy_running: AtomicUsize,
     /// Requests whose clients left after they were taken from the queue: before they ran, or
     /// while they ran in a backend that stopped paying for them (a pipeline).
@@ -243,10 +252,21 @@ impl Shared {
 
     /// Where the workers of `role` sleep.
     fn wake(&self, role: Role) -> &Wake {
-        if role == Role::Solo {
-            &self.wake_solo
+        match role {
+            Role::Solo => &self.wake_solo,
+            Role::Reserve => &self.wake_reserve,
+            Role::Shared | Role::Narrow => &self.wake,
+        }
+    }
+
+    /// The heavy batches that may run at once: all instances but one, so light work always finds
+    /// one, or all of them where the reserve is there for light work.
+    fn most_heavy(&self) -> usize {
+        let n = self.spec.instance_count;
+        if self.has_reserve {
+            n.max(1)
         } else {
-            &self.wake
+            n.saturating_sub(1).max(1)
         }
     }
 
@@ -257,7 +277,9 @@ impl Shared {
         if q.is_empty() {
             return None;
         }
-        let wake = if !self.has_solo {
+        let wake = if self.has_reserve && my_turn(self, q, Role::Reserve, 0) {
+            &self.wake_reserve
+        } else if !self.has_solo {
             &self.wake
         } else {
             let limit = self.limit(q);
@@ -323,6 +345,10 @@ impl Batcher {
         let mut instances = (0..spec.instance_count)
             .map(|_| backend.instance().map(|i| (i, Role::Shared)))
             .collect::<Result<Vec<_>>>()?;
+        let has_reserve = backend.cost().is_some() && solo.is_none();
+        if has_reserve {
+            instances.push((backend.instance()?, Role::Reserve));
+        }
         let shared = Arc::new(Shared {
             submitted: Default::default(),
             cancelled: Default::default(),
@@ -337,6 +363,8 @@ impl Batcher {
             answered_turn: Condvar::new(),
             wake: Wake::default(),
             wake_solo: Wake::default(),
+            wake_reserve: Wake::default(),
+            has_reserve,
             idle: Condvar::new(),
             closed: Default::default(),
             running: AtomicUsize::new(0),
@@ -443,6 +471,7 @@ impl Batcher {
         drop(q);
         self.shared.wake.condvar.notify_all();
         self.shared.wake_solo.condvar.notify_all();
+        self.shared.wake_reserve.condvar.notify_all();
     }
 
     /// Waits until nothing is queued or running, at most until `deadline`. True if drained.
@@ -498,12 +527,18 @@ enum Role {
     /// The instance on every thread of the budget: takes work when one batch holds all of it and
     /// nothing runs.
     Solo,
+    /// One more instance of a backend whose requests may be heavy: takes light work only, while
+    /// heavy batches run on all the others.
+    Reserve,
 }
 
 /// Whether `role` may take work from `q` now (always, without a solo instance).
 fn my_turn(shared: &Shared, q: &Queue, role: Role, limit: usize) -> bool {
     if role == Role::Shared || q.is_empty() {
         return true;
+    }
+    if role == Role::Reserve {
+        return shared.heavy_running.load(Ordering::Acquire) >= shared.most_heavy() && q.head(true).is_some();
     }
     let running = shared.running.load(Ordering::Acquire);
     // Past calibration's limit (a limit scaled to smaller rows than calibration's), the batch
@@ -562,8 +597,8 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                     q = shared.wake(role).sleep(q, Some(turn));
                     continue;
                 }
-                let most_heavy = shared.spec.instance_count.saturating_sub(1).max(1);
-                let light_only = shared.heavy_running.load(Ordering::Acquire) >= most_heavy;
+                let light_only =
+                    role == Role::Reserve || shared.heavy_running.load(Ordering::Acquire) >= shared.most_heavy();
                 let mut limit = shared.batch_limit(&q, light_only);
                 // A queue delay the config sets is Triton's: an instance takes what its limit allows.
                 if role != Role::Solo && shared.spec.batch.gather {
@@ -616,7 +651,7 @@ fn worker(shared: &Shared, mut instance: Box<dyn Instance>, role: Role) {
                         // Spin only after a lone request: that is a caller waiting on its answer
                         // before it sends the next. Under load, batches are larger and the
                         // cores are better left to the front-ends.
-                        if last_requests <= 1 {
+                        if last_requests <= 1 && role != Role::Reserve {
                             idle_since.get_or_insert_with(Instant::now);
                             let spin = watch_for(lone_streak, shared.batch_time.recent(), recent_gap);
                             if !spin.is_zero() {

@@ -167,9 +167,14 @@ impl StepError {
 /// How often a model step waiting on another model checks whether its rows' clients are still there.
 const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// Decoded pixels past which a pipeline request is heavy (about a 2,300 x 1,700 image): it may
-/// take every worker but one, never the last, so a small image is never stuck behind large ones.
+/// Decoded pixels past which a pipeline request is heavy (about a 2,300 x 1,700 image): it never
+/// keeps a light request waiting for a worker (the batcher's reserve takes that), so a small image
+/// is never stuck behind large ones.
 const HEAVY_PIXELS: u64 = 4_000_000;
+/// Bytes of text read past which a pipeline request is heavy, likewise (32 texts of about a
+/// hundred words; a batch of 32 texts of 200 words held a worker of the bundled text pipeline
+/// 90 ms on two busy cores, one short text 1 ms).
+const HEAVY_TEXT_BYTES: u64 = 16 << 10;
 
 /// A built step: its name for errors and metrics, and what it does.
 struct Step {
@@ -525,16 +530,21 @@ impl Backend for Pipeline {
     }
 
     /// The pixels a request's images declare in their headers, against each decode step's
-    /// `max_request_pixels` (refused at admission, before the request queues). A request of more
-    /// than a few megapixels is heavy: it never takes the last worker light requests need.
+    /// `max_request_pixels` (refused at admission, before the request queues), and the bytes its
+    /// tokenize steps read of its texts. A request of more than a few megapixels, or of more text
+    /// than 32 texts of about a hundred words, is heavy (each counted as its share of those, added
+    /// up): heavy requests never keep light ones waiting for a worker (the batcher's reserve).
     fn cost(&self) -> Option<Cost> {
-        if !self.steps.iter().any(|s| matches!(s.op, Op::Decode(_))) {
+        if !self.steps.iter().any(|s| matches!(s.op, Op::Decode(_) | Op::Tokenize(_))) {
             return None;
         }
         let steps = self.steps.clone();
         let of = move |inputs: &[Tensor]| -> Result<u64> {
             let mut total = 0u64;
             for step in steps.iter() {
+                if let Op::Tokenize(t) = &step.op {
+                    total = total.saturating_add(t.read_bytes(inputs).saturating_mul(HEAVY_PIXELS));
+                }
                 let Op::Decode(d) = &step.op else { continue };
                 let Some(TensorData::Strings(images)) = inputs.iter().find(|t| t.name == d.input()).map(|t| &t.data)
                 else {
@@ -552,11 +562,11 @@ impl Backend for Pipeline {
                         step.name, d.max_request_pixels
                     )));
                 }
-                total += pixels;
+                total = total.saturating_add(pixels.saturating_mul(HEAVY_TEXT_BYTES));
             }
             Ok(total)
         };
-        Some(Cost { of: Arc::new(of), heavy: HEAVY_PIXELS })
+        Some(Cost { of: Arc::new(of), heavy: HEAVY_PIXELS * HEAVY_TEXT_BYTES })
     }
 
     /// Answers of a size of their own (a text's ids, an image's pixels) do not stack across
@@ -1184,6 +1194,29 @@ mod tests {
             ok.outputs()[0],
             TensorSpec { name: "pixels".into(), datatype: DataType::Fp32, dims: vec![3, 6, 8] }
         );
+    }
+
+    #[test]
+    fn a_request_of_much_text_is_heavy_counting_what_is_read_of_each() {
+        let registry: Arc<dyn Models> = Arc::new(arc_swap::ArcSwap::from_pointee(Registry::default()));
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/text_embedder");
+        let config = steps("[[steps]]\nop = \"tokenize\"\nmax_length = 256\n").unwrap();
+        let p =
+            Pipeline::build("p", &dir, &config, &[], &[], &Registry::default(), registry, Default::default()).unwrap();
+        let cost = p.cost().expect("a text pipeline tells its requests' costs");
+        let heavy = |texts: Vec<String>| {
+            let items = texts.into_iter().map(bytes::Bytes::from).collect::<Vec<_>>();
+            let t = Tensor::new("text", DataType::Bytes, vec![items.len()], TensorData::Strings(items));
+            (cost.of)(&[t]).unwrap() > cost.heavy
+        };
+        let words = |n: usize| vec!["word"; n].join(" ");
+        assert!(!heavy(vec!["a short text to embed".into()]));
+        assert!(!heavy(vec![words(20); 32]), "32 sentences");
+        assert!(heavy(vec![words(200); 32]), "32 texts of 200 words");
+        // What is read of a text: 8 x max_length bytes at first (the rest is cut).
+        assert!(!heavy(vec!["x".repeat(1 << 20)]), "one text of a megabyte");
+        assert!(!heavy(vec!["x".repeat(1 << 20); 8]), "eight: 16 KiB read");
+        assert!(heavy(vec!["x".repeat(1 << 20); 9]));
     }
 
     #[test]

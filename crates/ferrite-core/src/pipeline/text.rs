@@ -246,6 +246,17 @@ impl Tokenize {
         encode(&self.tokenizer, text, pair, self.special, self.max_length)
     }
 
+    /// The bytes of a request's texts this step reads at most (`encode`'s first prefix of each):
+    /// what its tokenizing costs, known before it queues.
+    pub(crate) fn read_bytes(&self, inputs: &[Tensor]) -> u64 {
+        let most = first_prefix(self.max_length) as u64;
+        let texts = |name: &String| match inputs.iter().find(|t| &t.name == name).map(|t| &t.data) {
+            Some(TensorData::Strings(texts)) => texts.iter().map(|t| (t.len() as u64).min(most)).sum(),
+            _ => 0,
+        };
+        std::iter::once(&self.input).chain(&self.pair).map(texts).sum()
+    }
+
     /// What the text routes read of the step: its inputs, its limit, and its tokenizer without
     /// truncation (TEI's `/tokenize` never cuts; a length check must see past the limit).
     pub(crate) fn parts(&self) -> (String, Option<String>, usize, bool, Tokenizer) {
@@ -254,6 +265,11 @@ impl Tokenize {
         let _ = plain.with_truncation(None);
         (self.input.clone(), self.pair.clone(), self.max_length, self.special, plain)
     }
+}
+
+/// The bytes of a text `encode` reads first: `8 x max_length`, at least 256.
+fn first_prefix(max_length: usize) -> usize {
+    max_length.saturating_mul(8).max(256)
 }
 
 /// The encoding of `text` (and `pair`) by `tokenizer`, paying for the tokens kept rather than the
@@ -269,7 +285,7 @@ pub(crate) fn encode(
     max_length: usize,
 ) -> Result<tokenizers::Encoding> {
     let failed = |e: tokenizers::Error| Error::invalid(format!("cannot tokenize: {e}"));
-    let mut budget = max_length.saturating_mul(8).max(256);
+    let mut budget = first_prefix(max_length);
     loop {
         let (a, b) = (prefix(text, budget), pair.map(|p| prefix(p, budget)));
         let whole = a.len() == text.len() && pair.zip(b).is_none_or(|(p, b)| b.len() == p.len());
