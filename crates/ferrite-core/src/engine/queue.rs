@@ -117,7 +117,8 @@ struct Level {
     policy: QueuePolicy,
     /// The arrival number of the next request (ties between turns go to the earlier).
     arrivals: u64,
-    /// The key of the last turn taken from a lane: where a share that comes starts (see above).
+    /// The key of the last turn taken from a lane: where a share that comes starts (see above;
+    /// never less than a waiting lane's rows run, which count only turns taken).
     clock: u64,
     len: usize,
     rows: usize,
@@ -271,12 +272,6 @@ impl Level {
         self.lanes.values().flat_map(|l| l.queue.iter().map(|(_, p)| p)).chain(&self.delayed)
     }
 
-    /// The rows a share that was not waiting starts its turns at: the key of the last turn taken
-    /// (never less than a waiting lane's rows run: those count only turns taken).
-    fn start(&self) -> u64 {
-        self.clock
-    }
-
     /// The places of this level `share`'s requests hold already, against the half they may.
     fn held_by(&self, share: &Option<Arc<str>>) -> Option<usize> {
         share.as_ref().map(|s| self.shares.get(s).copied().unwrap_or(0))
@@ -314,8 +309,7 @@ impl Level {
         let lane = match self.lanes.get_mut(&p.share) {
             Some(lane) => lane,
             None => {
-                let served = self.start();
-                let lane = Lane { queue: VecDeque::new(), rows: 0, served };
+                let lane = Lane { queue: VecDeque::new(), rows: 0, served: self.clock };
                 self.lanes.entry(p.share.clone()).or_insert(lane)
             }
         };
@@ -355,7 +349,7 @@ impl Level {
     /// lanes whose turns come first (every row of its own share's lane among them); not the
     /// delayed ones.
     fn rows_before(&self, share: &Option<Arc<str>>, rows: usize) -> usize {
-        let own = self.lanes.get(share).map_or_else(|| self.start(), |l| l.served + l.rows as u64) + rows as u64;
+        let own = self.lanes.get(share).map_or(self.clock, |l| l.served + l.rows as u64) + rows as u64;
         self.lanes.values().map(|lane| lane.rows_until(own)).sum()
     }
 
