@@ -10,7 +10,7 @@ use std::{sync::Arc, time::Instant};
 
 use ferrite_core::{
     engine::{
-        queue::{Decision, Hold, Pending, Queue},
+        queue::{Decision, Pending, Queue},
         spec::{BatchPolicy, QueuePolicy},
     },
     DataType, Tensor,
@@ -22,23 +22,7 @@ const BATCHES: usize = 20_000;
 fn pending(share: Option<Arc<str>>) -> (Pending, tokio::sync::oneshot::Receiver<ferrite_core::Result<Vec<Tensor>>>) {
     let (reply, rx) = tokio::sync::oneshot::channel();
     let x = Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4]);
-    let p = Pending {
-        id: None,
-        parameters: None,
-        inputs: vec![x],
-        rows: 1,
-        outputs: None,
-        level: 0,
-        enqueued: Instant::now(),
-        deadline: None,
-        reply,
-        runtime: None,
-        span: tracing::Span::none(),
-        warmup: false,
-        hold: Hold::default(),
-        heavy: false,
-        share,
-    };
+    let p = Pending { share, ..Pending::new(vec![x], 1, reply) };
     (p, rx)
 }
 

@@ -1185,10 +1185,7 @@ fn check_outputs(outputs: Vec<Tensor>, batched: bool, rows: usize) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        engine::{queue::Hold, spec::QueuePolicy},
-        DataType,
-    };
+    use crate::{engine::spec::QueuePolicy, DataType};
     use tokio::sync::oneshot;
 
     #[test]
@@ -1229,24 +1226,7 @@ mod tests {
     /// A one-row request answered on `runtime`, and where its answer arrives.
     fn pending(runtime: Option<tokio::runtime::Handle>) -> (Pending, oneshot::Receiver<Result<Vec<Tensor>>>) {
         let (tx, rx) = oneshot::channel();
-        let p = Pending {
-            id: None,
-            parameters: None,
-            inputs: Vec::new(),
-            rows: 1,
-            outputs: None,
-            level: 0,
-            enqueued: Instant::now(),
-            deadline: None,
-            reply: tx,
-            runtime,
-            span: tracing::Span::none(),
-            warmup: false,
-            hold: Hold::default(),
-            heavy: false,
-            share: None,
-        };
-        (p, rx)
+        (Pending { runtime, ..Pending::new(Vec::new(), 1, tx) }, rx)
     }
 
     fn answered(i: usize) -> Result<Vec<Tensor>> {

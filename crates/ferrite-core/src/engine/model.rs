@@ -139,25 +139,7 @@ impl Model {
     pub fn warm_up(&self, inputs: Vec<Tensor>) -> Result<()> {
         let (inputs, rows) = self.check_inputs(inputs, crate::wire::DEFAULT_MAX_ELEMENTS)?;
         let (tx, rx) = oneshot::channel();
-        let span = tracing::Span::none();
-        let p = Pending {
-            id: None,
-            parameters: None,
-            inputs,
-            rows,
-            outputs: None,
-            level: 0,
-            enqueued: Instant::now(),
-            deadline: None,
-            reply: tx,
-            runtime: None,
-            span,
-            warmup: true,
-            hold: Hold::default(),
-            heavy: false,
-            share: None,
-        };
-        self.batcher.submit(p)?;
+        self.batcher.submit(Pending { warmup: true, ..Pending::new(inputs, rows, tx) })?;
         block_on(rx).map_err(|_| Error::internal("the warm-up request was dropped"))?.map(|_| ())
     }
 

@@ -66,6 +66,28 @@ pub struct Pending {
 }
 
 impl Pending {
+    /// A request of `inputs` (`rows` rows) queued now at the first priority level, with nothing
+    /// else set; a caller sets what it needs besides with struct update (`..Pending::new(..)`).
+    pub fn new(inputs: Vec<Tensor>, rows: usize, reply: oneshot::Sender<Result<Vec<Tensor>>>) -> Pending {
+        Pending {
+            id: None,
+            parameters: None,
+            inputs,
+            rows,
+            outputs: None,
+            level: 0,
+            enqueued: Instant::now(),
+            deadline: None,
+            reply,
+            runtime: None,
+            span: tracing::Span::none(),
+            warmup: false,
+            hold: Hold::default(),
+            heavy: false,
+            share: None,
+        }
+    }
+
     /// Input elements per row (the whole request's when it has one row): what tells a batch of
     /// small images from one of large ones.
     pub fn row_elements(&self) -> usize {
@@ -786,23 +808,7 @@ mod tests {
     fn pending(at: Instant, rows: usize, width: usize, level: usize, share: Option<Arc<str>>) -> (Pending, Req) {
         let (tx, rx) = oneshot::channel();
         let x = Tensor::from_le("x", DataType::Fp32, vec![rows, width], &vec![0f32; rows * width]);
-        let p = Pending {
-            id: None,
-            parameters: None,
-            inputs: vec![x],
-            rows,
-            outputs: None,
-            level,
-            enqueued: at,
-            deadline: None,
-            reply: tx,
-            runtime: None,
-            span: tracing::Span::none(),
-            warmup: false,
-            hold: Hold::default(),
-            heavy: false,
-            share,
-        };
+        let p = Pending { level, enqueued: at, share, ..Pending::new(vec![x], rows, tx) };
         (p, Req { rx })
     }
 
@@ -1107,23 +1113,7 @@ mod tests {
         let mut q = queue(1, 1);
         let _a = push(&mut q, t, 1, 4, 0);
         let (tx, _rx) = oneshot::channel();
-        let extra = Pending {
-            id: None,
-            parameters: None,
-            inputs: vec![],
-            rows: 1,
-            outputs: None,
-            level: 0,
-            enqueued: t,
-            deadline: None,
-            reply: tx,
-            runtime: None,
-            span: tracing::Span::none(),
-            warmup: false,
-            hold: Hold::default(),
-            heavy: false,
-            share: None,
-        };
+        let extra = Pending { enqueued: t, ..Pending::new(vec![], 1, tx) };
         let err = q.push(extra).unwrap_err();
         assert!(matches!(err, Error::Unavailable { retry_after: Some(_), .. }));
     }
@@ -1133,24 +1123,9 @@ mod tests {
         let t = Instant::now();
         let mut q = queue(1, 10);
         let (tx, mut rx) = oneshot::channel();
-        q.push(Pending {
-            id: None,
-            parameters: None,
-            inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
-            rows: 1,
-            outputs: None,
-            level: 0,
-            enqueued: t,
-            deadline: Some(t + Duration::from_micros(100)),
-            reply: tx,
-            runtime: None,
-            span: tracing::Span::none(),
-            warmup: false,
-            hold: Hold::default(),
-            heavy: false,
-            share: None,
-        })
-        .unwrap();
+        let x = Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4]);
+        q.push(Pending { enqueued: t, deadline: Some(t + Duration::from_micros(100)), ..Pending::new(vec![x], 1, tx) })
+            .unwrap();
         assert!(matches!(
             q.next_batch(t + Duration::from_micros(100), &policy(8, 0, &[]), usize::MAX, false),
             Decision::Idle
@@ -1181,24 +1156,9 @@ mod tests {
 
     fn timed(q: &mut Queue, at: Instant, level: usize, timeout_us: u64) -> oneshot::Receiver<Result<Vec<Tensor>>> {
         let (tx, rx) = oneshot::channel();
-        q.push(Pending {
-            id: None,
-            parameters: None,
-            inputs: vec![Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4])],
-            rows: 1,
-            outputs: None,
-            level,
-            enqueued: at,
-            deadline: Some(at + Duration::from_micros(timeout_us)),
-            reply: tx,
-            runtime: None,
-            span: tracing::Span::none(),
-            warmup: false,
-            hold: Hold::default(),
-            heavy: false,
-            share: None,
-        })
-        .unwrap();
+        let x = Tensor::from_le("x", DataType::Fp32, vec![1, 4], &[0f32; 4]);
+        let deadline = Some(at + Duration::from_micros(timeout_us));
+        q.push(Pending { level, enqueued: at, deadline, ..Pending::new(vec![x], 1, tx) }).unwrap();
         rx
     }
 
@@ -1231,23 +1191,7 @@ mod tests {
         let mut q = Queue::new(&[QueuePolicy::default(), small]);
         let _a = push(&mut q, t, 1, 4, 1);
         let (tx, _rx) = oneshot::channel();
-        let extra = Pending {
-            id: None,
-            parameters: None,
-            inputs: vec![],
-            rows: 1,
-            outputs: None,
-            level: 1,
-            enqueued: t,
-            deadline: None,
-            reply: tx,
-            runtime: None,
-            span: tracing::Span::none(),
-            warmup: false,
-            hold: Hold::default(),
-            heavy: false,
-            share: None,
-        };
+        let extra = Pending { level: 1, enqueued: t, ..Pending::new(vec![], 1, tx) };
         assert!(matches!(q.push(extra), Err(Error::Unavailable { .. })));
         // The other level still takes work.
         let _b = push(&mut q, t, 1, 4, 0);
