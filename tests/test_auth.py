@@ -36,7 +36,7 @@ HTTP_ROUTES = [
 # Statistics count every tenant's traffic and cache hits: the operator's (metrics) scope.
 STATS_ROUTES = [("GET", "/v2/models/mlp/stats"), ("GET", "/v2/models/stats"), ("GET", "/v2/models/mlp/versions/1/stats"),
                 ("GET", "/dashboard/metrics")]
-HEALTH = [("GET", "/v2/health/live"), ("GET", "/v2/health/ready")]
+HEALTH = [("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/health"), ("GET", "/ping"), ("GET", "/")]
 
 
 def http(method, url, token=None):
@@ -120,6 +120,9 @@ def test_health_may_be_left_open(secured):
     for method, path in HEALTH:
         assert http(method, f"http://{s.url}{path}") == 200
     assert http("GET", f"http://{s.url}/v2/models/mlp") == 401
+    # TEI's health is GET /; its POST is an inference call.
+    assert http("POST", f"http://{s.url}/") == 401
+    assert http("POST", f"http://{s.url}/invocations") == 401
 
 
 GRPC_CALLS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",

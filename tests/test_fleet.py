@@ -199,6 +199,11 @@ def test_readiness_goes_off_before_requests_are_refused(start_server):
     ready = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
     ready.request("GET", "/v2/health/ready")
     assert ready.getresponse().status == 503
+    # TEI's health route says it too, in TEI's words.
+    health = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    health.request("GET", "/health")
+    tei = health.getresponse()
+    assert (tei.status, json.loads(tei.read())) == (503, {"error": "unhealthy", "error_type": "Unhealthy"})
     # During the grace a request is still served, and its kept-alive connection is told to close
     # after it, so the client's next request opens a connection through the balancer.
     conn.request("POST", "/v2/models/mlp/infer", BODY)

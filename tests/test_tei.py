@@ -1,6 +1,7 @@
 """TEI drop-in: Hugging Face directories (written by scripts/make_models.py --hugging-face as
 optimum and sentence-transformers lay them out) served with no configuration, and TEI's API over
-them: /embed, /rerank, /predict, /similarity, /tokenize, /decode, /info, plus Cohere's /v1/rerank.
+them: /embed, /rerank, /predict, /similarity, /tokenize, /decode, /info, /health and the default
+route POST /, plus Cohere's /v1/rerank.
 Answers are compared with a reference made here from the same files: the tokenizer through the
 `tokenizers` package, the ONNX file through onnxruntime, pooling and scores in NumPy."""
 
@@ -235,6 +236,61 @@ def test_similarity_tokenize_and_decode(server, hf):
     assert both == [want.decode(e.ids, skip_special_tokens=False), want.decode(e.ids[:3], skip_special_tokens=False)]
     status, body = call(server, "/tokenize", {"inputs": "x" * (1 << 20) + "y", "model": "hf_embedder"})
     assert status == 422 and "at most" in body["error"], body
+
+
+def raw(url, path, method="GET", body=None, token=None):
+    req = urllib.request.Request(f"http://{url}{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode())
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_a_lone_directory_answers_teis_health_and_default_routes(hf, tmp_path):
+    """TEI serves one model, and its users' probes and clients call routes named for that: GET
+    /health (/ and /ping on its Inference Endpoints and SageMaker images), POST / and /invocations
+    (the model's own call, by its type), POST /embeddings (OpenAI's, unversioned)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN} infer\n")
+    for directory, body, route in (("hf_embedder", {"inputs": TEXTS}, "/embed"),
+                                   ("hf_reranker", {"query": "cats", "texts": ["a cat", "a road"]}, "/rerank")):
+        repo = tmp_path / directory / "models"
+        shutil.copytree(hf / directory, repo / directory)
+        shutil.copytree(ROOT / "models" / "mlp", repo / "mlp")  # not a text model: it does not count
+        s = Server(repo, "--auth-token-file", str(tokens), "--auth-allow-health")
+        try:
+            for path in ("/health", "/", "/ping"):
+                assert raw(s.url, path) == (200, b""), path
+            want = raw(s.url, route, "POST", body, TOKEN)
+            assert want[0] == 200, want
+            for path in ("/", "/invocations"):
+                assert raw(s.url, path, "POST", body, TOKEN) == want, path
+                assert raw(s.url, path, "POST", body)[0] == 401, path
+            # A bad call is answered as its route answers it.
+            bad = {"inputs": ""} if route == "/embed" else {"query": "", "texts": ["x"]}
+            assert raw(s.url, "/", "POST", bad, TOKEN) == raw(s.url, route, "POST", bad, TOKEN)
+            if directory == "hf_embedder":
+                openai = {"input": TEXTS, "model": directory}
+                want = json.loads(raw(s.url, "/v1/embeddings", "POST", openai, TOKEN)[1])
+                got = json.loads(raw(s.url, "/embeddings", "POST", openai, TOKEN)[1])
+                assert [d["embedding"] for d in got["data"]] == [d["embedding"] for d in want["data"]]
+        finally:
+            s.stop()
+
+
+def test_the_default_route_asks_which_call_when_models_of_several_tasks_are_served(server):
+    status, body = raw(server.url, "/", "POST", {"inputs": "hello"}, TOKEN)
+    assert status == 422, body
+    error = json.loads(body)
+    assert error["error_type"] == "Validation" and "embed, rerank, classify" in error["error"], error
+    # Health needs the token here (no --auth-allow-health).
+    assert raw(server.url, "/health")[0] == 401
+    assert raw(server.url, "/health", token=TOKEN) == (200, b"")
 
 
 def test_the_hand_written_pipeline_and_the_directory_agree_and_check_shows_what_was_found(hf, tmp_path):

@@ -201,8 +201,8 @@ struct ServeArgs {
     /// infer). When set, every route of every listener requires one.
     #[arg(long, env = "FERRITE_AUTH_TOKEN_FILE")]
     auth_token_file: Option<PathBuf>,
-    /// With --auth-token-file: let health endpoints (HTTP /v2/health/*, grpc.health.v1) answer
-    /// without a token.
+    /// With --auth-token-file: let health endpoints (HTTP /v2/health/*, TEI's GET /health, /ping and
+    /// /, grpc.health.v1) answer without a token.
     #[arg(long, env = "FERRITE_AUTH_ALLOW_HEALTH")]
     auth_allow_health: bool,
     /// Triton's system shared-memory extension (`system`): clients on this host register POSIX

@@ -529,7 +529,7 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
                 Scope::Metrics
             } else if path.starts_with("/v2/repository") {
                 Scope::Admin
-            } else if (path.starts_with("/v2/health/") && auth.allow_health) || path == "/dashboard" {
+            } else if (is_health(&req) && auth.allow_health) || path == "/dashboard" {
                 // The dashboard is a static page with no data in it: a browser cannot send a
                 // token to load it, and the page sends the one its operator types on its own calls.
                 return next.run(req).await;
@@ -557,6 +557,13 @@ pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
     }))
 }
 
+/// The health routes: the V2 protocol's, and TEI's (`GET /health`, `/ping`, `/`).
+fn is_health(req: &axum::extract::Request) -> bool {
+    let path = req.uri().path();
+    path.starts_with("/v2/health/")
+        || (req.method() == axum::http::Method::GET && matches!(path, "/health" | "/ping" | "/"))
+}
+
 async fn metrics(State(s): State<AppState>) -> Response {
     let body = s.core.metrics();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
@@ -581,6 +588,10 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         error: json::<b::TeiError>(),
         ..doc("post", path, summary, user, Some(body), answer)
     };
+    let tei_get = |path, summary: &str| Doc {
+        error: json::<b::TeiError>(),
+        ..doc("get", path, summary, user, None, Body::Empty)
+    };
     let live = || async { axum::Json(b::Live { live: true }) };
     let mut routes = vec![
         (doc("get", "/v2", "Server metadata: name, version, extensions", user, None, json::<b::ServerMetadata>()), get(server_metadata)),
@@ -600,6 +611,12 @@ fn routes() -> Vec<(openapi::Doc, MethodRouter<AppState>)> {
         (tei("/tokenize", "TEI's tokenize API: a text model's tokens, with byte offsets, never cut", json::<texts::TeiTokenizeRequest>(), json::<b::TeiTokenizeResponse>()), post(texts::tokenize)),
         (tei("/decode", "TEI's decode API: token ids back to text", json::<texts::TeiDecodeRequest>(), json::<b::TeiDecodeResponse>()), post(texts::decode)),
         (Doc { error: json::<b::TeiError>(), ..doc("get", "/info", "TEI's info: the text model (?model= when several), its task and limits", user, None, json::<b::TeiInfo>()) }, get(texts::info)),
+        (tei_get("/health", "TEI's health: 200 with no body when the models are loaded, 503 (Unhealthy) while loading or draining (no token with --auth-allow-health)"), get(texts::health)),
+        (tei_get("/", "TEI's health on its Inference Endpoints' images, as /health"), get(texts::health)),
+        (tei_get("/ping", "TEI's health on its SageMaker images, as /health"), get(texts::health)),
+        (tei("/", "TEI's default route: the call of the one task the served text models have, as /embed (whose bodies are shown), /rerank or /predict", json::<texts::TeiEmbedRequest>(), json::<b::TeiEmbedResponse>()), post(texts::invocations)),
+        (tei("/invocations", "TEI's default route on its SageMaker images, as POST /", json::<texts::TeiEmbedRequest>(), json::<b::TeiEmbedResponse>()), post(texts::invocations)),
+        (Doc { error: json::<b::OpenAiError>(), ..doc("post", "/embeddings", "OpenAI's embeddings API without its version prefix, as TEI serves it: as /v1/embeddings", user, Some(json::<texts::OpenAiRequest>()), json::<b::OpenAiEmbeddingResponse>()) }, post(texts::openai)),
         (doc("get", "/v2/systemsharedmemory/status", "Every system shared-memory region this client's tenant registered", user, None, json::<b::RegionsStatus>()), get(shm_status)),
         (doc("get", "/v2/systemsharedmemory/region/{name}/status", "One registered system shared-memory region", user, None, json::<b::RegionsStatus>()), get(shm_status)),
         (doc("post", "/v2/systemsharedmemory/region/{name}/register", "Registers a POSIX shared-memory object as a region that inputs and outputs name (--shared-memory system)", user, Some(json::<b::RegisterRegion>()), json::<b::Empty>()), post(shm_register)),

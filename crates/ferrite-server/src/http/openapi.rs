@@ -29,9 +29,15 @@ type Schemas = Vec<(String, RefOr<Schema>)>;
 /// A body as documented: a JSON type's derived schema, or text.
 #[derive(Clone, Copy)]
 pub enum Body {
-    Json { name: fn() -> Cow<'static, str>, schema: fn() -> RefOr<Schema>, nested: fn(&mut Schemas) },
+    Json {
+        name: fn() -> Cow<'static, str>,
+        schema: fn() -> RefOr<Schema>,
+        nested: fn(&mut Schemas),
+    },
     Text,
     Html,
+    /// No body at all (TEI's health answer).
+    Empty,
 }
 
 /// The body `T` is (its schema derived from the type).
@@ -45,13 +51,14 @@ impl Body {
             Body::Json { .. } => "application/json",
             Body::Text => "text/plain",
             Body::Html => "text/html",
+            Body::Empty => "",
         }
     }
 
     fn schema(self) -> Value {
         match self {
             Body::Json { name, .. } => json!({"$ref": format!("#/components/schemas/{}", name())}),
-            Body::Text | Body::Html => json!({"type": "string"}),
+            Body::Text | Body::Html | Body::Empty => json!({"type": "string"}),
         }
     }
 
@@ -87,10 +94,11 @@ pub fn document(docs: &[Doc]) -> Value {
             .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
             .collect();
         let mut responses = Map::new();
-        responses.insert(
-            "200".into(),
-            json!({"description": "OK", "content": {d.answer.content_type(): {"schema": d.answer.schema()}}}),
-        );
+        let ok = match d.answer {
+            Body::Empty => json!({"description": "OK"}),
+            answer => json!({"description": "OK", "content": {answer.content_type(): {"schema": answer.schema()}}}),
+        };
+        responses.insert("200".into(), ok);
         d.answer.collect(&mut components);
         d.error.collect(&mut components);
         let error = json!({"content": {"application/json": {"schema": d.error.schema()}}});
@@ -149,7 +157,7 @@ pub fn document(docs: &[Doc]) -> Value {
 }
 
 fn tag(path: &str) -> &'static str {
-    if path.starts_with("/v2/health") {
+    if path.starts_with("/v2/health") || path == "/health" || path == "/ping" {
         "health"
     } else if path.starts_with("/v2/repository") {
         "repository"

@@ -1,6 +1,6 @@
 //! Text models as their users call them, over the core's `texts`: OpenAI's `POST /v1/embeddings`,
 //! Hugging Face TEI's API (`/embed`, `/rerank`, `/predict`, `/similarity`, `/tokenize`,
-//! `/decode`, `/info`, with its request bodies, answers and `{"error", "error_type"}` errors)
+//! `/decode`, `/info`, `/health`, its default route `POST /`, with its request bodies, answers and `{"error", "error_type"}` errors)
 //! and Cohere's and Jina's `POST /v1/rerank`, so their clients (OpenAI's, LangChain, LlamaIndex,
 //! the RAG frameworks) work with a base URL change. A call names its model in `model` (`?model=`
 //! on `/info`), or leaves it to the one served model of its task. Same auth, limits, tenants,
@@ -338,6 +338,36 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
         dimensions: req.dimensions,
     };
     Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, caller).await?.rows)
+}
+
+/// TEI's health routes (`GET /health`; `/` and `/ping` on its Inference Endpoints and SageMaker
+/// images): 200 with no body while the server is ready, 503 `Unhealthy` while it loads or drains.
+pub(super) async fn health(State(s): State<AppState>) -> TeiResult {
+    if s.core.is_ready() {
+        Ok(StatusCode::OK.into_response())
+    } else {
+        Err(TeiFail::new(StatusCode::SERVICE_UNAVAILABLE, "unhealthy"))
+    }
+}
+
+/// TEI's default route (`POST /`, SageMaker's `/invocations`): TEI serves one model and routes
+/// these to its type's call. Here, the call of the one task the served text models have; with
+/// models of several tasks the call must say which (422).
+pub(super) async fn invocations(state: State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let tasks: Vec<Task> = [Task::Embed, Task::Rerank, Task::Classify]
+        .into_iter()
+        .filter(|&t| !texts::models(&state.core, Some(t)).is_empty())
+        .collect();
+    match tasks.as_slice() {
+        [Task::Embed] => embed(state, acting, body).await,
+        [Task::Rerank] => rerank(state, acting, body).await,
+        [Task::Classify] => predict(state, acting, body).await,
+        [] => Err(Error::NotFound("no served model is a text model".into()).into()),
+        several => Err(TeiFail::validation(format!(
+            "the served text models have several tasks ({}): POST to /embed, /rerank or /predict",
+            several.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ")
+        ))),
+    }
 }
 
 pub(super) async fn embed(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
