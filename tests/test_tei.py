@@ -252,18 +252,28 @@ def raw(url, path, method="GET", body=None, token=None):
 
 
 def test_a_lone_directory_answers_teis_health_and_default_routes(hf, tmp_path):
-    """TEI serves one model, and its users' probes and clients call routes named for that: GET
-    /health (/ and /ping on its Inference Endpoints and SageMaker images), POST / and /invocations
-    (the model's own call, by its type), POST /embeddings (OpenAI's, unversioned)."""
+    """TEI serves one model, its directory named by --model-id, and its users' probes and clients
+    call routes named for that: GET /health (/ and /ping on its Inference Endpoints and SageMaker
+    images), POST / and /invocations (the model's own call, by its type), POST /embeddings
+    (OpenAI's, unversioned). The embedder's directory is the repository itself, as TEI's
+    --model-id names it; the reranker's sits in a repository beside a model that is not a text
+    model (it does not count)."""
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{TOKEN} infer\n")
     for directory, body, route in (("hf_embedder", {"inputs": TEXTS}, "/embed"),
                                    ("hf_reranker", {"query": "cats", "texts": ["a cat", "a road"]}, "/rerank")):
-        repo = tmp_path / directory / "models"
-        shutil.copytree(hf / directory, repo / directory)
-        shutil.copytree(ROOT / "models" / "mlp", repo / "mlp")  # not a text model: it does not count
+        if directory == "hf_embedder":
+            name = "bge-small-en-v1.5"
+            repo = tmp_path / name
+            shutil.copytree(hf / directory, repo)
+        else:
+            name = directory
+            repo = tmp_path / directory / "models"
+            shutil.copytree(hf / directory, repo / directory)
+            shutil.copytree(ROOT / "models" / "mlp", repo / "mlp")
         s = Server(repo, "--auth-token-file", str(tokens), "--auth-allow-health")
         try:
+            assert json.loads(raw(s.url, "/info", token=TOKEN)[1])["model_id"] == name
             for path in ("/health", "/", "/ping"):
                 assert raw(s.url, path) == (200, b""), path
             want = raw(s.url, route, "POST", body, TOKEN)
@@ -275,7 +285,12 @@ def test_a_lone_directory_answers_teis_health_and_default_routes(hf, tmp_path):
             bad = {"inputs": ""} if route == "/embed" else {"query": "", "texts": ["x"]}
             assert raw(s.url, "/", "POST", bad, TOKEN) == raw(s.url, route, "POST", bad, TOKEN)
             if directory == "hf_embedder":
-                openai = {"input": TEXTS, "model": directory}
+                # Only the directory is served: its own folders (onnx, 1_Pooling) are not models.
+                assert raw(s.url, "/v2/models/onnx", token=TOKEN)[0] == 404
+                assert "load failed" not in s.logs()
+                np.testing.assert_allclose(json.loads(want[1]), [Reference(hf / directory, 24).embed(t) for t in TEXTS],
+                                           atol=1e-5)
+                openai = {"input": TEXTS, "model": name}
                 want = json.loads(raw(s.url, "/v1/embeddings", "POST", openai, TOKEN)[1])
                 got = json.loads(raw(s.url, "/embeddings", "POST", openai, TOKEN)[1])
                 assert [d["embedding"] for d in got["data"]] == [d["embedding"] for d in want["data"]]

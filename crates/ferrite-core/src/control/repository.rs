@@ -63,6 +63,9 @@ pub fn is_model_name(name: &str) -> bool {
 #[derive(Debug, Clone)]
 pub struct Repository {
     root: PathBuf,
+    /// When the root is itself a Hugging Face directory (what TEI's `--model-id` names), the
+    /// name of the one model it holds: the directory's own name.
+    lone: Option<String>,
     pub options: LoadOptions,
 }
 
@@ -86,7 +89,20 @@ impl Repository {
         if !root.is_dir() {
             return Err(Error::invalid(format!("model repository {} is not a directory", root.display())));
         }
-        Ok(Repository { root, options })
+        let lone = match root.file_name().and_then(|n| n.to_str()) {
+            Some(name) if super::hugging_face::is_layout(&root) => {
+                if !is_model_name(name) {
+                    return Err(Error::invalid(format!(
+                        "model repository {} is a Hugging Face directory served as one model named after it, and \
+                         '{name}' is not a valid model name (letters, digits, _, - and .)",
+                        root.display()
+                    )));
+                }
+                Some(name.to_string())
+            }
+            _ => None,
+        };
+        Ok(Repository { root, lone, options })
     }
 
     /// `path` resolved, if it exists and stays under the root.
@@ -100,8 +116,11 @@ impl Repository {
     }
 
     /// The names of the model directories, sorted (hidden ones left out; invalid ones kept, so
-    /// they are reported).
+    /// they are reported); a Hugging Face directory's own name when the root is one.
     pub fn names(&self) -> Vec<String> {
+        if let Some(name) = &self.lone {
+            return vec![name.clone()];
+        }
         let Ok(entries) = std::fs::read_dir(&self.root) else { return Vec::new() };
         let mut names: Vec<String> = entries
             .filter_map(|e| e.ok())
@@ -117,7 +136,12 @@ impl Repository {
         if !is_model_name(name) {
             return Err(Error::invalid(format!("'{name}' is not a valid model name")));
         }
-        match self.inside(&self.root.join(name))? {
+        let dir = match &self.lone {
+            Some(lone) if lone == name => Some(self.root.clone()),
+            Some(_) => None,
+            None => self.inside(&self.root.join(name))?,
+        };
+        match dir {
             Some(dir) if dir.is_dir() => Ok(dir),
             _ => Err(Error::NotFound(format!("no model '{name}' in the repository"))),
         }
@@ -940,5 +964,29 @@ mod tests {
         for bad in ["", "..", "a/b", "../etc", ".hidden", "a..b", "a b", "é"] {
             assert!(!is_model_name(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_repository_that_is_a_hugging_face_directory_holds_it_as_its_one_model() {
+        let tmp = std::env::temp_dir().join(format!("ferrite-lone-{}", std::process::id()));
+        let hf = tmp.join("bge-small-en-v1.5");
+        for dir in [hf.join("1_Pooling"), hf.join("onnx"), tmp.join("a model")] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        for dir in [&hf, &tmp.join("a model")] {
+            std::fs::write(dir.join("config.json"), "{}").unwrap();
+            std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+        }
+        let repo = Repository::open(&hf, LoadOptions::default()).unwrap();
+        // Its own folders are its files, not models.
+        assert_eq!(repo.names(), ["bge-small-en-v1.5"]);
+        assert_eq!(repo.model_dir("bge-small-en-v1.5").unwrap(), hf.canonicalize().unwrap());
+        assert!(matches!(repo.model_dir("onnx"), Err(Error::NotFound(_))));
+        // The parent is an ordinary repository of two.
+        assert_eq!(Repository::open(&tmp, LoadOptions::default()).unwrap().names(), ["a model", "bge-small-en-v1.5"]);
+        // A directory whose name is not a model name says so.
+        let e = Repository::open(&tmp.join("a model"), LoadOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("'a model' is not a valid model name"), "{e}");
+        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
