@@ -46,13 +46,15 @@ pub fn json<T: ToSchema>() -> Body {
 }
 
 impl Body {
-    fn content_type(self) -> &'static str {
-        match self {
+    /// The `content` of an answer with this body (none for `Empty`).
+    fn content(self) -> Option<Value> {
+        let kind = match self {
             Body::Json { .. } => "application/json",
             Body::Text => "text/plain",
             Body::Html => "text/html",
-            Body::Empty => "",
-        }
+            Body::Empty => return None,
+        };
+        Some(json!({kind: {"schema": self.schema()}}))
     }
 
     fn schema(self) -> Value {
@@ -94,10 +96,10 @@ pub fn document(docs: &[Doc]) -> Value {
             .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
             .collect();
         let mut responses = Map::new();
-        let ok = match d.answer {
-            Body::Empty => json!({"description": "OK"}),
-            answer => json!({"description": "OK", "content": {answer.content_type(): {"schema": answer.schema()}}}),
-        };
+        let mut ok = json!({"description": "OK"});
+        if let Some(content) = d.answer.content() {
+            ok["content"] = content;
+        }
         responses.insert("200".into(), ok);
         d.answer.collect(&mut components);
         d.error.collect(&mut components);

@@ -1,10 +1,10 @@
 //! Text models as their users call them, over the core's `texts`: OpenAI's `POST /v1/embeddings`,
 //! Hugging Face TEI's API (`/embed`, `/rerank`, `/predict`, `/similarity`, `/tokenize`,
-//! `/decode`, `/info`, `/health`, its default route `POST /`, with its request bodies, answers and `{"error", "error_type"}` errors)
-//! and Cohere's and Jina's `POST /v1/rerank`, so their clients (OpenAI's, LangChain, LlamaIndex,
-//! the RAG frameworks) work with a base URL change. A call names its model in `model` (`?model=`
-//! on `/info`), or leaves it to the one served model of its task. Same auth, limits, tenants,
-//! metrics and cache as `/v2/.../infer`.
+//! `/decode`, `/info`, `/health` and its default route `POST /`, with its request bodies, answers
+//! and `{"error", "error_type"}` errors) and Cohere's and Jina's `POST /v1/rerank`, so their
+//! clients (OpenAI's, LangChain, LlamaIndex, the RAG frameworks) work with a base URL change. A
+//! call names its model in `model` (`?model=` on `/info`), or leaves it to the one served model of
+//! its task. Same auth, limits, tenants, metrics and cache as `/v2/.../infer`.
 
 use axum::{
     extract::{Query, State},
