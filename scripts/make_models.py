@@ -399,11 +399,12 @@ def text_encoder():
 
 
 def hugging_face(repo):
-    """Three models in Hugging Face layout, as optimum and sentence-transformers write them, for
+    """Four models in Hugging Face layout, as optimum and sentence-transformers write them, for
     the TEI tests: `hf_embedder` (BertModel, mean pooling in 1_Pooling/, max_seq_length 24, a
     `query` prompt, onnx/model.onnx: the bundled encoder), `hf_reranker` (a cross-encoder:
-    BertForSequenceClassification with one label, logits FP32 [N,1] from the [CLS] token) and
-    `hf_classifier` (three labels in id2label, logits FP32 [N,3])."""
+    BertForSequenceClassification with one label, logits FP32 [N,1] from the [CLS] token),
+    `hf_classifier` (three labels in id2label, logits FP32 [N,3]) and `hf_splade` (a SPLADE model:
+    BertForMaskedLM, logits FP32 [N,S,vocab])."""
     import json
     import shutil
 
@@ -426,6 +427,24 @@ def hugging_face(repo):
     os.makedirs(os.path.join(repo, "hf_embedder", "onnx"), exist_ok=True)
     shutil.copy(os.path.join(ROOT, "models", "text_encoder", "1", "model.onnx"),
                 os.path.join(repo, "hf_embedder", "onnx", "model.onnx"))
+    # A SPLADE model: BertForMaskedLM, logits FP32 [N,S,vocab] (a dense head with a negative bias,
+    # so most entries of a text's vector are 0 after log(1 + relu)).
+    rng = np.random.default_rng(7)
+    nodes, inits, inputs = bert_body(vocab, rng)
+    inits += [numpy_helper.from_array((rng.standard_normal((32, vocab)) * 0.3).astype(np.float32), "mlm_head"),
+              numpy_helper.from_array(np.full(vocab, -4.0, np.float32), "mlm_bias")]
+    nodes += [helper.make_node("MatMul", ["last_hidden_state", "mlm_head"], ["mlm"]),
+              helper.make_node("Add", ["mlm", "mlm_bias"], ["logits"])]
+    graph = helper.make_graph(nodes, "hf_splade", inputs,
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", "S", vocab])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ferrite")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    os.makedirs(os.path.join(repo, "hf_splade", "onnx"), exist_ok=True)
+    onnx.save(model, os.path.join(repo, "hf_splade", "onnx", "model.onnx"))
+    shutil.copy(os.path.join(repo, "hf_embedder", "tokenizer.json"), os.path.join(repo, "hf_splade", "tokenizer.json"))
+    write_json(os.path.join(repo, "hf_splade", "config.json"), {
+        "architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": vocab, "max_position_embeddings": 512})
     for name, labels, seed in [("hf_reranker", ["LABEL_0"], 5), ("hf_classifier", ["negative", "neutral", "positive"], 6)]:
         rng = np.random.default_rng(seed)
         nodes, inits, inputs = bert_body(vocab, rng)

@@ -1,7 +1,7 @@
 """TEI drop-in: Hugging Face directories (written by scripts/make_models.py --hugging-face as
 optimum and sentence-transformers lay them out) served with no configuration, and TEI's API over
-them: /embed, /rerank, /predict, /similarity, /tokenize, /decode, /info, /health and the default
-route POST /, plus Cohere's /v1/rerank.
+them: /embed, /embed_sparse, /rerank, /predict, /similarity, /tokenize, /decode, /info, /health
+and the default route POST /, plus Cohere's /v1/rerank.
 Answers are compared with a reference made here from the same files: the tokenizer through the
 `tokenizers` package, the ONNX file through onnxruntime, pooling and scores in NumPy."""
 
@@ -132,6 +132,9 @@ def test_a_directory_served_as_it_is_embeds_as_its_files_say(server, hf):
     np.testing.assert_allclose(prompted[0], ref.embed("query: hello world"), atol=1e-5)
     status, body = call(server, "/embed", {"inputs": "hi", "prompt_name": "nope"})
     assert status == 422 and '"query"' in body["error"] and '"passage"' in body["error"], body
+    # Its vectors are dense: /embed_sparse is TEI's 424.
+    status, body = call(server, "/embed_sparse", {"inputs": "hi"})
+    assert status == 424 and body["error_type"] == "Backend" and "SPLADE" in body["error"], body
 
 
 def test_long_texts_are_cut_unless_truncate_is_false_and_bad_inputs_fail_as_in_tei(server, hf):
@@ -298,6 +301,39 @@ def test_a_lone_directory_answers_teis_health_and_default_routes(hf, tmp_path):
             s.stop()
 
 
+def test_a_splade_directory_answers_the_sparse_vectors_its_logits_make(hf, tei_pb):
+    """A *ForMaskedLM directory is served as TEI serves it with --pooling splade: /embed_sparse
+    answers, per text, the entries that are not zero of the largest log(1 + relu(logits)) over its
+    tokens, in index order; gRPC's EmbedSparse and TEI's default route the same."""
+    import grpc
+    pb, stubs = tei_pb
+    ref = Reference(hf / "hf_splade", 512)
+    vocab = json.loads((hf / "hf_splade" / "config.json").read_text())["vocab_size"]
+    s = Server(hf / "hf_splade")
+    try:
+        status, got = call(s, "/embed_sparse", {"inputs": TEXTS})
+        assert status == 200, got
+        fits(call(s, "/v2/openapi.json")[1], "/embed_sparse", "post", got)
+        for text, sparse in zip(TEXTS, got):
+            want = np.log1p(np.maximum(ref.run(text).max(axis=0), 0))
+            index = [v["index"] for v in sparse]
+            assert index == sorted(index) and 0 < len(index) < vocab / 2, index
+            dense = np.zeros(vocab, np.float32)
+            dense[index] = [v["value"] for v in sparse]
+            np.testing.assert_allclose(dense, want, atol=1e-5)
+        assert call(s, "/info")[1]["model_type"] == {"embedding": {"pooling": "splade"}}
+        assert call(s, "/", {"inputs": TEXTS}) == (200, got)
+        channel = grpc.insecure_channel(s.grpc_url)
+        one = stubs.EmbedStub(channel).EmbedSparse(pb.EmbedSparseRequest(inputs=TEXTS[0]))
+        assert [(v.index, round(v.value, 5)) for v in one.sparse_embeddings] == [
+            (v["index"], round(v["value"], 5)) for v in got[0]]
+        streamed = list(stubs.EmbedStub(channel).EmbedSparseStream(iter(pb.EmbedSparseRequest(inputs=t) for t in TEXTS)))
+        assert [[v.index for v in r.sparse_embeddings] for r in streamed] == [[v["index"] for v in g] for g in got]
+        channel.close()
+    finally:
+        s.stop()
+
+
 def test_the_default_route_asks_which_call_when_models_of_several_tasks_are_served(server):
     status, body = raw(server.url, "/", "POST", {"inputs": "hello"}, TOKEN)
     assert status == 422, body
@@ -343,23 +379,28 @@ def test_the_hand_written_pipeline_and_the_directory_agree_and_check_shows_what_
     assert r.returncode == 0, r.stdout + r.stderr
     row = next(line for line in r.stdout.splitlines() if line.startswith("hf_embedder"))
     assert "embed (mean, 24 tokens)" in row, row
-    # A directory TEI would serve but Ferrite cannot is refused by name.
-    shutil.copytree(hf / "hf_embedder", repo / "splade")
-    config = json.loads((repo / "splade" / "config.json").read_text())
-    (repo / "splade" / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    # A directory of a head not served is refused by name.
+    shutil.copytree(hf / "hf_embedder", repo / "ner")
+    config = json.loads((repo / "ner" / "config.json").read_text())
+    (repo / "ner" / "config.json").write_text(json.dumps({**config, "architectures": ["BertForTokenClassification"]}))
     r = subprocess.run([BIN, "check", "--model-repository", str(repo)], capture_output=True, text=True)
-    assert r.returncode == 1 and "SPLADE" in r.stdout, r.stdout
+    assert r.returncode == 1 and "BertForTokenClassification: only" in r.stdout, r.stdout
+
+
+def fits(api, path, method, instance, status="200", request=False):
+    """`instance` validates against the OpenAPI document's schema of that body."""
+    op = api["paths"][path][method]
+    content = op["requestBody"] if request else op["responses"][status]
+    name = content["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+    jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": api["components"]}
+                                    ).validate(instance)
 
 
 def test_tei_bodies_fit_the_openapi_document(server):
     api = call(server, "/v2/openapi.json")[1]
 
-    def check(path, method, instance, status="200", request=False):
-        op = api["paths"][path][method]
-        content = op["requestBody"] if request else op["responses"][status]
-        name = content["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
-        jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": api["components"]}
-                                        ).validate(instance)
+    def check(*args, **kwargs):
+        fits(api, *args, **kwargs)
 
     calls = [("/rerank", {"query": "cats", "texts": ["a cat", "a road"], "return_text": True}),
              ("/predict", {"inputs": ["i love the sun", "a day", "the road"]}),
@@ -439,7 +480,7 @@ def test_tei_grpc_clients_get_the_http_answers(server, hf, tei_pb):
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as e:
         embed.EmbedSparse(pb.EmbedSparseRequest(inputs="hi"), metadata=auth)
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "SPLADE" in e.value.details()
 
 
 def test_tei_streams_end_with_unavailable_when_the_server_stops(hf, tei_pb, tmp_path):

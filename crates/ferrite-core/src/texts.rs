@@ -314,6 +314,34 @@ impl TextModel {
         Ok(a)
     }
 
+    /// Whether its vectors are SPLADE's, sparse (its pool step pools so).
+    pub fn sparse(&self) -> bool {
+        self.text.as_ref().and_then(|t| t.pooling.as_deref()) == Some("splade")
+    }
+
+    /// SPLADE's sparse vectors of `texts` (TEI's `/embed_sparse`): each row's entries that are not
+    /// zero, as `(index, value)` in index order. A model that does not pool so is refused as TEI
+    /// refuses it (424: Unsupported).
+    pub async fn embed_sparse(
+        self,
+        core: &Core,
+        texts: Vec<Bytes>,
+        (truncate, prompt_name): (Option<bool>, Option<String>),
+        max_inputs: usize,
+        caller: Caller,
+    ) -> Result<(Vec<Vec<(u32, f32)>>, u64)> {
+        if !self.sparse() {
+            return Err(Error::Unsupported(format!(
+                "model '{}' is not an embedding model with SPLADE pooling",
+                self.name()
+            )));
+        }
+        let o = EmbedOptions { normalize: false, truncate, prompt_name, dimensions: None };
+        let a = self.embed(core, texts, &o, max_inputs, caller).await?;
+        let sparse = |v: Vec<f32>| (0u32..).zip(v).filter(|&(_, x)| x != 0.0).collect();
+        Ok((a.rows.into_iter().map(sparse).collect(), a.tokens))
+    }
+
     /// `(index, score)` of each passage for `query`, highest first; `raw` keeps the model's
     /// scores, else each goes through a sigmoid.
     pub async fn rerank(

@@ -5,7 +5,8 @@
 //! - the task from `config.json`'s `architectures`: `*ForSequenceClassification` with one label
 //!   re-ranks (a cross-encoder, reading (query, text) pairs), with several classifies (labels from
 //!   `id2label`); any other encoder (`BertModel`, `XLMRobertaModel`, ...) embeds;
-//!   `*ForMaskedLM` (SPLADE) is refused by name;
+//!   `*ForMaskedLM` embeds with SPLADE's pooling of its `logits` (TEI's `--pooling splade`, the
+//!   one it serves such a model with), sparse vectors for `/embed_sparse`;
 //! - the max input length from `sentence_bert_config.json`'s `max_seq_length`, else the model's
 //!   `max_position_embeddings` (less RoBERTa's two offset positions);
 //! - an embedder's pooling from `1_Pooling/config.json` (mean, cls, max, last token); one without
@@ -20,7 +21,10 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::{
-    control::config::{ModelConfig, TensorConfig},
+    control::{
+        config::{ModelConfig, TensorConfig},
+        repository::PIPELINE_MAX_BATCH_SIZE,
+    },
     engine::spec::Task,
     pipeline::{ModelStepConfig, PoolConfig, Pooling, StepConfig, TokenizeConfig},
     Error, Result,
@@ -42,9 +46,14 @@ struct HfConfig {
     architectures: Vec<String>,
     model_type: Option<String>,
     max_position_embeddings: Option<usize>,
+    vocab_size: Option<usize>,
     #[serde(default)]
     id2label: std::collections::BTreeMap<String, String>,
 }
+
+/// The most bytes of logits a SPLADE model's batch may make (`[rows, tokens, vocabulary]` FP32:
+/// a row of 512 tokens of BERT's 30,522 entries is 62.5 MB), which bounds its batches' rows.
+const SPLADE_BATCH_BYTES: usize = 256 << 20;
 
 #[derive(Deserialize)]
 struct SentenceBert {
@@ -94,11 +103,7 @@ pub fn pipeline(dir: &Path, mut config: ModelConfig) -> Result<ModelConfig> {
     let hf: HfConfig = read(dir, "config.json")?.unwrap_or_default();
     let file = onnx_file(dir, &config)?;
     let arch = hf.architectures.first().cloned().unwrap_or_default();
-    if arch.ends_with("ForMaskedLM") {
-        return Err(Error::Unsupported(format!(
-            "{arch}: sparse (SPLADE) models are not served yet; an embedder or a sequence classifier is"
-        )));
-    }
+    let splade = arch.ends_with("ForMaskedLM");
     let mut labels: Vec<(usize, String)> = hf
         .id2label
         .iter()
@@ -111,7 +116,7 @@ pub fn pipeline(dir: &Path, mut config: ModelConfig) -> Result<ModelConfig> {
         } else {
             Task::Classify
         }
-    } else if arch.contains("For") {
+    } else if arch.contains("For") && !splade {
         return Err(Error::Unsupported(format!("{arch}: only embedders and sequence classifiers are served")));
     } else {
         Task::Embed
@@ -146,7 +151,22 @@ pub fn pipeline(dir: &Path, mut config: ModelConfig) -> Result<ModelConfig> {
     };
     let mut steps = vec![StepConfig::Tokenize(tokenize), StepConfig::Model(model)];
     let output = |name: &str| TensorConfig { name: name.into(), ..Default::default() };
-    if task == Task::Embed {
+    if task == Task::Embed && splade {
+        // Its batches hold at most SPLADE_BATCH_BYTES of logits at the longest texts.
+        let row = max_length.max(1).saturating_mul(hf.vocab_size.unwrap_or(30_522)).saturating_mul(4);
+        config.max_batch_size.get_or_insert((SPLADE_BATCH_BYTES / row).clamp(1, PIPELINE_MAX_BATCH_SIZE));
+        steps.push(StepConfig::Pool(PoolConfig {
+            name: None,
+            input: Some("logits".into()),
+            mask: None,
+            output: None,
+            mode: Pooling::Splade,
+            normalize: false,
+        }));
+        if config.output.is_empty() {
+            config.output = vec![output("embedding"), output("token_count")];
+        }
+    } else if task == Task::Embed {
         let p: PoolingFile = read(dir, "1_Pooling/config.json")?.ok_or_else(|| {
             Error::invalid("an embedder's directory needs 1_Pooling/config.json (its pooling), as TEI does")
         })?;
@@ -244,9 +264,23 @@ mod tests {
     }
 
     #[test]
+    fn a_masked_language_model_embeds_with_splade_in_batches_bounded_by_its_logits() {
+        let mlm = r#"{"architectures": ["BertForMaskedLM"], "vocab_size": 30522, "max_position_embeddings": 512}"#;
+        let c = found(&[("config.json", mlm)]).unwrap();
+        assert_eq!(c.task, Some(Task::Embed));
+        let pool = c.steps.iter().find_map(|s| match s {
+            StepConfig::Pool(p) => Some(p.clone()),
+            _ => None,
+        });
+        assert_eq!(pool.map(|p| (p.input, p.mode)), Some((Some("logits".into()), Pooling::Splade)));
+        // 512 tokens of 30,522 FP32 logits are 62.5 MB a row: 4 rows to 256 MB.
+        assert_eq!(c.max_batch_size, Some(4));
+        let st = ("sentence_bert_config.json", r#"{"max_seq_length": 64}"#);
+        assert_eq!(found(&[("config.json", mlm), st]).unwrap().max_batch_size, Some(32));
+    }
+
+    #[test]
     fn what_is_not_served_is_refused_by_name() {
-        let splade = found(&[("config.json", r#"{"architectures": ["BertForMaskedLM"]}"#)]).unwrap_err();
-        assert!(splade.to_string().contains("SPLADE"), "{splade}");
         let no_pool = found(&[("config.json", r#"{"architectures": ["BertModel"]}"#)]).unwrap_err();
         assert!(no_pool.to_string().contains("1_Pooling/config.json"), "{no_pool}");
         let weighted = ("1_Pooling/config.json", r#"{"pooling_mode_weightedmean_tokens": true}"#);

@@ -271,7 +271,7 @@ impl Repository {
         let names = |ts: &[crate::control::config::TensorConfig]| ts.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
         let (inputs, outputs) = (names(&config.input), names(&config.output));
         // Its own models (`file` steps: a Hugging Face directory's ONNX file), loaded with its
-        // config's ONNX Runtime settings; they serve only it.
+        // config's ONNX Runtime settings and batches no larger than its own; they serve only it.
         let mut own = std::collections::BTreeMap::new();
         for step in &config.steps {
             let crate::pipeline::StepConfig::Model(m) = step else { continue };
@@ -279,6 +279,7 @@ impl Repository {
             let path = crate::pipeline::model_file(&dir, file, "model file")?;
             let path = self.inside(&path)?.ok_or_else(|| Error::invalid(format!("no model file '{file}'")))?;
             let settings = ModelConfig {
+                max_batch_size: config.max_batch_size.filter(|&n| n > 0),
                 threads: config.threads,
                 onnxruntime: config.onnxruntime.clone(),
                 calibrate: config.calibrate,

@@ -22,6 +22,22 @@ pub enum Pooling {
     /// The last token the mask marks (decoder-style embedders: Qwen, Mistral).
     #[serde(alias = "last_token", alias = "lasttoken")]
     Last,
+    /// SPLADE's: of a masked language model's logits `[tokens, vocabulary]`, the largest
+    /// `log(1 + relu(x))` over the tokens the mask marks, per vocabulary entry (a sparse vector).
+    Splade,
+}
+
+impl Pooling {
+    /// The name TEI's `/info` reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::Max => "max",
+            Pooling::Last => "last_token",
+            Pooling::Splade => "splade",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -354,12 +370,13 @@ fn pool(h: &Tensor, mask: Option<&[f32]>, mode: Pooling, normalize: bool) -> Res
             let t = last.ok_or_else(|| Error::invalid("no token is marked in the attention mask"))?;
             out.copy_from_slice(&values[t * hidden..(t + 1) * hidden]);
         }
-        Pooling::Mean | Pooling::Max => {
+        Pooling::Mean | Pooling::Max | Pooling::Splade => {
             let mask = mask.unwrap_or_default();
             if mask.len() != tokens {
                 return Err(Error::invalid(format!("the mask has {} tokens, the embeddings {tokens}", mask.len())));
             }
-            if mode == Pooling::Max {
+            let max = mode != Pooling::Mean;
+            if max {
                 out.fill(f32::NEG_INFINITY);
             }
             let mut count = 0f32;
@@ -369,14 +386,17 @@ fn pool(h: &Tensor, mask: Option<&[f32]>, mode: Pooling, normalize: bool) -> Res
                 }
                 count += mask[t];
                 for (o, v) in out.iter_mut().zip(row) {
-                    *o = if mode == Pooling::Max { o.max(*v) } else { *o + v * mask[t] };
+                    *o = if max { o.max(*v) } else { *o + v * mask[t] };
                 }
             }
             if count == 0.0 {
                 return Err(Error::invalid("no token is marked in the attention mask"));
             }
-            if mode == Pooling::Mean {
-                out.iter_mut().for_each(|o| *o /= count.max(1e-9));
+            match mode {
+                Pooling::Mean => out.iter_mut().for_each(|o| *o /= count.max(1e-9)),
+                // log(1 + relu(x)) grows with x: of the largest logit, once per entry.
+                Pooling::Splade => out.iter_mut().for_each(|o| *o = o.max(0.0).ln_1p()),
+                _ => {}
             }
         }
     }
@@ -583,6 +603,12 @@ mod tests {
         let mean = pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Mean, false).unwrap();
         assert_eq!(mean, vec![2.0, 3.0]);
         assert_eq!(pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Max, false).unwrap(), vec![3.0, 4.0]);
+        // SPLADE: log(1 + relu) of the largest marked logit; an entry no token raises above 0 is 0.
+        let logits =
+            Tensor::from_le("l", DataType::Fp32, vec![3, 3], &[-1.0f32, 2.0, -5.0, -2.0, 0.5, -3.0, 9.0, 9.0, 9.0]);
+        let splade = pool(&logits, Some(&[1.0, 1.0, 0.0]), Pooling::Splade, false).unwrap();
+        assert_eq!(splade[0], 0.0);
+        assert!((splade[1] - 3f32.ln()).abs() < 1e-6 && splade[2] == 0.0, "{splade:?}");
         assert_eq!(pool(&h, None, Pooling::Cls, false).unwrap(), vec![1.0, 2.0]);
         assert_eq!(pool(&h, Some(&[1.0, 1.0, 0.0]), Pooling::Last, false).unwrap(), vec![3.0, 4.0]);
         assert!(pool(&h, Some(&[0.0, 0.0, 0.0]), Pooling::Last, false).is_err());

@@ -389,15 +389,7 @@ pub(crate) fn text_spec(
         count: outputs.iter().find(|o| o.name == "token_count").map(|o| o.name.clone()),
         max_length,
         special_tokens,
-        pooling: pool.map(|(_, mode, _)| {
-            match mode {
-                Pooling::Mean => "mean",
-                Pooling::Cls => "cls",
-                Pooling::Max => "max",
-                Pooling::Last => "last_token",
-            }
-            .to_string()
-        }),
+        pooling: pool.map(|(_, mode, _)| mode.as_str().to_string()),
         normalized,
         labels,
         prompts,

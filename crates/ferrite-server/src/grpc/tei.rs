@@ -92,6 +92,27 @@ impl Tei {
         Ok(pb::EmbedResponse { embeddings, metadata: Some(metadata(a.tokens)) })
     }
 
+    async fn embed_sparse_one(
+        &self,
+        call: &Call,
+        r: pb::EmbedSparseRequest,
+    ) -> Result<pb::EmbedSparseResponse, Status> {
+        text_given(&r.inputs)?;
+        right(r.truncation_direction)?;
+        let m = self.model(call, Some(Task::Embed))?;
+        let texts = vec![Bytes::from(r.inputs)];
+        let (rows, tokens) =
+            m.embed_sparse(&self.core, texts, (None, r.prompt_name), 1, call.caller.clone()).await.map_err(status)?;
+        let sparse_embeddings = rows
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(index, value)| pb::SparseValue { index, value })
+            .collect();
+        Ok(pb::EmbedSparseResponse { sparse_embeddings, metadata: Some(metadata(tokens)) })
+    }
+
     async fn predict_one(&self, call: &Call, row: texts::Row, raw: bool) -> Result<pb::PredictResponse, Status> {
         let m = self.model(call, Some(Task::Classify))?;
         let classes = m.predict(&self.core, vec![row], (None, raw), 1, call.caller.clone()).await.map_err(status)?;
@@ -246,7 +267,7 @@ impl pb::info_server::Info for Tei {
 }
 
 fn unimplemented<T>(what: &str) -> Result<T, Status> {
-    Err(Status::unimplemented(format!("{what} is not served yet (sparse and token embeddings)")))
+    Err(Status::unimplemented(format!("{what} is not served yet (token embeddings)")))
 }
 
 #[tonic::async_trait]
@@ -270,17 +291,22 @@ impl pb::embed_server::Embed for Tei {
 
     async fn embed_sparse(
         &self,
-        _: Request<pb::EmbedSparseRequest>,
+        req: Request<pb::EmbedSparseRequest>,
     ) -> Result<Response<pb::EmbedSparseResponse>, Status> {
-        unimplemented("EmbedSparse")
+        let call = self.call(&req)?;
+        self.embed_sparse_one(&call, req.into_inner()).await.map(Response::new)
     }
 
     type EmbedSparseStreamStream = Answers<pb::EmbedSparseResponse>;
     async fn embed_sparse_stream(
         &self,
-        _: Request<Streaming<pb::EmbedSparseRequest>>,
+        req: Request<Streaming<pb::EmbedSparseRequest>>,
     ) -> Result<Response<Self::EmbedSparseStreamStream>, Status> {
-        unimplemented("EmbedSparseStream")
+        let call = std::sync::Arc::new(self.call(&req)?);
+        Ok(Response::new(each(self.clone(), req.into_inner(), move |tei, m| {
+            let call = call.clone();
+            async move { tei.embed_sparse_one(&call, m).await }
+        })))
     }
 
     async fn embed_all(&self, _: Request<pb::EmbedAllRequest>) -> Result<Response<pb::EmbedAllResponse>, Status> {

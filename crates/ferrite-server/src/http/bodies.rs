@@ -261,6 +261,18 @@ pub struct OpenAiUsage {
 #[serde(transparent)]
 pub struct TeiEmbedResponse(pub Vec<Vec<f32>>);
 
+/// One entry of a sparse vector that is not zero: its index (a vocabulary entry) and value.
+#[derive(Serialize, ToSchema)]
+pub struct TeiSparseValue {
+    pub index: u32,
+    pub value: f32,
+}
+
+/// TEI's `/embed_sparse` answer: one sparse vector per input, its entries in index order.
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct TeiEmbedSparseResponse(pub Vec<Vec<TeiSparseValue>>);
+
 /// TEI's error body.
 #[derive(Serialize, ToSchema)]
 pub struct TeiError {

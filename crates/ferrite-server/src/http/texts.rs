@@ -1,10 +1,10 @@
 //! Text models as their users call them, over the core's `texts`: OpenAI's `POST /v1/embeddings`,
-//! Hugging Face TEI's API (`/embed`, `/rerank`, `/predict`, `/similarity`, `/tokenize`,
-//! `/decode`, `/info`, `/health` and its default route `POST /`, with its request bodies, answers
-//! and `{"error", "error_type"}` errors) and Cohere's and Jina's `POST /v1/rerank`, so their
-//! clients (OpenAI's, LangChain, LlamaIndex, the RAG frameworks) work with a base URL change. A
-//! call names its model in `model` (`?model=` on `/info`), or leaves it to the one served model of
-//! its task. Same auth, limits, tenants, metrics and cache as `/v2/.../infer`.
+//! Hugging Face TEI's API (`/embed`, `/embed_sparse`, `/rerank`, `/predict`, `/similarity`,
+//! `/tokenize`, `/decode`, `/info`, `/health` and its default route `POST /`, with its request
+//! bodies, answers and `{"error", "error_type"}` errors) and Cohere's and Jina's `POST /v1/rerank`,
+//! so their clients (OpenAI's, LangChain, LlamaIndex, the RAG frameworks) work with a base URL
+//! change. A call names its model in `model` (`?model=` on `/info`), or leaves it to the one served
+//! model of its task. Same auth, limits, tenants, metrics and cache as `/v2/.../infer`.
 
 use axum::{
     extract::{Query, State},
@@ -27,9 +27,9 @@ use utoipa::ToSchema;
 use super::{
     bodies::{
         Embedding, OpenAiEmbedding, OpenAiEmbeddingResponse, OpenAiError, OpenAiErrorDetail, OpenAiUsage,
-        RerankDocument, RerankResponse, RerankResult, RerankUsage, TeiDecodeResponse, TeiEmbedResponse, TeiError,
-        TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse, TeiSimilarityResponse, TeiToken,
-        TeiTokenizeResponse,
+        RerankDocument, RerankResponse, RerankResult, RerankUsage, TeiDecodeResponse, TeiEmbedResponse,
+        TeiEmbedSparseResponse, TeiError, TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse,
+        TeiSimilarityResponse, TeiSparseValue, TeiToken, TeiTokenizeResponse,
     },
     caller_of,
     decode::{at_most, Most},
@@ -324,20 +324,59 @@ pub(super) struct TeiEmbedRequest {
     model: Option<String>,
 }
 
+/// A TEI embedding call's texts, checked, with whom it acts for and the embedder it reaches.
+fn tei_embedding(
+    s: &AppState,
+    acting: Acting,
+    inputs: Texts,
+    direction: &Option<String>,
+    model: Option<&str>,
+) -> Result<(Vec<Bytes>, ferrite_core::Caller, TextModel), TeiFail> {
+    let texts = inputs.into_vec();
+    tei_texts(&texts)?;
+    right(direction)?;
+    let caller = caller_of(acting)?;
+    Ok((bytes(texts), caller, tei_model(s, model, Some(Task::Embed))?))
+}
+
 /// Embeds `texts` for TEI's `/embed` and `/similarity`: checked, prompted, cut or refused when long.
 async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Result<Vec<Vec<f32>>, TeiFail> {
-    let texts = req.inputs.into_vec();
-    tei_texts(&texts)?;
-    right(&req.truncation_direction)?;
-    let caller = caller_of(acting)?;
-    let m = tei_model(s, req.model.as_deref(), Some(Task::Embed))?;
+    let (texts, caller, m) = tei_embedding(s, acting, req.inputs, &req.truncation_direction, req.model.as_deref())?;
     let o = EmbedOptions {
         normalize: req.normalize,
         truncate: req.truncate,
         prompt_name: req.prompt_name,
         dimensions: req.dimensions,
     };
-    Ok(m.embed(&s.core, bytes(texts), &o, TEI_MAX_INPUTS, caller).await?.rows)
+    Ok(m.embed(&s.core, texts, &o, TEI_MAX_INPUTS, caller).await?.rows)
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiEmbedSparseRequest)]
+pub(super) struct TeiEmbedSparseRequest {
+    #[serde(deserialize_with = "texts_in")]
+    inputs: Texts,
+    /// `false`: a text over the model's max input length is refused (422) instead of cut.
+    #[serde(default)]
+    truncate: Option<bool>,
+    /// `Right` (the end of a text is cut).
+    #[serde(default)]
+    truncation_direction: Option<String>,
+    /// One of the model's sentence-transformers prompts, put before each text.
+    #[serde(default)]
+    prompt_name: Option<String>,
+    /// Ours: which model, when more than one answers embeddings.
+    #[serde(default)]
+    model: Option<String>,
+}
+
+/// TEI's `/embed_sparse`: a SPLADE model's sparse vectors (424 from another model).
+pub(super) async fn embed_sparse(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiEmbedSparseRequest = tei_parse(body).await?;
+    let (texts, caller, m) = tei_embedding(&s, acting, req.inputs, &req.truncation_direction, req.model.as_deref())?;
+    let (rows, _) = m.embed_sparse(&s.core, texts, (req.truncate, req.prompt_name), TEI_MAX_INPUTS, caller).await?;
+    let rows = rows.into_iter().map(|r| r.into_iter().map(|(index, value)| TeiSparseValue { index, value }).collect());
+    Ok(axum::Json(TeiEmbedSparseResponse(rows.collect())).into_response())
 }
 
 /// TEI's health routes (`GET /health`; `/` and `/ping` on its Inference Endpoints and SageMaker
@@ -351,14 +390,19 @@ pub(super) async fn health(State(s): State<AppState>) -> TeiResult {
 }
 
 /// TEI's default route (`POST /`, SageMaker's `/invocations`): TEI serves one model and routes
-/// these to its type's call. Here, the call of the one task the served text models have; with
-/// models of several tasks the call must say which (422).
+/// these to its type's call. Here, the call of the one task the served text models have (of
+/// embedders, `/embed_sparse` when they are all SPLADE's); with models of several tasks the call
+/// must say which (422).
 pub(super) async fn invocations(state: State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
     let tasks: Vec<Task> = [Task::Embed, Task::Rerank, Task::Classify]
         .into_iter()
         .filter(|&t| !texts::models(&state.core, Some(t)).is_empty())
         .collect();
+    let sparse = |name: &String| TextModel::new(&state.core, name, Some(Task::Embed)).is_ok_and(|m| m.sparse());
     match tasks.as_slice() {
+        [Task::Embed] if texts::models(&state.core, Some(Task::Embed)).iter().all(sparse) => {
+            embed_sparse(state, acting, body).await
+        }
         [Task::Embed] => embed(state, acting, body).await,
         [Task::Rerank] => rerank(state, acting, body).await,
         [Task::Classify] => predict(state, acting, body).await,
