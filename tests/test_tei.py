@@ -269,6 +269,9 @@ def test_a_lone_directory_answers_teis_health_and_default_routes(hf, tmp_path):
             name = "bge-small-en-v1.5"
             repo = tmp_path / name
             shutil.copytree(hf / directory, repo)
+            r = subprocess.run([BIN, "check", "--model-id", str(repo)], capture_output=True, text=True)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert [line.split()[0] for line in r.stdout.splitlines()[1:]] == [name], r.stdout
         else:
             name = directory
             repo = tmp_path / directory / "models"

@@ -44,7 +44,7 @@ enum Command {
 #[derive(Parser, Debug)]
 struct CheckArgs {
     /// Model repository, as for `serve`.
-    #[arg(long, env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
+    #[arg(long, alias = "model-id", env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
     model_repository: PathBuf,
     /// Path of libonnxruntime, as for `serve`.
     #[arg(long, env = "FERRITE_ONNXRUNTIME_LIB")]
@@ -90,8 +90,9 @@ fn check(args: CheckArgs) -> i32 {
 
 #[derive(Parser, Debug)]
 struct ServeArgs {
-    /// Model repository: <dir>/<model>/config.toml and <dir>/<model>/<version>/model.onnx.
-    #[arg(long, env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
+    /// Model repository: <dir>/<model>/config.toml and <dir>/<model>/<version>/model.onnx; or
+    /// a Hugging Face directory, served as its one model (`--model-id`, as TEI names it).
+    #[arg(long, alias = "model-id", env = "FERRITE_MODEL_REPOSITORY", default_value = "models")]
     model_repository: PathBuf,
     /// How the served models may change: `none` (as loaded at start), `poll` (the repository is
     /// watched and changed models reloaded), `explicit` (the repository API loads and unloads).
@@ -109,11 +110,11 @@ struct ServeArgs {
     #[arg(long, env = "FERRITE_CONFIG_SOURCE")]
     config_source: Option<String>,
     /// Address to listen on: an IP address, or a host name (each listener then takes every
-    /// address it resolves to).
-    #[arg(long, env = "FERRITE_HOST", default_value = "127.0.0.1")]
+    /// address it resolves to; `--hostname`, as TEI names it).
+    #[arg(long, alias = "hostname", env = "FERRITE_HOST", default_value = "127.0.0.1")]
     host: String,
-    /// HTTP port (0 picks a free one and logs it).
-    #[arg(long, env = "FERRITE_HTTP_PORT", default_value_t = 8000)]
+    /// HTTP port (0 picks a free one and logs it; `--port`, as TEI names it).
+    #[arg(long, alias = "port", env = "FERRITE_HTTP_PORT", default_value_t = 8000)]
     http_port: u16,
     /// gRPC port (0 picks a free one and logs it).
     #[arg(long, env = "FERRITE_GRPC_PORT", default_value_t = 8001)]
