@@ -390,7 +390,14 @@ def test_keep_alive_connections_idle_past_the_timeout_are_closed(start_server):
 
 
 def sockets_of(pid):
-    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    """The sockets the process holds; an fd closed between listing and reading it is not one."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:
+            pass
+    return count
 
 
 def idle_sockets_of(pid):
