@@ -97,7 +97,7 @@ def test_tei_embed_normalizes_and_picks_the_one_embedding_model(server):
     assert status == 200 and np.allclose(one[0], expected[1], atol=1e-6)
     # Its pool step normalizes: raw vectors cannot be had from it, and the refusal says why.
     status, body = post(server, "/embed", {"inputs": "hello world", "normalize": False})
-    assert status == 422 and body["error_type"] == "Validation" and "pool step normalizes" in body["error"], body
+    assert status == 413 and body["error_type"] == "Validation" and "pool step normalizes" in body["error"], body
     assert post(server, "/embed", {"inputs": "hi"}, token="wrong")[0] == 401
     assert post(server, "/embed", {"inputs": 7})[0] == 422
 
@@ -112,7 +112,7 @@ def test_a_long_list_is_split_into_batches_and_answered_in_order_from_the_cache_
     assert second == first
     # TEI's routes take at most its client batch size (32), as TEI does.
     status, body = post(server, "/embed", {"inputs": texts})
-    assert status == 422 and body["error"] == "batch size 160 > maximum allowed batch size 32", body
+    assert status == 413 and body["error"] == "batch size 160 > maximum allowed batch size 32", body
     with urllib.request.urlopen(urllib.request.Request(f"http://{server.url}/v2/models/text_embedder/stats",
                                                        headers={"Authorization": f"Bearer {TOKEN}"})) as r:
         stats = json.loads(r.read())["model_stats"][0]["inference_stats"]

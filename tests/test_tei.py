@@ -1,6 +1,6 @@
 """TEI drop-in: Hugging Face directories (written by scripts/make_models.py --hugging-face as
 optimum and sentence-transformers lay them out) served with no configuration, and TEI's API over
-them: /embed, /embed_sparse, /rerank, /predict, /similarity, /tokenize, /decode, /info, /health
+them: /embed, /embed_sparse, /embed_all, /rerank, /predict, /similarity, /tokenize, /decode, /info, /health
 and the default route POST /, plus Cohere's /v1/rerank.
 Answers are compared with a reference made here from the same files: the tokenizer through the
 `tokenizers` package, the ONNX file through onnxruntime, pooling and scores in NumPy."""
@@ -104,7 +104,7 @@ def test_info_says_what_each_directory_was_found_to_be(server):
     assert classifier["max_input_length"] == 512
     # Three text models: /info must be told which (TEI serves one, Ferrite many).
     status, body = call(server, "/info")
-    assert status == 422 and body["error_type"] == "Validation" and "hf_classifier" in body["error"], body
+    assert status == 413 and body["error_type"] == "Validation" and "hf_classifier" in body["error"], body
     status, body = call(server, "/info?model=nowhere")
     assert status == 404 and body["error_type"] == "NotFound", body
 
@@ -126,15 +126,46 @@ def test_a_directory_served_as_it_is_embeds_as_its_files_say(server, hf):
     np.testing.assert_allclose(cut[0], v / np.linalg.norm(v), atol=1e-5)
     for bad in (0, 33):
         status, body = call(server, "/embed", {"inputs": "hi", "dimensions": bad})
-        assert status == 422 and body["error_type"] == "Validation", body
+        assert status == 413 and body["error_type"] == "Validation", body
     # A prompt of config_sentence_transformers.json goes before the text.
     status, prompted = call(server, "/embed", {"inputs": "hello world", "prompt_name": "query"})
     np.testing.assert_allclose(prompted[0], ref.embed("query: hello world"), atol=1e-5)
     status, body = call(server, "/embed", {"inputs": "hi", "prompt_name": "nope"})
-    assert status == 422 and '"query"' in body["error"] and '"passage"' in body["error"], body
+    assert status == 413 and '"query"' in body["error"] and '"passage"' in body["error"], body
     # Its vectors are dense: /embed_sparse is TEI's 424.
     status, body = call(server, "/embed_sparse", {"inputs": "hi"})
     assert status == 424 and body["error_type"] == "Backend" and "SPLADE" in body["error"], body
+
+
+def test_embed_all_answers_the_hidden_state_of_each_token_each_text_took(server, hf):
+    """TEI's /embed_all: per text, the encoder's output at each of its tokens, special tokens
+    included and padding not, however the texts of a call differ in length."""
+    ref = Reference(hf / "hf_embedder", 24)
+    texts = TEXTS + ["a text long enough to be cut at the directory's twenty four tokens " * 3]
+    status, got = call(server, "/embed_all", {"inputs": texts})
+    assert status == 200, got
+    fits(call(server, "/v2/openapi.json")[1], "/embed_all", "post", got)
+    for text, tokens in zip(texts, got):
+        want = ref.run(text)
+        assert np.array(tokens).shape == want.shape, (text, np.array(tokens).shape, want.shape)
+        np.testing.assert_allclose(tokens, want, atol=1e-5)
+    assert [len(t) for t in got] == [len(ref.tok.encode(t).ids) for t in texts] and len(got[-1]) == 24
+    # Their mean is what /embed answers unnormalized; one text alone answers as in company.
+    status, pooled = call(server, "/embed", {"inputs": texts, "normalize": False})
+    np.testing.assert_allclose([np.mean(t, axis=0) for t in got], pooled, atol=1e-5)
+    assert call(server, "/embed_all", {"inputs": "hello world"})[1][0] == got[1]
+    status, prompted = call(server, "/embed_all", {"inputs": "hello world", "prompt_name": "query"})
+    np.testing.assert_allclose(prompted[0], ref.run("query: hello world"), atol=1e-5)
+    # TEI's refusals: too long with truncate false, an empty batch, no text model of embeddings.
+    status, body = call(server, "/embed_all", {"inputs": texts[-1], "truncate": False})
+    assert status == 413 and body["error_type"] == "Validation" and "less than 24 tokens" in body["error"], body
+    status, body = call(server, "/embed_all", {"inputs": []})
+    assert status == 400 and body["error_type"] == "Empty", body
+    status, body = call(server, "/embed_all", {"inputs": "hi", "model": "hf_reranker"})
+    assert status == 424 and body["error_type"] == "Backend" and "not an embedding model" in body["error"], body
+    status, body = call(server, "/embed_all", {"inputs": ["hi"] * 33})
+    assert status == 413 and body == {"error": "batch size 33 > maximum allowed batch size 32", "error_type": "Validation"}
+    assert call(server, "/embed_all", {"inputs": "hi"}, token="wrong")[0] == 401
 
 
 def test_long_texts_are_cut_unless_truncate_is_false_and_bad_inputs_fail_as_in_tei(server, hf):
@@ -144,14 +175,14 @@ def test_long_texts_are_cut_unless_truncate_is_false_and_bad_inputs_fail_as_in_t
     assert status == 200
     np.testing.assert_allclose(got[0], ref.embed(long), atol=1e-5)
     status, body = call(server, "/embed", {"inputs": long, "truncate": False})
-    assert status == 422 and body == {"error": "`inputs` must have less than 24 tokens. Given: 52",
+    assert status == 413 and body == {"error": "`inputs` must have less than 24 tokens. Given: 52",
                                       "error_type": "Validation"}, body
     status, body = call(server, "/embed", {"inputs": ["fine", ""]})
     assert status == 400 and body["error_type"] == "Empty", body
     status, body = call(server, "/embed", {"inputs": ["x"] * 33})
-    assert status == 422 and body["error"] == "batch size 33 > maximum allowed batch size 32", body
+    assert status == 413 and body["error"] == "batch size 33 > maximum allowed batch size 32", body
     status, body = call(server, "/embed", {"inputs": "x", "truncation_direction": "Left"})
-    assert status == 422 and "Right" in body["error"], body
+    assert status == 413 and "Right" in body["error"], body
     assert call(server, "/embed", {"inputs": "x"}, token="wrong")[0] == 401
     status, body = call(server, "/embed", {"inputs": "x", "model": "nowhere"})
     assert status == 404 and body["error_type"] == "NotFound", body
@@ -202,7 +233,7 @@ def test_predict_classifies_a_text_or_a_list_with_the_labels_of_config_json(serv
         assert answer[0]["label"] == labels[int(np.argmax(logits))]
     # Two strings are one pair (TEI's reading): this classifier reads single texts.
     status, body = call(server, "/predict", {"inputs": ["a", "b"]})
-    assert status == 422 and "single texts" in body["error"], body
+    assert status == 413 and "single texts" in body["error"], body
 
 
 def test_similarity_tokenize_and_decode(server, hf):
@@ -238,7 +269,7 @@ def test_similarity_tokenize_and_decode(server, hf):
                                             "model": "hf_embedder"})
     assert both == [want.decode(e.ids, skip_special_tokens=False), want.decode(e.ids[:3], skip_special_tokens=False)]
     status, body = call(server, "/tokenize", {"inputs": "x" * (1 << 20) + "y", "model": "hf_embedder"})
-    assert status == 422 and "at most" in body["error"], body
+    assert status == 413 and "at most" in body["error"], body
 
 
 def raw(url, path, method="GET", body=None, token=None):
@@ -332,6 +363,22 @@ def test_a_splade_directory_answers_the_sparse_vectors_its_logits_make(hf, tei_p
             (v["index"], round(v["value"], 5)) for v in got[0]]
         streamed = list(stubs.EmbedStub(channel).EmbedSparseStream(iter(pb.EmbedSparseRequest(inputs=t) for t in TEXTS)))
         assert [[v.index for v in r.sparse_embeddings] for r in streamed] == [[v["index"] for v in g] for g in got]
+        # /embed answers the same vectors dense, but not normalized (TEI refuses `normalize` there,
+        # and so OpenAI's call, which asks for unit vectors).
+        status, body = call(s, "/embed", {"inputs": "hi"})
+        assert status == 424 and body["error_type"] == "Backend" and "`normalize`" in body["error"], body
+        assert call(s, "/v1/embeddings", {"input": "hi"})[0] == 400
+        status, dense = call(s, "/embed", {"inputs": TEXTS, "normalize": False})
+        assert status == 200, dense
+        for sparse, row in zip(got, dense):
+            assert [i for i, x in enumerate(row) if x != 0] == [v["index"] for v in sparse]
+            np.testing.assert_allclose([row[v["index"]] for v in sparse], [v["value"] for v in sparse], atol=1e-6)
+        # Its token embeddings would be the vocabulary's logits: TEI refuses them.
+        status, body = call(s, "/embed_all", {"inputs": "hi"})
+        assert status == 424 and body["error_type"] == "Backend" and "SPLADE" in body["error"], body
+        with pytest.raises(grpc.RpcError) as e:
+            stubs.EmbedStub(channel).EmbedAll(pb.EmbedAllRequest(inputs="hi"))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "SPLADE" in e.value.details()
         channel.close()
     finally:
         s.stop()
@@ -339,7 +386,7 @@ def test_a_splade_directory_answers_the_sparse_vectors_its_logits_make(hf, tei_p
 
 def test_the_default_route_asks_which_call_when_models_of_several_tasks_are_served(server):
     status, body = raw(server.url, "/", "POST", {"inputs": "hello"}, TOKEN)
-    assert status == 422, body
+    assert status == 413, body
     error = json.loads(body)
     assert error["error_type"] == "Validation" and "embed, rerank, classify" in error["error"], error
     # Health needs the token here (no --auth-allow-health).
@@ -373,9 +420,15 @@ def test_the_hand_written_pipeline_and_the_directory_agree_and_check_shows_what_
         assert status == 200
         status, found = call(s, "/embed", {"inputs": texts, "model": "hf_embedder"})
         np.testing.assert_allclose(found, hand, atol=1e-6)
+        # The hand-written pipeline answers its token embeddings too: its steps before the pool.
+        status, tokens = call(s, "/embed_all", {"inputs": texts, "model": "text_embedder"})
+        assert status == 200, tokens
+        assert tokens == call(s, "/embed_all", {"inputs": texts, "model": "hf_embedder"})[1]
+        unit = [np.mean(t, axis=0) / np.linalg.norm(np.mean(t, axis=0)) for t in tokens]
+        np.testing.assert_allclose(unit, hand, atol=1e-6)
         # Two embedders: the call must name one.
         status, body = call(s, "/embed", {"inputs": texts})
-        assert status == 422 and "hf_embedder, text_embedder" in body["error"], body
+        assert status == 413 and "hf_embedder, text_embedder" in body["error"], body
     finally:
         s.stop()
     r = subprocess.run([BIN, "check", "--model-repository", str(repo)], capture_output=True, text=True)
@@ -484,6 +537,16 @@ def test_tei_grpc_clients_get_the_http_answers(server, hf, tei_pb):
     with pytest.raises(grpc.RpcError) as e:
         embed.EmbedSparse(pb.EmbedSparseRequest(inputs="hi"), metadata=auth)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "SPLADE" in e.value.details()
+    # Token embeddings: one message a text, unary and streamed, as over HTTP.
+    status, want = call(server, "/embed_all", {"inputs": TEXTS})
+    one = embed.EmbedAll(pb.EmbedAllRequest(inputs=TEXTS[1]), metadata=auth)
+    np.testing.assert_allclose([list(t.embeddings) for t in one.token_embeddings], want[1], atol=1e-6)
+    assert one.metadata.compute_tokens == len(want[1]) == 4
+    streamed = list(embed.EmbedAllStream(iter(pb.EmbedAllRequest(inputs=t) for t in TEXTS), metadata=auth))
+    assert [len(r.token_embeddings) for r in streamed] == [len(w) for w in want]
+    with pytest.raises(grpc.RpcError) as e:
+        embed.EmbedAll(pb.EmbedAllRequest(inputs="hi"), metadata=auth + [("model", "hf_reranker")])
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not an embedding model" in e.value.details()
 
 
 def test_tei_streams_end_with_unavailable_when_the_server_stops(hf, tei_pb, tmp_path):

@@ -174,6 +174,33 @@ impl TextModel {
     /// workers are queued at once, so other clients' requests queue behind a few of a long
     /// call's batches, not all of them.
     pub async fn run(self, core: &Core, rows: Vec<Row>, max_inputs: usize, caller: Caller) -> Result<Answer> {
+        let asked = std::iter::once(self.output.clone()).chain(self.count.clone()).collect();
+        let answers = self.calls(core, self.route.clone(), asked, &rows, max_inputs, caller).await?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut tokens = 0u64;
+        for resp in answers {
+            let v = &resp.outputs[0];
+            let values = crate::pipeline::floats(v)?;
+            let width = v.shape.iter().skip(1).product::<usize>().max(1);
+            out.extend(values.chunks(width).map(<[f32]>::to_vec));
+            if let Some(c) = resp.outputs.get(1) {
+                tokens += counts(c)?.iter().sum::<u64>();
+            }
+        }
+        Ok(Answer { model: self.name().to_string(), rows: out, tokens })
+    }
+
+    /// `rows` run on `route`'s model (this one's, or one beside it), its `asked` outputs
+    /// answered per call, in order; admitted as this model's requests (see `run`).
+    async fn calls(
+        &self,
+        core: &Core,
+        route: Route,
+        asked: Vec<String>,
+        rows: &[Row],
+        max_inputs: usize,
+        caller: Caller,
+    ) -> Result<Vec<crate::InferResponse>> {
         if rows.is_empty() || rows.len() > max_inputs {
             return Err(Error::invalid(format!("give 1 to {max_inputs} texts, not {}", rows.len())));
         }
@@ -181,7 +208,7 @@ impl TextModel {
             let wants = if self.pair.is_some() { "pairs of texts" } else { "single texts" };
             return Err(Error::invalid(format!("model '{}' reads {wants}", self.name())));
         }
-        let spec = &self.route.model().spec;
+        let spec = &route.model().spec;
         let model = spec.name.clone();
         let per_call = spec.batch.max_batch_size.max(1);
         let window = spec.instance_count.max(1);
@@ -199,28 +226,22 @@ impl TextModel {
             let req = InferRequest {
                 model_name: model.clone(),
                 inputs,
-                outputs: Some(std::iter::once(self.output.clone()).chain(self.count.clone()).collect()),
+                outputs: Some(asked.clone()),
                 tenant: caller.tenant.clone(),
                 share: caller.share.clone(),
                 ..Default::default()
             };
-            let (core, route, charged) = (core.clone(), self.route.clone(), charged.clone());
+            let (core, route, charged) = (core.clone(), route.clone(), charged.clone());
             Box::pin(async move { core.infer_on(route, req, Some(charged)).await })
                 as Pin<Box<dyn Future<Output = Result<crate::InferResponse>> + Send>>
         };
-        let mut out = Vec::with_capacity(rows.len());
-        let mut tokens = 0u64;
-        for resp in windowed(chunks.len(), window, |i| call(chunks[i])).await? {
-            let v = &resp.outputs[0];
-            let values = crate::pipeline::floats(v)?;
-            let width = v.shape.iter().skip(1).product::<usize>().max(1);
-            out.extend(values.chunks(width).map(<[f32]>::to_vec));
-            if let Some(c) = resp.outputs.get(1) {
-                tokens += crate::pipeline::floats(c)?.iter().map(|&n| n as u64).sum::<u64>();
-            }
-        }
-        Ok(Answer { model, rows: out, tokens })
+        windowed(chunks.len(), window, |i| call(chunks[i])).await
     }
+}
+
+/// A `token_count` answer's counts.
+fn counts(c: &Tensor) -> Result<Vec<u64>> {
+    Ok(crate::pipeline::floats(c)?.iter().map(|&n| n as u64).collect())
 }
 
 fn lengths_fit(t: &TextSpec, rows: &[Row]) -> Result<()> {
@@ -294,6 +315,10 @@ impl TextModel {
         max_inputs: usize,
         caller: Caller,
     ) -> Result<Answer> {
+        if o.normalize && self.sparse() {
+            // TEI's refusal: a SPLADE vector is the vocabulary's weights, not a direction.
+            return Err(Error::Unsupported("`normalize` is not available for SPLADE models".into()));
+        }
         let cut = self.dimensions(o.dimensions)?;
         let normalized = self.text.as_ref().is_some_and(|t| t.normalized);
         if normalized && !o.normalize {
@@ -340,6 +365,55 @@ impl TextModel {
         let a = self.embed(core, texts, &o, max_inputs, caller).await?;
         let sparse = |v: Vec<f32>| (0u32..).zip(v).filter(|&(_, x)| x != 0.0).collect();
         Ok((a.rows.into_iter().map(sparse).collect(), a.tokens))
+    }
+
+    /// Each text's token embeddings (TEI's `/embed_all`): the hidden state its pipeline pools, one
+    /// vector per token the text took (special tokens included, padding not), in order. A SPLADE
+    /// model is refused as TEI refuses it (424: Unsupported), as is a model without a pool step.
+    pub async fn embed_all(
+        self,
+        core: &Core,
+        texts: Vec<Bytes>,
+        (truncate, prompt_name): (Option<bool>, Option<String>),
+        max_inputs: usize,
+        caller: Caller,
+    ) -> Result<(Vec<Vec<Vec<f32>>>, u64)> {
+        if self.sparse() {
+            return Err(Error::Unsupported("`embed_all` is not available for SPLADE models".into()));
+        }
+        let Some(beside) = self.route.model().token_embeddings.clone() else {
+            return Err(Error::Unsupported(format!(
+                "model '{}' does not answer token embeddings (a text pipeline that pools its model's does)",
+                self.name()
+            )));
+        };
+        let asked: Vec<String> = beside.spec.outputs.iter().map(|o| o.name.clone()).collect();
+        let rows: Vec<Row> = self.prompted(texts, prompt_name.as_deref())?.into_iter().map(|t| (t, None)).collect();
+        if truncate == Some(false) {
+            self.check_lengths(&rows).await?;
+        }
+        let route = self.route.beside(beside);
+        let mut out = Vec::with_capacity(rows.len());
+        let mut tokens = 0u64;
+        for resp in self.calls(core, route, asked, &rows, max_inputs, caller).await? {
+            let [hidden, count] = &resp.outputs[..] else {
+                return Err(Error::internal("token embeddings answered without their token counts"));
+            };
+            // [rows, tokens, width]: each row padded to the longest of its call.
+            let &[n, padded, width] = &hidden.shape[..] else {
+                return Err(Error::internal(format!("token embeddings of shape {:?}", hidden.shape)));
+            };
+            let values = crate::pipeline::floats(hidden)?;
+            let counts = counts(count)?;
+            if counts.len() != n || counts.iter().any(|&c| c as usize > padded) {
+                return Err(Error::internal(format!("token counts {counts:?} of rows of {padded} tokens")));
+            }
+            for (row, &c) in values.chunks(padded * width).zip(&counts) {
+                out.push(row[..c as usize * width].chunks(width).map(<[f32]>::to_vec).collect());
+                tokens += c;
+            }
+        }
+        Ok((out, tokens))
     }
 
     /// `(index, score)` of each passage for `query`, highest first; `raw` keeps the model's

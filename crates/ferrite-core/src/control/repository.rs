@@ -8,7 +8,7 @@ use std::{
 use crate::{
     cache::ResponseCache,
     control::config::ModelConfig,
-    engine::spec::{ModelSpec, TensorSpec},
+    engine::spec::{ModelSpec, Task, TensorSpec},
     engine::{
         onnx::{OnnxBackend, OnnxOptions},
         tuning,
@@ -291,8 +291,16 @@ impl Repository {
                 .map_err(|e| Error::invalid(format!("model file '{file}': {e}")))?;
             own.insert(file.clone(), Arc::new(model));
         }
-        let pipeline =
-            crate::pipeline::Pipeline::build(name, &dir, &config.steps, &inputs, &outputs, models, registry as _, own)?;
+        let pipeline = crate::pipeline::Pipeline::build(
+            name,
+            &dir,
+            &config.steps,
+            &inputs,
+            &outputs,
+            models,
+            registry.clone() as _,
+            own.clone(),
+        )?;
         for (what, stated, derived) in
             [("input", &config.input, pipeline.inputs()), ("output", &config.output, pipeline.outputs())]
         {
@@ -316,24 +324,11 @@ impl Repository {
                 }
             }
         }
-        let batched = |t: &crate::engine::spec::TensorSpec| crate::engine::spec::TensorSpec {
-            dims: std::iter::once(-1).chain(t.dims.iter().copied()).collect(),
-            ..t.clone()
-        };
-        let inputs: Vec<_> = pipeline.inputs().iter().map(batched).collect();
-        let outputs: Vec<_> = pipeline.outputs().iter().map(batched).collect();
         // Its workers run the native steps and wait for its model steps: twice as many as the CPU
         // budget has threads, so some prepare batches while others wait; batches of 32 rows (the
         // pipelines benchmark's choice: bench/results/pipelines.md).
-        let mut plain = config.clone();
-        plain.input.clear();
-        plain.output.clear();
-        plain.instance_count = Some(config.instance_count.unwrap_or(2 * self.options.threads).max(1));
-        plain.max_batch_size = Some(config.max_batch_size.unwrap_or(PIPELINE_MAX_BATCH_SIZE));
-        let mut spec = ModelSpec::resolve(name, version, &plain, &inputs, &outputs, 1)?;
-        spec.platform = "ensemble";
-        spec.backend = "ferrite";
-        spec.uses = pipeline.uses.clone();
+        let workers = config.instance_count.unwrap_or(2 * self.options.threads).max(1);
+        let mut spec = pipeline_spec(name, version, config, &pipeline, workers)?;
         spec.labels = labels(&dir, config)?;
         spec.labels.extend(config.labels.clone());
         spec.load.label_files =
@@ -346,11 +341,41 @@ impl Repository {
                 content = xxhash_rust::xxh3::xxh3_64(&[content.to_le_bytes(), model.content.to_le_bytes()].concat());
             }
         }
+        // A text embedder answers its token embeddings too: its steps before the pool step, on
+        // the same model steps (its own models shared, not loaded again), by two workers of
+        // their own, so that its pooled answers keep their fixed shape and stack across requests.
+        let pooled = pipeline.pooled().filter(|_| spec.text.as_ref().is_some_and(|t| t.task == Task::Embed));
+        let token_embeddings = match pooled {
+            Some((at, hidden)) => {
+                let label = format!("{name}/embed_all");
+                let answers = [hidden.to_string(), "token_count".to_string()];
+                let built = crate::pipeline::Pipeline::build(
+                    &label,
+                    &dir,
+                    &config.steps[..at],
+                    &inputs,
+                    &answers,
+                    models,
+                    registry as _,
+                    own,
+                )
+                .and_then(|p| Model::start(pipeline_spec(&label, version, config, &p, 2)?, &p, None));
+                match built {
+                    Ok(m) => Some(Arc::new(m)),
+                    Err(e) => {
+                        tracing::warn!(model = name, "its token embeddings (/embed_all) are not served: {e}");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
         let cache = self.options.cache.clone().filter(|_| spec.cache);
         let mut model = Model::start(spec, &pipeline, None)?;
         model.cache = cache;
         model.content = content;
         model.fingerprint = fingerprint;
+        model.token_embeddings = token_embeddings;
         Ok(model)
     }
 
@@ -372,6 +397,31 @@ impl Repository {
         model.fingerprint = fingerprint;
         Ok(model)
     }
+}
+
+/// The spec of `pipeline`, named `name`, run by `workers` instances in batches of the config's
+/// `max_batch_size` (`PIPELINE_MAX_BATCH_SIZE` by default).
+fn pipeline_spec(
+    name: &str,
+    version: u64,
+    config: &ModelConfig,
+    pipeline: &crate::pipeline::Pipeline,
+    workers: usize,
+) -> Result<ModelSpec> {
+    let batched =
+        |t: &TensorSpec| TensorSpec { dims: std::iter::once(-1).chain(t.dims.iter().copied()).collect(), ..t.clone() };
+    let inputs: Vec<_> = pipeline.inputs().iter().map(batched).collect();
+    let outputs: Vec<_> = pipeline.outputs().iter().map(batched).collect();
+    let mut plain = config.clone();
+    plain.input.clear();
+    plain.output.clear();
+    plain.instance_count = Some(workers);
+    plain.max_batch_size = Some(config.max_batch_size.unwrap_or(PIPELINE_MAX_BATCH_SIZE));
+    let mut spec = ModelSpec::resolve(name, version, &plain, &inputs, &outputs, 1)?;
+    spec.platform = "ensemble";
+    spec.backend = "ferrite";
+    spec.uses = pipeline.uses.clone();
+    Ok(spec)
 }
 
 /// The format of a model's config file.

@@ -369,6 +369,12 @@ impl Route {
     pub fn model(&self) -> &Model {
         self.model.as_deref().expect("a route holds its model until dropped")
     }
+
+    /// A route to a model that serves beside this route's, not on its own name (a text
+    /// embedder's token embeddings): no canary is judged by it.
+    pub(crate) fn beside(&self, model: Arc<Model>) -> Route {
+        Route { model: Some(model), canary: None }
+    }
 }
 
 impl Drop for Route {

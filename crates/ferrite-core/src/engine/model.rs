@@ -69,6 +69,9 @@ pub struct Model {
     pub(crate) warmups: Vec<(String, usize, Vec<Tensor>)>,
     /// What a request costs, when the backend can tell before running it.
     cost: Option<crate::engine::backend::Cost>,
+    /// A text embedder's token embeddings (TEI's `/embed_all`): its pipeline's steps before the
+    /// pool step, on the same model steps, answering the pooled value and `token_count`.
+    pub token_embeddings: Option<Arc<Model>>,
 }
 
 /// What the cache made of a request ([`Model::look_up`]).
@@ -86,7 +89,18 @@ impl Model {
         let metrics = metrics::ModelMetrics::new(&spec.name, spec.version);
         let batcher = Batcher::start(&spec, backend, solo, stats.clone(), metrics.clone())?;
         let cost = backend.cost();
-        Ok(Model { spec, stats, batcher, metrics, cache: None, fingerprint: 0, content: 0, warmups: Vec::new(), cost })
+        Ok(Model {
+            spec,
+            stats,
+            batcher,
+            metrics,
+            cache: None,
+            fingerprint: 0,
+            content: 0,
+            warmups: Vec::new(),
+            cost,
+            token_embeddings: None,
+        })
     }
 
     pub fn batcher(&self) -> &Batcher {

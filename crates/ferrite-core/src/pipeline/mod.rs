@@ -356,6 +356,16 @@ impl Pipeline {
 }
 
 impl Pipeline {
+    /// Where its token embeddings are pooled: the first pool step's position and the value it
+    /// reads. `None` without a pool step, or for SPLADE's, which pools the vocabulary's logits.
+    pub fn pooled(&self) -> Option<(usize, &str)> {
+        self.steps.iter().enumerate().find_map(|(at, s)| match &s.op {
+            Op::Post(post::Post::Pool { mode, .. }) if *mode == post::Pooling::Splade => Some(None),
+            Op::Post(post::Post::Pool { input, .. }) => Some(Some((at, input.as_str()))),
+            _ => None,
+        })?
+    }
+
     /// The text routes' view of it (see `text::text_spec`), for the `task` its config declares;
     /// `labels` a classifier's, by output.
     pub fn text_spec(
@@ -1217,6 +1227,36 @@ mod tests {
         assert!(!heavy(vec!["x".repeat(1 << 20)]), "one text of a megabyte");
         assert!(!heavy(vec!["x".repeat(1 << 20); 8]), "eight: 16 KiB read");
         assert!(heavy(vec!["x".repeat(1 << 20); 9]));
+    }
+
+    #[test]
+    fn token_embeddings_are_what_the_first_pool_step_reads_unless_it_is_splades() {
+        let registry: Arc<dyn Models> = Arc::new(arc_swap::ArcSwap::from_pointee(Registry::default()));
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/text_embedder");
+        let pooled = |pool: &str| {
+            let text = format!("[[steps]]\nop = \"tokenize\"\n{pool}");
+            let inputs = ["text".to_string(), "hidden".to_string()];
+            let p = Pipeline::build(
+                "p",
+                &dir,
+                &steps(&text).unwrap(),
+                &inputs,
+                &[],
+                &Registry::default(),
+                registry.clone(),
+                Default::default(),
+            )
+            .unwrap();
+            p.pooled().map(|(at, input)| (at, input.to_string()))
+        };
+        let pool = "[[steps]]\nop = \"pool\"\ninput = \"hidden\"\n";
+        assert_eq!(pooled(pool), Some((1, "hidden".into())));
+        assert_eq!(
+            pooled(&format!("{pool}[[steps]]\nop = \"softmax\"\ninput = \"embedding\"\n")),
+            Some((1, "hidden".into()))
+        );
+        assert_eq!(pooled(&format!("{pool}mode = \"splade\"\n")), None, "SPLADE pools logits");
+        assert_eq!(pooled(""), None);
     }
 
     #[test]

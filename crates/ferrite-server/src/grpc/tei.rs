@@ -1,8 +1,7 @@
 //! TEI's gRPC API (`tei.v1`: Info, Embed, Predict, Rerank, Tokenize) over the core's `texts`, as
 //! its HTTP routes are: the same checks, limits, tenants and cache. A call names its model in the
 //! `model` metadata key, or leaves it to the one served model of its task. A stream's messages
-//! are answered one after another, in order. Sparse and token embeddings (`EmbedSparse*`,
-//! `EmbedAll*`) answer UNIMPLEMENTED.
+//! are answered one after another, in order.
 
 use std::pin::Pin;
 
@@ -111,6 +110,23 @@ impl Tei {
             .map(|(index, value)| pb::SparseValue { index, value })
             .collect();
         Ok(pb::EmbedSparseResponse { sparse_embeddings, metadata: Some(metadata(tokens)) })
+    }
+
+    async fn embed_all_one(&self, call: &Call, r: pb::EmbedAllRequest) -> Result<pb::EmbedAllResponse, Status> {
+        text_given(&r.inputs)?;
+        right(r.truncation_direction)?;
+        let m = self.model(call, Some(Task::Embed))?;
+        let texts = vec![Bytes::from(r.inputs)];
+        let (rows, tokens) =
+            m.embed_all(&self.core, texts, (None, r.prompt_name), 1, call.caller.clone()).await.map_err(status)?;
+        let token_embeddings = rows
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|embeddings| pb::TokenEmbedding { embeddings })
+            .collect();
+        Ok(pb::EmbedAllResponse { token_embeddings, metadata: Some(metadata(tokens)) })
     }
 
     async fn predict_one(&self, call: &Call, row: texts::Row, raw: bool) -> Result<pb::PredictResponse, Status> {
@@ -266,10 +282,6 @@ impl pb::info_server::Info for Tei {
     }
 }
 
-fn unimplemented<T>(what: &str) -> Result<T, Status> {
-    Err(Status::unimplemented(format!("{what} is not served yet (token embeddings)")))
-}
-
 #[tonic::async_trait]
 impl pb::embed_server::Embed for Tei {
     async fn embed(&self, req: Request<pb::EmbedRequest>) -> Result<Response<pb::EmbedResponse>, Status> {
@@ -309,16 +321,21 @@ impl pb::embed_server::Embed for Tei {
         })))
     }
 
-    async fn embed_all(&self, _: Request<pb::EmbedAllRequest>) -> Result<Response<pb::EmbedAllResponse>, Status> {
-        unimplemented("EmbedAll")
+    async fn embed_all(&self, req: Request<pb::EmbedAllRequest>) -> Result<Response<pb::EmbedAllResponse>, Status> {
+        let call = self.call(&req)?;
+        self.embed_all_one(&call, req.into_inner()).await.map(Response::new)
     }
 
     type EmbedAllStreamStream = Answers<pb::EmbedAllResponse>;
     async fn embed_all_stream(
         &self,
-        _: Request<Streaming<pb::EmbedAllRequest>>,
+        req: Request<Streaming<pb::EmbedAllRequest>>,
     ) -> Result<Response<Self::EmbedAllStreamStream>, Status> {
-        unimplemented("EmbedAllStream")
+        let call = std::sync::Arc::new(self.call(&req)?);
+        Ok(Response::new(each(self.clone(), req.into_inner(), move |tei, m| {
+            let call = call.clone();
+            async move { tei.embed_all_one(&call, m).await }
+        })))
     }
 }
 

@@ -273,6 +273,11 @@ pub struct TeiSparseValue {
 #[serde(transparent)]
 pub struct TeiEmbedSparseResponse(pub Vec<Vec<TeiSparseValue>>);
 
+/// TEI's `/embed_all` answer: per input, one vector per token it took (special tokens included).
+#[derive(Serialize, ToSchema)]
+#[serde(transparent)]
+pub struct TeiEmbedAllResponse(pub Vec<Vec<Vec<f32>>>);
+
 /// TEI's error body.
 #[derive(Serialize, ToSchema)]
 pub struct TeiError {

@@ -27,9 +27,9 @@ use utoipa::ToSchema;
 use super::{
     bodies::{
         Embedding, OpenAiEmbedding, OpenAiEmbeddingResponse, OpenAiError, OpenAiErrorDetail, OpenAiUsage,
-        RerankDocument, RerankResponse, RerankResult, RerankUsage, TeiDecodeResponse, TeiEmbedResponse,
-        TeiEmbedSparseResponse, TeiError, TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank, TeiRerankResponse,
-        TeiSimilarityResponse, TeiSparseValue, TeiToken, TeiTokenizeResponse,
+        RerankDocument, RerankResponse, RerankResult, RerankUsage, TeiDecodeResponse, TeiEmbedAllResponse,
+        TeiEmbedResponse, TeiEmbedSparseResponse, TeiError, TeiInfo, TeiPredictResponse, TeiPrediction, TeiRank,
+        TeiRerankResponse, TeiSimilarityResponse, TeiSparseValue, TeiToken, TeiTokenizeResponse,
     },
     caller_of,
     decode::{at_most, Most},
@@ -194,10 +194,10 @@ fn invalid_as_400(e: Error) -> ApiError {
 
 // ---- TEI -----------------------------------------------------------------------------------
 
-/// A core error as TEI answers it: validation 422, a model of another task 424, a fault 424.
+/// A core error as TEI answers it: validation 413, a model of another task 424, a fault 424.
 fn tei_status(e: &Error) -> StatusCode {
     match e {
-        Error::InvalidInput(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        Error::InvalidInput(_) => StatusCode::PAYLOAD_TOO_LARGE,
         Error::Unsupported(_) | Error::Internal(_) => StatusCode::FAILED_DEPENDENCY,
         e => ApiError::from(e.clone()).status,
     }
@@ -224,8 +224,10 @@ impl TeiFail {
         TeiFail(ApiError::new(status, message))
     }
 
+    /// TEI's `Validation`, which it answers 413 whatever the fault (too many inputs, too long a
+    /// text, an unknown prompt).
     fn validation(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNPROCESSABLE_ENTITY, message)
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, message)
     }
 }
 
@@ -254,7 +256,7 @@ pub(super) type TeiResult = Result<Response, TeiFail>;
 /// The body of a TEI call, or 422 (TEI's answer to a body it cannot read).
 async fn tei_parse<T: serde::de::DeserializeOwned + Send + 'static>(body: JsonBody) -> Result<T, TeiFail> {
     body.parse().await.map_err(|e| match e.status {
-        StatusCode::BAD_REQUEST => TeiFail::validation(e.message),
+        StatusCode::BAD_REQUEST => TeiFail::new(StatusCode::UNPROCESSABLE_ENTITY, e.message),
         _ => TeiFail(e),
     })
 }
@@ -351,9 +353,10 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
     Ok(m.embed(&s.core, texts, &o, TEI_MAX_INPUTS, caller).await?.rows)
 }
 
+/// The body of TEI's `/embed_sparse` and `/embed_all` (their requests are alike).
 #[derive(Deserialize, ToSchema)]
-#[schema(as = TeiEmbedSparseRequest)]
-pub(super) struct TeiEmbedSparseRequest {
+#[schema(as = TeiEmbedTextsRequest)]
+pub(super) struct TeiEmbedTextsRequest {
     #[serde(deserialize_with = "texts_in")]
     inputs: Texts,
     /// `false`: a text over the model's max input length is refused (422) instead of cut.
@@ -372,11 +375,19 @@ pub(super) struct TeiEmbedSparseRequest {
 
 /// TEI's `/embed_sparse`: a SPLADE model's sparse vectors (424 from another model).
 pub(super) async fn embed_sparse(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
-    let req: TeiEmbedSparseRequest = tei_parse(body).await?;
+    let req: TeiEmbedTextsRequest = tei_parse(body).await?;
     let (texts, caller, m) = tei_embedding(&s, acting, req.inputs, &req.truncation_direction, req.model.as_deref())?;
     let (rows, _) = m.embed_sparse(&s.core, texts, (req.truncate, req.prompt_name), TEI_MAX_INPUTS, caller).await?;
     let rows = rows.into_iter().map(|r| r.into_iter().map(|(index, value)| TeiSparseValue { index, value }).collect());
     Ok(axum::Json(TeiEmbedSparseResponse(rows.collect())).into_response())
+}
+
+/// TEI's `/embed_all`: each text's token embeddings (424 from a SPLADE model).
+pub(super) async fn embed_all(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
+    let req: TeiEmbedTextsRequest = tei_parse(body).await?;
+    let (texts, caller, m) = tei_embedding(&s, acting, req.inputs, &req.truncation_direction, req.model.as_deref())?;
+    let (rows, _) = m.embed_all(&s.core, texts, (req.truncate, req.prompt_name), TEI_MAX_INPUTS, caller).await?;
+    Ok(axum::Json(TeiEmbedAllResponse(rows)).into_response())
 }
 
 /// TEI's health routes (`GET /health`; `/` and `/ping` on its Inference Endpoints and SageMaker
