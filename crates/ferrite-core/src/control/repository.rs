@@ -291,16 +291,8 @@ impl Repository {
                 .map_err(|e| Error::invalid(format!("model file '{file}': {e}")))?;
             own.insert(file.clone(), Arc::new(model));
         }
-        let pipeline = crate::pipeline::Pipeline::build(
-            name,
-            &dir,
-            &config.steps,
-            &inputs,
-            &outputs,
-            models,
-            registry.clone() as _,
-            own.clone(),
-        )?;
+        let pipeline =
+            crate::pipeline::Pipeline::build(name, &dir, &config.steps, &inputs, &outputs, models, registry as _, own)?;
         for (what, stated, derived) in
             [("input", &config.input, pipeline.inputs()), ("output", &config.output, pipeline.outputs())]
         {
@@ -341,25 +333,16 @@ impl Repository {
                 content = xxhash_rust::xxh3::xxh3_64(&[content.to_le_bytes(), model.content.to_le_bytes()].concat());
             }
         }
-        // A text embedder answers its token embeddings too: its steps before the pool step, on
-        // the same model steps (its own models shared, not loaded again), by two workers of
-        // their own, so that its pooled answers keep their fixed shape and stack across requests.
+        // A text embedder answers its token embeddings too: its steps before the pool step (the
+        // same built steps and models, nothing loaded again), by two workers of their own, so
+        // that its pooled answers keep their fixed shape and stack across requests.
         let pooled = pipeline.pooled().filter(|_| spec.text.as_ref().is_some_and(|t| t.task == Task::Embed));
         let token_embeddings = match pooled {
             Some((at, hidden)) => {
                 let label = format!("{name}/embed_all");
-                let answers = [hidden.to_string(), "token_count".to_string()];
-                let built = crate::pipeline::Pipeline::build(
-                    &label,
-                    &dir,
-                    &config.steps[..at],
-                    &inputs,
-                    &answers,
-                    models,
-                    registry as _,
-                    own,
-                )
-                .and_then(|p| Model::start(pipeline_spec(&label, version, config, &p, 2)?, &p, None));
+                let built = pipeline
+                    .prefix(&label, at, &[hidden.to_string(), "token_count".to_string()])
+                    .and_then(|p| Model::start(pipeline_spec(&label, version, config, &p, 2)?, &p, None));
                 match built {
                     Ok(m) => Some(Arc::new(m)),
                     Err(e) => {

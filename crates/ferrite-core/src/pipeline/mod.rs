@@ -180,6 +180,8 @@ const HEAVY_TEXT_BYTES: u64 = 16 << 10;
 struct Step {
     name: String,
     op: Op,
+    /// The values it writes.
+    wrote: Vec<(String, Kind)>,
 }
 
 enum Op {
@@ -199,6 +201,8 @@ pub struct Pipeline {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
     steps: Arc<Vec<Step>>,
+    /// How many of `steps` it runs: all, or the first few (`prefix`).
+    run: usize,
     registry: Weak<dyn Models>,
     /// The models of its own files (`file` steps), by file.
     own: BTreeMap<String, Arc<crate::Model>>,
@@ -324,28 +328,19 @@ impl Pipeline {
             .map_err(fail)?;
             last_written = written.iter().map(|(n, _)| n.clone()).collect();
             known.written |= !written.is_empty();
-            known.values.extend(written);
-            built.push(Step { name, op });
+            known.values.extend(written.iter().cloned());
+            built.push(Step { name, op, wrote: written });
         }
         let wanted = if outputs.is_empty() { last_written } else { outputs.to_vec() };
-        let outputs = wanted
-            .iter()
-            .map(|name| match known.values.get(name) {
-                Some(Kind::Tensor(datatype, dims)) => {
-                    Ok(TensorSpec { name: name.clone(), datatype: *datatype, dims: dims.clone() })
-                }
-                Some(Kind::Image(_)) => {
-                    Err(Error::invalid(format!("output '{name}' is an image; a normalize step makes it a tensor")))
-                }
-                None => Err(Error::invalid(format!("output '{name}' is written by no step"))),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let outputs =
+            wanted.iter().map(|name| output_spec(name, known.values.get(name))).collect::<Result<Vec<_>>>()?;
         uses.sort();
         uses.dedup();
         let registry = Arc::downgrade(&registry);
         Ok(Pipeline {
             inputs: known.inputs,
             outputs,
+            run: built.len(),
             steps: Arc::new(built),
             registry,
             own,
@@ -355,11 +350,41 @@ impl Pipeline {
     }
 }
 
+/// The spec of output `name`, a value of `kind` (`None`: no step writes it).
+fn output_spec(name: &str, kind: Option<&Kind>) -> Result<TensorSpec> {
+    match kind {
+        Some(Kind::Tensor(datatype, dims)) => {
+            Ok(TensorSpec { name: name.to_string(), datatype: *datatype, dims: dims.clone() })
+        }
+        Some(Kind::Image(_)) => {
+            Err(Error::invalid(format!("output '{name}' is an image; a normalize step makes it a tensor")))
+        }
+        None => Err(Error::invalid(format!("output '{name}' is written by no step"))),
+    }
+}
+
 impl Pipeline {
+    /// The pipeline of its first `at` steps, named `label`, answering `outputs` (values those
+    /// steps write): the same built steps (no tokenizer is read again), inputs and models.
+    pub fn prefix(&self, label: &str, at: usize, outputs: &[String]) -> Result<Pipeline> {
+        let steps = &self.steps[..at.min(self.run)];
+        let written = |name: &str| steps.iter().rev().flat_map(|s| &s.wrote).find(|(n, _)| n == name).map(|(_, k)| k);
+        Ok(Pipeline {
+            inputs: self.inputs.clone(),
+            outputs: outputs.iter().map(|name| output_spec(name, written(name))).collect::<Result<_>>()?,
+            steps: self.steps.clone(),
+            run: steps.len(),
+            registry: self.registry.clone(),
+            own: self.own.clone(),
+            uses: self.uses.clone(),
+            label: label.to_string(),
+        })
+    }
+
     /// Where its token embeddings are pooled: the first pool step's position and the value it
     /// reads. `None` without a pool step, or for SPLADE's, which pools the vocabulary's logits.
     pub fn pooled(&self) -> Option<(usize, &str)> {
-        self.steps.iter().enumerate().find_map(|(at, s)| match &s.op {
+        self.steps[..self.run].iter().enumerate().find_map(|(at, s)| match &s.op {
             Op::Post(post::Post::Pool { mode, .. }) if *mode == post::Pooling::Splade => Some(None),
             Op::Post(post::Post::Pool { input, .. }) => Some(Some((at, input.as_str()))),
             _ => None,
@@ -374,11 +399,11 @@ impl Pipeline {
         task: Option<crate::engine::spec::Task>,
         labels: &BTreeMap<String, Vec<String>>,
     ) -> Result<Option<crate::engine::spec::TextSpec>> {
-        let tokenize = self.steps.iter().find_map(|s| match &s.op {
+        let tokenize = self.steps[..self.run].iter().find_map(|s| match &s.op {
             Op::Tokenize(t) => Some(&**t),
             _ => None,
         });
-        let pool = self.steps.iter().find_map(|s| match &s.op {
+        let pool = self.steps[..self.run].iter().find_map(|s| match &s.op {
             Op::Post(post::Post::Pool { output, mode, normalize, .. }) => Some((output.as_str(), *mode, *normalize)),
             _ => None,
         });
@@ -545,13 +570,13 @@ impl Backend for Pipeline {
     /// than 32 texts of about a hundred words, is heavy (each counted as its share of those, added
     /// up): heavy requests never keep light ones waiting for a worker (the batcher's reserve).
     fn cost(&self) -> Option<Cost> {
-        if !self.steps.iter().any(|s| matches!(s.op, Op::Decode(_) | Op::Tokenize(_))) {
+        if !self.steps[..self.run].iter().any(|s| matches!(s.op, Op::Decode(_) | Op::Tokenize(_))) {
             return None;
         }
-        let steps = self.steps.clone();
+        let (steps, run) = (self.steps.clone(), self.run);
         let of = move |inputs: &[Tensor]| -> Result<u64> {
             let mut total = 0u64;
-            for step in steps.iter() {
+            for step in &steps[..run] {
                 if let Op::Tokenize(t) = &step.op {
                     total = total.saturating_add(t.read_bytes(inputs).saturating_mul(HEAVY_PIXELS));
                 }
@@ -594,6 +619,7 @@ impl Backend for Pipeline {
             .map_err(|e| Error::internal(format!("cannot start a pipeline worker's runtime: {e}")))?;
         Ok(Box::new(Worker {
             steps: self.steps.clone(),
+            run: self.run,
             registry: self.registry.clone(),
             own: self.own.clone(),
             outputs: self.outputs.iter().map(|t| t.name.clone()).collect(),
@@ -609,6 +635,8 @@ impl Backend for Pipeline {
 
 struct Worker {
     steps: Arc<Vec<Step>>,
+    /// How many of `steps` it runs.
+    run: usize,
     /// Weak: the registry holds this pipeline, whose workers must not keep it alive.
     registry: Weak<dyn Models>,
     own: BTreeMap<String, Arc<crate::Model>>,
@@ -757,7 +785,7 @@ impl Worker {
         // steps (and skipped within an image chain), so no further work is paid for them.
         let mut index: Vec<usize> = (0..rows).collect();
         let mut i = 0;
-        while i < self.steps.len() {
+        while i < self.run {
             keep_rows(&mut values, &mut index, |row| live.awaited(row));
             if index.is_empty() {
                 return Err(Error::unavailable("every client of the batch left", None));
@@ -766,7 +794,9 @@ impl Worker {
             // sent size is held at a time (not a batch of them: 32 rows of 40-megapixel images
             // would be 3.8 GB); what the batch keeps is what the chain leaves.
             let chain = match self.steps[i].op {
-                Op::Decode(_) => 1 + self.steps[i + 1..].iter().take_while(|s| matches!(s.op, Op::Image(_))).count(),
+                Op::Decode(_) => {
+                    1 + self.steps[i + 1..self.run].iter().take_while(|s| matches!(s.op, Op::Image(_))).count()
+                }
                 _ => 1,
             };
             let result = if matches!(self.steps[i].op, Op::Decode(_)) {
@@ -1247,6 +1277,16 @@ mod tests {
                 Default::default(),
             )
             .unwrap();
+            // Its first steps answer what they write, on the same built steps.
+            let first = p.prefix("p/embed_all", 1, &["token_count".into(), "attention_mask".into()]).unwrap();
+            assert_eq!((first.run, first.inputs()), (1, p.inputs()));
+            assert_eq!(
+                first.outputs()[0],
+                TensorSpec { name: "token_count".into(), datatype: DataType::Int64, dims: vec![] }
+            );
+            assert_eq!(first.outputs()[1].dims, vec![-1]);
+            let e = p.prefix("p/embed_all", 1, &["embedding".into()]).err().map(|e| e.to_string());
+            assert_eq!(e.as_deref(), Some("output 'embedding' is written by no step"), "written by a later step");
             p.pooled().map(|(at, input)| (at, input.to_string()))
         };
         let pool = "[[steps]]\nop = \"pool\"\ninput = \"hidden\"\n";

@@ -282,8 +282,9 @@ pub struct TeiEmbedAllResponse(pub Vec<Vec<Vec<f32>>>);
 #[derive(Serialize, ToSchema)]
 pub struct TeiError {
     pub error: String,
-    /// `Validation` (422), `Empty` (400), `Backend` (424: the model does not do what the route
-    /// asks), `Overloaded` (429), `Unhealthy` (503), `NotFound` (404, ours: no such model).
+    /// `Validation` (413; 422 for a body that is not the call's JSON), `Empty` (400), `Backend`
+    /// (424: the model does not do what the route asks), `Overloaded` (429), `Unhealthy` (503),
+    /// `NotFound` (404, ours: no such model).
     pub error_type: &'static str,
 }
 

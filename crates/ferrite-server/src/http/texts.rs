@@ -261,7 +261,7 @@ async fn tei_parse<T: serde::de::DeserializeOwned + Send + 'static>(body: JsonBo
     })
 }
 
-/// TEI's checks of a call's texts: none empty (400), at most its client batch size (422).
+/// TEI's checks of a call's texts: none empty (400), at most its client batch size (413).
 fn tei_texts<'t>(texts: impl IntoIterator<Item = &'t String>) -> Result<(), TeiFail> {
     let mut n = 0;
     for t in texts {
@@ -309,7 +309,7 @@ pub(super) struct TeiEmbedRequest {
     /// pool step normalizes).
     #[serde(default = "yes")]
     normalize: bool,
-    /// `false`: a text over the model's max input length is refused (422) instead of cut.
+    /// `false`: a text over the model's max input length is refused (413) instead of cut.
     #[serde(default)]
     truncate: Option<bool>,
     /// `Right` (the end of a text is cut).
@@ -359,7 +359,7 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
 pub(super) struct TeiEmbedTextsRequest {
     #[serde(deserialize_with = "texts_in")]
     inputs: Texts,
-    /// `false`: a text over the model's max input length is refused (422) instead of cut.
+    /// `false`: a text over the model's max input length is refused (413) instead of cut.
     #[serde(default)]
     truncate: Option<bool>,
     /// `Right` (the end of a text is cut).
@@ -403,7 +403,7 @@ pub(super) async fn health(State(s): State<AppState>) -> TeiResult {
 /// TEI's default route (`POST /`, SageMaker's `/invocations`): TEI serves one model and routes
 /// these to its type's call. Here, the call of the one task the served text models have (of
 /// embedders, `/embed_sparse` when they are all SPLADE's); with models of several tasks the call
-/// must say which (422).
+/// must say which (413).
 pub(super) async fn invocations(state: State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
     let tasks: Vec<Task> = [Task::Embed, Task::Rerank, Task::Classify]
         .into_iter()
