@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -18,7 +19,7 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import BIN, ROOT, Server
+from conftest import BIN, ROOT, Server, free_port
 
 TOKEN = "tei-token-0123456789abcdef"
 TEXTS = ["the cat eats fast food", "hello world", "A question, and an answer."]
@@ -216,6 +217,15 @@ def test_rerank_scores_each_passage_for_the_query_highest_first(server, hf):
     assert body["usage"]["total_tokens"] > 0
 
 
+def test_a_call_of_the_most_inputs_counts_passages_and_pairs_not_their_texts(server):
+    """TEI's client batch size counts a re-ranker's passages, not its query (a classifier's pairs
+    are counted as one each: the hand-written pair classifier's test)."""
+    status, ranks = call(server, "/rerank", {"query": "cats", "texts": [f"passage {i}" for i in range(32)]})
+    assert status == 200 and len(ranks) == 32, ranks
+    status, body = call(server, "/rerank", {"query": "cats", "texts": ["passage"] * 33})
+    assert status == 413 and body["error"] == "batch size 33 > maximum allowed batch size 32", body
+
+
 def test_predict_classifies_a_text_or_a_list_with_the_labels_of_config_json(server, hf):
     ref = Reference(hf / "hf_classifier", 512)
     labels = ["negative", "neutral", "positive"]
@@ -335,6 +345,66 @@ def test_a_lone_directory_answers_teis_health_and_default_routes(hf, tmp_path):
             s.stop()
 
 
+def test_teis_command_line_starts_the_server_and_its_flags_take_effect(hf, tmp_path):
+    """A TEI deployment's arguments, as its users write them: the model directory, the address,
+    the client batch size, an API key, auto-truncation, the payload limit, JSON logs and the
+    Prometheus port. Each takes effect: the batch bound (and /info's), the key on inference and
+    metrics with health open (TEI's public routes), the body bound, the log lines."""
+    model = tmp_path / "bge-small-en-v1.5"
+    shutil.copytree(hf / "hf_embedder", model)
+    key = "tei-api-key-0123456789"
+    port, prometheus = free_port(), free_port()
+    log = open(tmp_path / "log", "w")
+    proc = subprocess.Popen([BIN, "serve", "--model-id", str(model), "--hostname", "127.0.0.1", "--port", str(port),
+                             "--max-client-batch-size", "4", "--api-key", key, "--auto-truncate",
+                             "--payload-limit", "20000", "--json-output", "--prometheus-port", str(prometheus),
+                             "--grpc-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if proc.poll() is not None or raw(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert raw(url, "/health") == (200, b""), (tmp_path / "log").read_text()
+        status, body = raw(url, "/info", token=key)
+        info = json.loads(body)
+        assert status == 200 and info["max_client_batch_size"] == 4 and info["model_id"] == model.name, info
+        assert raw(url, "/embed", "POST", {"inputs": TEXTS}, key)[0] == 200
+        status, body = raw(url, "/embed", "POST", {"inputs": TEXTS * 2}, key)
+        assert (status, json.loads(body)) == (413, {"error": "batch size 6 > maximum allowed batch size 4",
+                                                    "error_type": "Validation"})
+        assert raw(url, "/embed", "POST", {"inputs": TEXTS})[0] == 401
+        assert raw(url, "/embed", "POST", {"inputs": TEXTS}, "tei-api-key-wrong-0123")[0] == 401
+        # Its long texts are cut (it was started with --auto-truncate), and its bodies bounded.
+        assert raw(url, "/embed", "POST", {"inputs": "the cat eats fast food " * 20}, key)[0] == 200
+        assert raw(url, "/embed", "POST", {"inputs": ["x" * 8000] * 3}, key)[0] == 413
+        # Metrics on the Prometheus port need the key too; the admin routes are not the key's.
+        metrics = urllib.request.Request(f"http://127.0.0.1:{prometheus}/metrics")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(metrics)
+        assert e.value.code == 401
+        metrics.add_header("Authorization", f"Bearer {key}")
+        with urllib.request.urlopen(metrics) as r:
+            assert b"ferrite_" in r.read()
+        assert raw(url, "/v2/repository/index", "POST", {}, key)[0] == 403
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    lines = [line for line in (tmp_path / "log").read_text().splitlines() if line.strip()]
+    assert lines and all(json.loads(line) for line in lines), lines[:3]
+    assert key not in (tmp_path / "log").read_text()
+    # A short key, and a key beside a token file, are refused at start.
+    short = subprocess.run([BIN, "serve", "--model-id", str(model), "--api-key", "short"], capture_output=True, text=True)
+    assert short.returncode != 0 and "at least 16 characters" in short.stderr, short.stderr
+    both = subprocess.run([BIN, "serve", "--model-id", str(model), "--api-key", key, "--auth-token-file", "x"],
+                          capture_output=True, text=True)
+    assert both.returncode != 0 and "cannot be used with" in both.stderr, both.stderr
+
+
 def test_a_splade_directory_answers_the_sparse_vectors_its_logits_make(hf, tei_pb):
     """A *ForMaskedLM directory is served as TEI serves it with --pooling splade: /embed_sparse
     answers, per text, the entries that are not zero of the largest log(1 + relu(logits)) over its
@@ -409,12 +479,24 @@ def test_the_hand_written_pipeline_and_the_directory_agree_and_check_shows_what_
     (mine / "labels.txt").write_text("sad\nmeh\nglad\n")
     (mine / "config.toml").write_text('task = "classify"\n[[steps]]\nop = "tokenize"\n[[steps]]\nop = "model"\n'
                                       'file = "classifier.onnx"\n[[output]]\nname = "logits"\nlabel_filename = "labels.txt"\n')
+    # The same file as a classifier of pairs (an NLI model's call).
+    shutil.copytree(mine, repo / "pairs")
+    (repo / "pairs" / "config.toml").write_text((mine / "config.toml").read_text().replace(
+        'op = "tokenize"\n', 'op = "tokenize"\npair = "pair"\n'))
     s = Server(repo)
     try:
-        status, classes = call(s, "/predict", {"inputs": "i love the sun"})
+        status, classes = call(s, "/predict", {"inputs": "i love the sun", "model": "sentiment"})
         assert status == 200, classes
         p = softmax(Reference(hf / "hf_classifier", 512).run("i love the sun"))
         assert [c["label"] for c in classes] == [["sad", "meh", "glad"][i] for i in np.argsort(-p)]
+        # 17 pairs are 17 inputs of TEI's 32, not 34.
+        pairs = [["i love the sun", f"it is day {i}"] for i in range(17)]
+        status, classes = call(s, "/predict", {"inputs": pairs, "model": "pairs"})
+        assert status == 200 and len(classes) == 17, classes
+        p = softmax(Reference(hf / "hf_classifier", 512).run(*pairs[3]))
+        assert [c["label"] for c in classes[3]] == [["sad", "meh", "glad"][i] for i in np.argsort(-p)]
+        status, body = call(s, "/predict", {"inputs": pairs * 2, "model": "pairs"})
+        assert status == 413 and body["error"] == "batch size 34 > maximum allowed batch size 32", body
         texts = ["hello world", "the cat eats fast food"]
         status, hand = call(s, "/embed", {"inputs": texts, "model": "text_embedder"})
         assert status == 200

@@ -96,6 +96,14 @@ impl Auth {
         }))
     }
 
+    /// TEI's `--api-key`: one token for inference and metrics, health open without it.
+    pub fn api_key(key: &str) -> Result<Arc<Auth>, String> {
+        if key.len() < 16 || key.chars().any(char::is_whitespace) {
+            return Err("--api-key: a key of at least 16 characters, without whitespace".into());
+        }
+        Auth::parse(&format!("{key} infer,metrics"), true)
+    }
+
     pub fn parse(text: &str, allow_health: bool) -> Result<Arc<Auth>, String> {
         Ok(Arc::new(Auth { tokens: arc_swap::ArcSwap::from_pointee(Auth::tokens(text)?), allow_health, file: None }))
     }

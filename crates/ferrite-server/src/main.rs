@@ -128,8 +128,8 @@ struct ServeArgs {
     /// Concurrent HTTP/2 streams per connection, on the gRPC listener and the HTTP one's HTTP/2.
     #[arg(long, env = "FERRITE_GRPC_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     grpc_max_concurrent_streams: u32,
-    /// Port of the Prometheus `/metrics` listener (0 picks a free one).
-    #[arg(long, env = "FERRITE_METRICS_PORT", default_value_t = 8002)]
+    /// Port of the Prometheus `/metrics` listener (0 picks a free one). TEI's `--prometheus-port`.
+    #[arg(long, alias = "prometheus-port", env = "FERRITE_METRICS_PORT", default_value_t = 8002)]
     metrics_port: u16,
     /// Serve no metrics listener.
     #[arg(long, env = "FERRITE_NO_METRICS")]
@@ -161,8 +161,8 @@ struct ServeArgs {
     /// model names an environment of its own (`EXECUTION_ENV_PATH`); its NumPy is needed.
     #[arg(long, env = "FERRITE_PYTHON", default_value = "python3")]
     python: PathBuf,
-    /// Largest request body accepted, in bytes.
-    #[arg(long, env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    /// Largest request body accepted, in bytes. TEI's `--payload-limit`.
+    #[arg(long, alias = "payload-limit", env = "FERRITE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
     max_body_bytes: usize,
     /// Seconds a client has for its TLS handshake and request head (slow senders are cut off).
     #[arg(long, env = "FERRITE_HTTP_HEADER_TIMEOUT_SECS", default_value_t = 10)]
@@ -206,6 +206,12 @@ struct ServeArgs {
     /// /, grpc.health.v1) answer without a token.
     #[arg(long, env = "FERRITE_AUTH_ALLOW_HEALTH")]
     auth_allow_health: bool,
+    /// TEI's `--api-key`: one bearer token (at least 16 characters) that every inference and
+    /// metrics route requires; health routes answer without it, as TEI's do. Admin routes need a
+    /// token file's `admin` token, so the two cannot be given together. Prefer the environment
+    /// variable: a command line is visible to every user of the host.
+    #[arg(long, env = "FERRITE_API_KEY", hide_env_values = true, conflicts_with = "auth_token_file")]
+    api_key: Option<String>,
     /// Triton's system shared-memory extension (`system`): clients on this host register POSIX
     /// shared-memory objects and send tensors through them instead of the request. A client
     /// that may register can read any such object this process can open: turn it on only where
@@ -216,6 +222,15 @@ struct ServeArgs {
     /// Retry-After. 0: no limit.
     #[arg(long, env = "FERRITE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]
     max_concurrent_requests: usize,
+    /// Inputs one call of TEI's API may carry (texts, pairs, passages, id lists); past it, 413
+    /// `Validation`. TEI's `--max-client-batch-size`, and its default.
+    #[arg(long, env = "FERRITE_MAX_CLIENT_BATCH_SIZE", default_value_t = 32,
+          value_parser = clap::value_parser!(u16).range(1..=2048))]
+    max_client_batch_size: u16,
+    /// TEI's `--auto-truncate`, taken so that TEI's command lines start: a text over its model's
+    /// max input length is cut unless its call says `truncate: false`, with this flag or without.
+    #[arg(long)]
+    auto_truncate: bool,
     /// Header (HTTP) / metadata key (gRPC) that names the tenant of a request, for per-tenant
     /// limits from --tenant-config. Requests without it share the default tenant's limits.
     #[arg(long, env = "FERRITE_TENANT_HEADER", requires = "tenant_config")]
@@ -267,6 +282,9 @@ struct ServeArgs {
     /// Log format: `text` for people, `json` for log pipelines.
     #[arg(long, env = "FERRITE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// TEI's `--json-output`: `--log-format json`.
+    #[arg(long)]
+    json_output: bool,
     /// Where a crash report is written should a fatal signal end the process (see README: Crash
     /// reports); reports left by earlier processes are logged at start.
     #[arg(long, env = "FERRITE_CRASH_DIR", default_value = ".")]
@@ -390,7 +408,7 @@ fn main() {
             .unwrap_or(1.0);
         let telemetry = telemetry::init(&telemetry::TelemetryConfig {
             log_filter: args.log.clone(),
-            json_logs: matches!(args.log_format, LogFormat::Json),
+            json_logs: args.json_output || matches!(args.log_format, LogFormat::Json),
             otlp_endpoint: args.otlp_endpoint.clone(),
             sample_rate,
         })
@@ -457,8 +475,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         options.threads = t.max(1);
     }
     let repo = args.model_repository.clone();
-    let limits =
-        Limits { max_elements: args.max_request_elements, max_concurrent_requests: args.max_concurrent_requests };
+    let limits = Limits {
+        max_elements: args.max_request_elements,
+        max_concurrent_requests: args.max_concurrent_requests,
+        max_client_batch_size: args.max_client_batch_size.into(),
+    };
     let startup = match args.model_control_mode {
         ControlMode::Explicit if !args.load_model.iter().any(|m| m == "*") => Startup::Only(args.load_model.clone()),
         _ => Startup::All,
@@ -524,12 +545,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max: args.scale_max_replicas,
         },
         scale_window: Duration::from_secs_f64(args.scale_window_secs.clamp(1.0, 3600.0)),
-        auth: args
-            .auth_token_file
-            .as_deref()
-            .map(|p| ferrite_server::auth::Auth::from_file(p, args.auth_allow_health))
-            .transpose()
-            .map_err(anyhow::Error::msg)?,
+        auth: match (&args.auth_token_file, &args.api_key) {
+            (Some(p), _) => Some(ferrite_server::auth::Auth::from_file(p, args.auth_allow_health)),
+            (None, Some(key)) => Some(ferrite_server::auth::Auth::api_key(key)),
+            (None, None) => None,
+        }
+        .transpose()
+        .map_err(anyhow::Error::msg)?,
         tls: match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(
                 Tls::load(&TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: args.tls_client_ca.clone() })

@@ -19,11 +19,17 @@ pub struct Limits {
     /// Requests in the engine at once (queued, running or in a cache lookup); past it, new ones
     /// are refused with `Overloaded`. 0: no limit.
     pub max_concurrent_requests: usize,
+    /// Texts (or passages) one call of TEI's API may carry: TEI's `max_client_batch_size`.
+    pub max_client_batch_size: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_elements: crate::wire::DEFAULT_MAX_ELEMENTS, max_concurrent_requests: 0 }
+        Limits {
+            max_elements: crate::wire::DEFAULT_MAX_ELEMENTS,
+            max_concurrent_requests: 0,
+            max_client_batch_size: crate::texts::TEI_MAX_INPUTS,
+        }
     }
 }
 

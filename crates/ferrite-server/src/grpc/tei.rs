@@ -8,7 +8,7 @@ use std::pin::Pin;
 use bytes::Bytes;
 use ferrite_core::{
     engine::spec::Task,
-    texts::{self, EmbedOptions, TextModel, TEI_MAX_INPUTS},
+    texts::{self, EmbedOptions, TextModel},
     Core, Error,
 };
 use tokio_stream::{Stream, StreamExt};
@@ -73,6 +73,19 @@ impl Tei {
                 .caller()
                 .map_err(Status::permission_denied)?;
         Ok(Call { model, caller })
+    }
+
+    /// Passages one call may carry (`--max-client-batch-size`).
+    fn most(&self) -> usize {
+        self.core.limits().max_client_batch_size
+    }
+
+    /// TEI's check of a call's size: at most `most()` passages.
+    fn batch(&self, n: usize) -> Result<(), Status> {
+        if n > self.most() {
+            return Err(status(Error::invalid(format!("batch size {n} > maximum allowed batch size {}", self.most()))));
+        }
+        Ok(())
     }
 
     fn model(&self, call: &Call, task: Option<Task>) -> Result<TextModel, Status> {
@@ -155,10 +168,8 @@ impl Tei {
             return Err(Status::invalid_argument("`texts` cannot be empty"));
         }
         let m = self.model(call, Some(Task::Rerank))?;
-        let (a, scored) = m
-            .rerank(&self.core, query, &texts, (None, raw), TEI_MAX_INPUTS, call.caller.clone())
-            .await
-            .map_err(status)?;
+        let (a, scored) =
+            m.rerank(&self.core, query, &texts, (None, raw), self.most(), call.caller.clone()).await.map_err(status)?;
         let ranks = scored
             .into_iter()
             .map(|(i, score)| pb::Rank { index: i as u32, text: return_text.then(|| texts[i].clone()), score })
@@ -276,7 +287,7 @@ impl pb::info_server::Info for Tei {
             max_input_length: text.max_length as u32,
             max_batch_tokens: (text.max_length * per_batch) as u32,
             max_batch_requests: Some(per_batch as u32),
-            max_client_batch_size: TEI_MAX_INPUTS as u32,
+            max_client_batch_size: self.most() as u32,
             tokenization_workers: workers as u32,
         }))
     }
@@ -397,12 +408,7 @@ impl pb::rerank_server::Rerank for Tei {
         let call = self.call(&req)?;
         let r = req.into_inner();
         right(r.truncation_direction)?;
-        if r.texts.len() > TEI_MAX_INPUTS {
-            return Err(status(Error::invalid(format!(
-                "batch size {} > maximum allowed batch size {TEI_MAX_INPUTS}",
-                r.texts.len()
-            ))));
-        }
+        self.batch(r.texts.len())?;
         self.rerank_all(&call, &r.query, r.texts, (r.raw_scores, r.return_text)).await.map(Response::new)
     }
 
@@ -419,12 +425,7 @@ impl pb::rerank_server::Rerank for Tei {
         while let Some(m) = incoming.next().await {
             let m = m?;
             right(m.truncation_direction)?;
-            if texts.len() == TEI_MAX_INPUTS {
-                return Err(status(Error::invalid(format!(
-                    "batch size {} > maximum allowed batch size {TEI_MAX_INPUTS}",
-                    TEI_MAX_INPUTS + 1
-                ))));
-            }
+            self.batch(texts.len() + 1)?;
             texts.push(m.text.clone());
             first.get_or_insert(m);
         }

@@ -15,7 +15,7 @@ use base64::Engine as _;
 use bytes::Bytes;
 use ferrite_core::{
     engine::spec::Task,
-    texts::{self, shown, EmbedOptions, TextModel, TEI_MAX_INPUTS},
+    texts::{self, shown, EmbedOptions, TextModel},
     Error,
 };
 use serde::{
@@ -261,22 +261,23 @@ async fn tei_parse<T: serde::de::DeserializeOwned + Send + 'static>(body: JsonBo
     })
 }
 
-/// TEI's checks of a call's texts: none empty (400), at most its client batch size (413).
+/// TEI's check of a call's texts: none empty (400).
 fn tei_texts<'t>(texts: impl IntoIterator<Item = &'t String>) -> Result<(), TeiFail> {
-    let mut n = 0;
-    for t in texts {
-        if t.is_empty() {
-            return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`inputs` cannot be empty"));
-        }
-        n += 1;
-    }
-    if n == 0 {
+    let mut texts = texts.into_iter().peekable();
+    if texts.peek().is_none() || texts.any(String::is_empty) {
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`inputs` cannot be empty"));
     }
-    if n > TEI_MAX_INPUTS {
-        return Err(TeiFail::validation(format!("batch size {n} > maximum allowed batch size {TEI_MAX_INPUTS}")));
-    }
     Ok(())
+}
+
+/// TEI's check of a call's size: at most `--max-client-batch-size` inputs (texts, pairs, id
+/// lists; a re-ranker's passages), else 413. Returns the bound.
+fn tei_batch(s: &AppState, n: usize) -> Result<usize, TeiFail> {
+    let most = s.core.limits().max_client_batch_size;
+    if n > most {
+        return Err(TeiFail::validation(format!("batch size {n} > maximum allowed batch size {most}")));
+    }
+    Ok(most)
 }
 
 /// `truncation_direction`: the pipelines cut texts at their end (TEI's `Right`).
@@ -336,6 +337,7 @@ fn tei_embedding(
 ) -> Result<(Vec<Bytes>, ferrite_core::Caller, TextModel), TeiFail> {
     let texts = inputs.into_vec();
     tei_texts(&texts)?;
+    tei_batch(s, texts.len())?;
     right(direction)?;
     let caller = caller_of(acting)?;
     Ok((bytes(texts), caller, tei_model(s, model, Some(Task::Embed))?))
@@ -350,7 +352,7 @@ async fn tei_vectors(s: &AppState, acting: Acting, req: TeiEmbedRequest) -> Resu
         prompt_name: req.prompt_name,
         dimensions: req.dimensions,
     };
-    Ok(m.embed(&s.core, texts, &o, TEI_MAX_INPUTS, caller).await?.rows)
+    Ok(m.embed(&s.core, texts, &o, texts::MAX_INPUTS, caller).await?.rows)
 }
 
 /// The body of TEI's `/embed_sparse` and `/embed_all` (their requests are alike).
@@ -377,7 +379,7 @@ pub(super) struct TeiEmbedTextsRequest {
 pub(super) async fn embed_sparse(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
     let req: TeiEmbedTextsRequest = tei_parse(body).await?;
     let (texts, caller, m) = tei_embedding(&s, acting, req.inputs, &req.truncation_direction, req.model.as_deref())?;
-    let (rows, _) = m.embed_sparse(&s.core, texts, (req.truncate, req.prompt_name), TEI_MAX_INPUTS, caller).await?;
+    let (rows, _) = m.embed_sparse(&s.core, texts, (req.truncate, req.prompt_name), texts::MAX_INPUTS, caller).await?;
     let rows = rows.into_iter().map(|r| r.into_iter().map(|(index, value)| TeiSparseValue { index, value }).collect());
     Ok(axum::Json(TeiEmbedSparseResponse(rows.collect())).into_response())
 }
@@ -386,7 +388,7 @@ pub(super) async fn embed_sparse(State(s): State<AppState>, acting: Acting, body
 pub(super) async fn embed_all(State(s): State<AppState>, acting: Acting, body: JsonBody) -> TeiResult {
     let req: TeiEmbedTextsRequest = tei_parse(body).await?;
     let (texts, caller, m) = tei_embedding(&s, acting, req.inputs, &req.truncation_direction, req.model.as_deref())?;
-    let (rows, _) = m.embed_all(&s.core, texts, (req.truncate, req.prompt_name), TEI_MAX_INPUTS, caller).await?;
+    let (rows, _) = m.embed_all(&s.core, texts, (req.truncate, req.prompt_name), texts::MAX_INPUTS, caller).await?;
     Ok(axum::Json(TeiEmbedAllResponse(rows)).into_response())
 }
 
@@ -513,10 +515,11 @@ pub(super) async fn rerank(State(s): State<AppState>, acting: Acting, body: Json
     if req.texts.is_empty() {
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`texts` cannot be empty"));
     }
+    let most = tei_batch(&s, req.texts.len())?;
     right(&req.truncation_direction)?;
     let caller = caller_of(acting)?;
     let query = (req.model.as_deref(), req.query.as_str(), req.texts.as_slice());
-    let (_, scored, _) = ranked(&s, caller, query, (req.truncate, req.raw_scores), TEI_MAX_INPUTS).await?;
+    let (_, scored, _) = ranked(&s, caller, query, (req.truncate, req.raw_scores), most).await?;
     let ranks = scored
         .into_iter()
         .map(|(index, score)| TeiRank { index, score, text: req.return_text.then(|| req.texts[index].clone()) })
@@ -626,17 +629,12 @@ pub(super) async fn predict(State(s): State<AppState>, acting: Acting, body: Jso
         })
         .collect();
     tei_texts(rows.iter().flat_map(|(a, b)| std::iter::once(a).chain(b)))?;
-    if rows.len() > TEI_MAX_INPUTS {
-        return Err(TeiFail::validation(format!(
-            "batch size {} > maximum allowed batch size {TEI_MAX_INPUTS}",
-            rows.len()
-        )));
-    }
+    let most = tei_batch(&s, rows.len())?;
     right(&req.truncation_direction)?;
     let caller = caller_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), Some(Task::Classify))?;
     let rows: Vec<_> = rows.into_iter().map(|(a, b)| (Bytes::from(a), b.map(Bytes::from))).collect();
-    let classes = m.predict(&s.core, rows, (req.truncate, req.raw_scores), TEI_MAX_INPUTS, caller).await?;
+    let classes = m.predict(&s.core, rows, (req.truncate, req.raw_scores), most, caller).await?;
     let mut answers: Vec<Vec<TeiPrediction>> = classes
         .into_iter()
         .map(|row| row.into_iter().map(|(label, score)| TeiPrediction { score, label }).collect())
@@ -665,6 +663,7 @@ pub(super) async fn tokenize(State(s): State<AppState>, acting: Acting, body: Js
     let req: TeiTokenizeRequest = tei_parse(body).await?;
     let texts = req.inputs.into_vec();
     tei_texts(&texts)?;
+    tei_batch(&s, texts.len())?;
     let tenant = tenant_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), None)?;
     let held = m.admit(&s.core, tenant.as_deref())?;
@@ -767,12 +766,7 @@ pub(super) async fn decode(State(s): State<AppState>, acting: Acting, body: Json
     if lists.is_empty() || lists.iter().any(Vec::is_empty) {
         return Err(TeiFail::new(StatusCode::BAD_REQUEST, "`ids` cannot be empty"));
     }
-    if lists.len() > TEI_MAX_INPUTS {
-        return Err(TeiFail::validation(format!(
-            "batch size {} > maximum allowed batch size {TEI_MAX_INPUTS}",
-            lists.len()
-        )));
-    }
+    tei_batch(&s, lists.len())?;
     let tenant = tenant_of(acting)?;
     let m = tei_model(&s, req.model.as_deref(), None)?;
     let _held = m.admit(&s.core, tenant.as_deref())?;
@@ -816,7 +810,7 @@ pub(super) async fn info(State(s): State<AppState>, Query(q): Query<InfoQuery>) 
         max_input_length: text.max_length,
         max_batch_tokens: text.max_length * per_batch,
         max_batch_requests: Some(per_batch),
-        max_client_batch_size: TEI_MAX_INPUTS,
+        max_client_batch_size: s.core.limits().max_client_batch_size,
         auto_truncate: true,
         tokenization_workers: workers,
         version: env!("CARGO_PKG_VERSION").into(),
