@@ -16,9 +16,6 @@ use crate::{
 
 /// Texts one OpenAI call may carry (OpenAI's limit).
 pub const MAX_INPUTS: usize = 2048;
-/// Texts (or passages to re-rank) one TEI call may carry by default: TEI's
-/// `max_client_batch_size` (`Limits::max_client_batch_size`).
-pub const TEI_MAX_INPUTS: usize = 32;
 
 /// One row: a text, and the second text of a pair (a re-ranker's passage, a pair classifier's).
 pub type Row = (Bytes, Option<Bytes>);

@@ -19,7 +19,8 @@ pub struct Limits {
     /// Requests in the engine at once (queued, running or in a cache lookup); past it, new ones
     /// are refused with `Overloaded`. 0: no limit.
     pub max_concurrent_requests: usize,
-    /// Texts (or passages) one call of TEI's API may carry: TEI's `max_client_batch_size`.
+    /// Inputs (texts, pairs, passages) one call of TEI's API may carry: TEI's
+    /// `max_client_batch_size`, 32 by default as in TEI.
     pub max_client_batch_size: usize,
 }
 
@@ -28,7 +29,7 @@ impl Default for Limits {
         Limits {
             max_elements: crate::wire::DEFAULT_MAX_ELEMENTS,
             max_concurrent_requests: 0,
-            max_client_batch_size: crate::texts::TEI_MAX_INPUTS,
+            max_client_batch_size: 32,
         }
     }
 }
