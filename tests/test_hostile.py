@@ -1021,10 +1021,12 @@ def test_a_tenant_holds_at_most_half_the_grpc_bytes_in_flight(start_server, tmp_
 
     with ThreadPoolExecutor(3) as pool:
         calls = []
+        # All three sent while the first runs (500 rows: 0.66 s on two threads of a fast core), so
+        # the first still holds its bytes when the third comes.
         for i in range(3):  # before, all three fit the budget (3 MB of 3.2) and were held
             calls.append(pool.submit(stub.ModelInfer, slow_grpc_request(500), timeout=120,
                                      metadata=metadata(flood_of(flooder, i))))
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert stub.ModelInfer(slow_grpc_request(500), timeout=120, metadata=metadata("quiet")).raw_output_contents
         codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
     assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE], codes
