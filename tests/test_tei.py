@@ -349,7 +349,8 @@ def test_teis_command_line_starts_the_server_and_its_flags_take_effect(hf, tmp_p
     """A TEI deployment's arguments, as its users write them: the model directory, the address,
     the client batch size, an API key, auto-truncation, the payload limit, JSON logs and the
     Prometheus port. Each takes effect: the batch bound (and /info's), the key on inference and
-    metrics with health open (TEI's public routes), the body bound, the log lines."""
+    metrics with health open (TEI's public routes), the body bound, the log lines. Beside them,
+    Ferrite's element bound holds /embed_all's answers too."""
     model = tmp_path / "bge-small-en-v1.5"
     shutil.copytree(hf / "hf_embedder", model)
     key = "tei-api-key-0123456789"
@@ -358,7 +359,8 @@ def test_teis_command_line_starts_the_server_and_its_flags_take_effect(hf, tmp_p
     proc = subprocess.Popen([BIN, "serve", "--model-id", str(model), "--hostname", "127.0.0.1", "--port", str(port),
                              "--max-client-batch-size", "4", "--api-key", key, "--auto-truncate",
                              "--payload-limit", "20000", "--json-output", "--prometheus-port", str(prometheus),
-                             "--grpc-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+                             "--grpc-port", str(free_port()), "--max-request-elements", "3000"],
+                            stdout=log, stderr=subprocess.STDOUT)
     url = f"127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -381,6 +383,11 @@ def test_teis_command_line_starts_the_server_and_its_flags_take_effect(hf, tmp_p
         # Its long texts are cut (it was started with --auto-truncate), and its bodies bounded.
         assert raw(url, "/embed", "POST", {"inputs": "the cat eats fast food " * 20}, key)[0] == 200
         assert raw(url, "/embed", "POST", {"inputs": ["x" * 8000] * 3}, key)[0] == 413
+        # Token embeddings are bounded as a request's tensors are: 4 x 24 tokens x 32 > 3000 values.
+        status, body = raw(url, "/embed_all", "POST", {"inputs": TEXTS}, key)
+        assert status == 200 and sum(len(t) for t in json.loads(body)) * 32 < 3000
+        status, body = raw(url, "/embed_all", "POST", {"inputs": ["the cat eats fast food " * 20] * 4}, key)
+        assert status == 413 and "3000 values" in json.loads(body)["error"], body
         # Metrics on the Prometheus port need the key too; the admin routes are not the key's.
         metrics = urllib.request.Request(f"http://127.0.0.1:{prometheus}/metrics")
         with pytest.raises(urllib.error.HTTPError) as e:

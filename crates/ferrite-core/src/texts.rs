@@ -173,24 +173,23 @@ impl TextModel {
     /// call's batches, not all of them.
     pub async fn run(self, core: &Core, rows: Vec<Row>, max_inputs: usize, caller: Caller) -> Result<Answer> {
         let asked = std::iter::once(self.output.clone()).chain(self.count.clone()).collect();
-        let answers = self.calls(core, self.route.clone(), asked, &rows, max_inputs, caller).await?;
-        let mut out = Vec::with_capacity(rows.len());
-        let mut tokens = 0u64;
-        for resp in answers {
+        let vectors = |resp: crate::InferResponse| -> Result<(Vec<Vec<f32>>, u64)> {
             let v = &resp.outputs[0];
-            let values = crate::pipeline::floats(v)?;
             let width = v.shape.iter().skip(1).product::<usize>().max(1);
-            out.extend(values.chunks(width).map(<[f32]>::to_vec));
-            if let Some(c) = resp.outputs.get(1) {
-                tokens += counts(c)?.iter().sum::<u64>();
-            }
-        }
-        Ok(Answer { model: self.name().to_string(), rows: out, tokens })
+            let tokens = resp.outputs.get(1).map(counts).transpose()?.map_or(0, |c| c.iter().sum());
+            Ok((crate::pipeline::floats(v)?.chunks(width).map(<[f32]>::to_vec).collect(), tokens))
+        };
+        let answers = self.calls(core, self.route.clone(), asked, &rows, max_inputs, caller, vectors).await?;
+        let tokens = answers.iter().map(|(_, t)| t).sum();
+        Ok(Answer { model: self.name().to_string(), rows: answers.into_iter().flat_map(|(r, _)| r).collect(), tokens })
     }
 
     /// `rows` run on `route`'s model (this one's, or one beside it), its `asked` outputs
-    /// answered per call, in order; admitted as this model's requests (see `run`).
-    async fn calls(
+    /// answered per call and made into `T` by `finish` as each call's answer comes (an error
+    /// there stops the calls still running), in order; admitted as this model's requests (see
+    /// `run`).
+    #[allow(clippy::too_many_arguments)]
+    async fn calls<T: Send + 'static>(
         &self,
         core: &Core,
         route: Route,
@@ -198,7 +197,8 @@ impl TextModel {
         rows: &[Row],
         max_inputs: usize,
         caller: Caller,
-    ) -> Result<Vec<crate::InferResponse>> {
+        finish: impl Fn(crate::InferResponse) -> Result<T> + Clone + Send + 'static,
+    ) -> Result<Vec<T>> {
         if rows.is_empty() || rows.len() > max_inputs {
             return Err(Error::invalid(format!("give 1 to {max_inputs} texts, not {}", rows.len())));
         }
@@ -229,9 +229,11 @@ impl TextModel {
                 share: caller.share.clone(),
                 ..Default::default()
             };
-            let (core, route, charged) = (core.clone(), route.clone(), charged.clone());
-            Box::pin(async move { core.infer_on(route, req, Some(charged)).await })
-                as Pin<Box<dyn Future<Output = Result<crate::InferResponse>> + Send>>
+            let (core, route, charged, finish) = (core.clone(), route.clone(), charged.clone(), finish.clone());
+            Box::pin(async move {
+                let answer = core.infer_on(route, req, Some(charged)).await?;
+                finish(answer)
+            }) as Call<T>
         };
         windowed(chunks.len(), window, |i| call(chunks[i])).await
     }
@@ -326,15 +328,27 @@ impl TextModel {
                 self.name()
             )));
         }
-        let rows: Vec<Row> = self.prompted(texts, o.prompt_name.as_deref())?.into_iter().map(|t| (t, None)).collect();
-        if o.truncate == Some(false) {
-            self.check_lengths(&rows).await?;
-        }
+        let rows = self.single_rows(texts, o.prompt_name.as_deref(), o.truncate).await?;
         let mut a = self.run(core, rows, max_inputs, caller).await?;
         // Unit vectors stay as the pipeline made them unless they are cut.
         let renormalize = o.normalize && (cut.is_some() || !normalized);
         a.rows = a.rows.into_iter().map(|v| shape_vector(v, cut, renormalize)).collect();
         Ok(a)
+    }
+
+    /// The rows of single `texts`: prompted, and with `truncate: false` refused when one is over
+    /// the max input length.
+    async fn single_rows(
+        &self,
+        texts: Vec<Bytes>,
+        prompt_name: Option<&str>,
+        truncate: Option<bool>,
+    ) -> Result<Vec<Row>> {
+        let rows: Vec<Row> = self.prompted(texts, prompt_name)?.into_iter().map(|t| (t, None)).collect();
+        if truncate == Some(false) {
+            self.check_lengths(&rows).await?;
+        }
+        Ok(rows)
     }
 
     /// Whether its vectors are SPLADE's, sparse (its pool step pools so).
@@ -386,14 +400,13 @@ impl TextModel {
             )));
         };
         let asked: Vec<String> = beside.spec.outputs.iter().map(|o| o.name.clone()).collect();
-        let rows: Vec<Row> = self.prompted(texts, prompt_name.as_deref())?.into_iter().map(|t| (t, None)).collect();
-        if truncate == Some(false) {
-            self.check_lengths(&rows).await?;
-        }
+        let rows = self.single_rows(texts, prompt_name.as_deref(), truncate).await?;
         let route = self.route.beside(beside);
-        let mut out = Vec::with_capacity(rows.len());
-        let mut tokens = 0u64;
-        for resp in self.calls(core, route, asked, &rows, max_inputs, caller).await? {
+        // The answer holds a vector per token: at most --max-request-elements values in all, as a
+        // request's tensors do. Counted as each call's answer comes; past it, the rest stop.
+        let most = core.limits().max_elements;
+        let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tokens_of = move |resp: crate::InferResponse| -> Result<(Vec<Vec<Vec<f32>>>, u64)> {
             let [hidden, count] = &resp.outputs[..] else {
                 return Err(Error::internal("token embeddings answered without their token counts"));
             };
@@ -401,17 +414,28 @@ impl TextModel {
             let &[n, padded, width] = &hidden.shape[..] else {
                 return Err(Error::internal(format!("token embeddings of shape {:?}", hidden.shape)));
             };
-            let values = crate::pipeline::floats(hidden)?;
             let counts = counts(count)?;
             if counts.len() != n || counts.iter().any(|&c| c as usize > padded) {
                 return Err(Error::internal(format!("token counts {counts:?} of rows of {padded} tokens")));
             }
-            for (row, &c) in values.chunks(padded * width).zip(&counts) {
-                out.push(row[..c as usize * width].chunks(width).map(<[f32]>::to_vec).collect());
-                tokens += c;
+            let tokens: u64 = counts.iter().sum();
+            let values = tokens as usize * width;
+            if held.fetch_add(values, std::sync::atomic::Ordering::Relaxed) + values > most {
+                return Err(Error::TooLarge(format!(
+                    "the texts' token embeddings are more than {most} values (--max-request-elements): send fewer \
+                     or shorter texts"
+                )));
             }
-        }
-        Ok((out, tokens))
+            let all = crate::pipeline::floats(hidden)?;
+            let rows = all.chunks(padded * width).zip(&counts);
+            Ok((
+                rows.map(|(row, &c)| row[..c as usize * width].chunks(width).map(<[f32]>::to_vec).collect()).collect(),
+                tokens,
+            ))
+        };
+        let answers = self.calls(core, route, asked, &rows, max_inputs, caller, tokens_of).await?;
+        let tokens = answers.iter().map(|(_, t)| t).sum();
+        Ok((answers.into_iter().flat_map(|(r, _)| r).collect(), tokens))
     }
 
     /// `(index, score)` of each passage for `query`, highest first; `raw` keeps the model's
